@@ -1,0 +1,106 @@
+"""The public entry points: validate, plan, compile (cached) and run."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from . import compile as _compile
+from .plan import Plan, Sequences, build_plan, units_budget
+from .runtime import FmhaModule
+from .spec import BatchProblem, KernelSpec, Operand, check_batch, check_tiles
+from .targets import resolve_device
+
+__all__ = ["fmha_fwd", "cache_stats"]
+
+_modules: dict = {}
+_modules_lock = threading.Lock()
+
+
+def cache_stats() -> dict:
+    """Compile-cache counters of this process: ``compiles``, ``disk_hits``, ``memory_hits``, and
+    ``modules`` (modules loaded on devices)."""
+    s = _compile.stats()
+    with _modules_lock:
+        s["modules"] = len(_modules)
+    return s
+
+
+def _module(spec: KernelSpec, device_uri: str) -> FmhaModule:
+    key = (spec, device_uri)
+    with _modules_lock:
+        mod = _modules.get(key)
+    if mod is None:
+        vmfb = _compile.get_vmfb(spec)
+        mod = FmhaModule(vmfb, device_uri, spec.module_name)
+        with _modules_lock:
+            mod = _modules.setdefault(key, mod)
+    return mod
+
+
+def _wrap(array: np.ndarray, like: Operand, dtype: str):
+    """Return ``array`` in the caller's array type (torch or numpy) and dtype."""
+    if not like.is_torch:
+        return array
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    return t.view(torch.bfloat16) if dtype == "bf16" else t
+
+
+def _empty_result(p: BatchProblem, out_shape, lse_shape):
+    dt = {"f16": np.float16, "bf16": np.int16, "f32": np.float32}[p.q.dtype]
+    return np.zeros(out_shape, dt), np.full(lse_shape, -np.inf, np.float32)
+
+
+def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_shape, lse_rows_shape, tiles, device):
+    """Shared by batch and varlen mode: plan, fetch the module, run. Returns ABI numpy arrays."""
+    device_uri, target = resolve_device(device)
+    tiles = check_tiles(tiles, target, p.dq, p.dv)
+    spec = p.kernel(tiles, target)
+    plan: Plan = build_plan(seqs, p.mask, tiles, out_rows_shape, lse_rows_shape, units_budget(p.hq, tiles))
+    if plan.n_tiles == 0 or 0 in out_shape:
+        return _empty_result(p, out_shape, lse_shape)
+    mod = _module(spec, device_uri)
+    out, lse = mod.run(p.q.array, p.k.array, p.v.array, p.scale, p.hk, plan)
+    return out.reshape(out_shape), lse.reshape(lse_shape)
+
+
+def fmha_fwd(
+    q, k, v, *, mask=None, scale=None, return_lse=False, layout="bhsd",
+    cu_seqlen_q=None, cu_seqlen_k=None, tiles=None, device=None,
+):
+    """CK's FMHA forward (batch mode): ``softmax(scale * q @ k^T, masked) @ v``.
+
+    Args:
+        q, k, v: torch tensors or numpy arrays of one dtype (float16, bfloat16, float32).
+            ``layout="bhsd"``: q ``[B, Hq, Sq, Dq]``, k ``[B, Hk, Sk, Dq]``, v ``[B, Hk, Sk, Dv]``;
+            ``layout="bshd"``: the same with the S and H axes swapped. ``Hq % Hk == 0`` (GQA/MQA:
+            query head ``h`` reads K/V head ``h // (Hq // Hk)``).
+        mask: None, a CK mask string (``0``, ``t``, ``b``, ``t:l,r``, ``b:l,r``, ``xt:w``, ``xb:w``)
+            or a :class:`Mask`. Row ``i`` sees key ``j`` iff ``i - y + 1 <= j < min(i + x, Sk)``
+            with CK's (y, x) (see ``fmha_iree.mask``): causal ``t`` is ``j <= i``, causal ``b`` is
+            ``j <= i + Sk - Sq``.
+        scale: multiplies ``q @ k^T``; default ``1 / sqrt(Dq)``.
+        return_lse: also return ``lse[b, h, i] = log(sum_j exp(scale * q_i . k_j))`` over the
+            visible keys, float32 ``[B, Hq, Sq]``.
+        cu_seqlen_q, cu_seqlen_k: int32 ``[B+1]`` cumulative lengths: batch ``b`` uses
+            ``cu[b+1] - cu[b]`` rows / keys from the start of its slot; the rest is padding, never
+            read, and its output rows are 0 (lse -inf).
+        tiles: a :class:`TileConfig` overriding the target's default.
+        device: an IREE device URI: ``"local-task"`` (default), ``"hip://0"``, ``"cuda://0"``.
+
+    Rows that see no key give 0 and lse ``-inf``. Returns ``out`` (the input's type, dtype and
+    layout, ``Dv`` wide) or ``(out, lse)``.
+    """
+    p = check_batch(q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    resolve_device(device)  # reject a bad device before any work
+    out_shape = (p.batch, p.hq, p.sq, p.dv) if layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
+    lse_shape = (p.batch, p.hq, p.sq)
+    seqs = Sequences.batch(p.q_lens, p.k_lens)
+    out, lse = _execute(p, seqs, out_shape, lse_shape, (p.batch, p.sq), (p.batch, p.sq), tiles, device)
+    out = _wrap(out, p.q, p.q.dtype)
+    return (out, _wrap(lse, p.q, "f32")) if return_lse else out

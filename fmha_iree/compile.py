@@ -1,0 +1,151 @@
+"""Compile a kernel specialization to an IREE module, with an in-memory and an on-disk cache.
+
+The disk cache lives under ``$FMHA_IREE_CACHE`` (default ``~/.cache/fmha_iree``), namespaced by a
+fingerprint of this package's source, the toolchain versions (iree-base-compiler, iree-turbine,
+torch) and, for ``host`` CPU targets, the host CPU. Each entry holds the ``.vmfb`` and a JSON record
+of the spec and the exact compile command. Entries are written atomically (temp file + rename)
+under a file lock, so concurrent processes compile a module once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+from .spec import KernelSpec
+
+__all__ = ["compile_flags", "compile_spec", "get_vmfb", "cache_dir", "stats", "toolchain"]
+
+_PKG = Path(__file__).resolve().parent
+_lock = threading.Lock()
+_memory: dict[str, bytes] = {}
+_stats = {"compiles": 0, "disk_hits": 0, "memory_hits": 0}
+
+
+def stats() -> dict:
+    """Counters of this process: ``compiles`` (modules built), ``disk_hits``, ``memory_hits``."""
+    with _lock:
+        return dict(_stats)
+
+
+@functools.lru_cache(maxsize=None)
+def toolchain() -> dict:
+    """Versions of everything that shapes a compiled module."""
+    from importlib import metadata
+
+    out = {}
+    for dist in ("iree-base-compiler", "iree-turbine", "torch"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _host_cpu() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return hashlib.sha256("\n".join(sorted(set(lines))).encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def source_fingerprint() -> str:
+    h = hashlib.sha256()
+    for p in sorted(_PKG.rglob("*")):
+        if p.is_file() and p.suffix in (".py", ".mlir", ".in"):
+            h.update(str(p.relative_to(_PKG)).encode())
+            h.update(p.read_bytes())
+    h.update(json.dumps(toolchain(), sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FMHA_IREE_CACHE", Path.home() / ".cache" / "fmha_iree")) / source_fingerprint()
+
+
+def compile_flags(spec: KernelSpec) -> list[str]:
+    """Every iree-compile flag used for ``spec`` (target selection first)."""
+    return spec.target.compile_flags() + ["--iree-input-type=auto"]
+
+
+def _cache_key(spec: KernelSpec, flags: list[str]) -> str:
+    blob = json.dumps({"spec": spec.as_dict(), "flags": flags}, sort_keys=True)
+    if spec.target.arch == "host":
+        blob += _host_cpu()
+    return spec.module_name + "-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def source_mlir(spec: KernelSpec) -> str:
+    """The module's input IR: the torch graph of ``graph.py``."""
+    from .graph import export_module
+
+    return export_module(spec)
+
+
+def compile_spec(spec: KernelSpec, *, extra_flags: list[str] | None = None) -> tuple[bytes, dict]:
+    """Compile ``spec`` now (no cache). Returns the vmfb and a record of how it was built."""
+    import iree.compiler.tools as ict
+
+    flags = compile_flags(spec) + list(extra_flags or [])
+    mlir = source_mlir(spec)
+    vmfb = ict.compile_str(mlir, extra_args=flags)
+    with _lock:
+        _stats["compiles"] += 1
+    record = {
+        "module": spec.module_name,
+        "spec": spec.as_dict(),
+        "toolchain": toolchain(),
+        "command": ["iree-compile", "<module>.mlir", *flags, "-o", "<module>.vmfb"],
+        "flags": flags,
+    }
+    return vmfb, record
+
+
+def _atomic_write(path: Path, data: bytes):
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def get_vmfb(spec: KernelSpec) -> bytes:
+    """The compiled module for ``spec``: from memory, else disk, else compiled and stored."""
+    flags = compile_flags(spec)
+    key = _cache_key(spec, flags)
+    with _lock:
+        if key in _memory:
+            _stats["memory_hits"] += 1
+            return _memory[key]
+    from filelock import FileLock
+
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    vmfb_path = d / f"{key}.vmfb"
+    with FileLock(str(d / f"{key}.lock")):
+        if vmfb_path.exists():
+            vmfb = vmfb_path.read_bytes()
+            with _lock:
+                _stats["disk_hits"] += 1
+        else:
+            vmfb, record = compile_spec(spec)
+            _atomic_write(d / f"{key}.json", json.dumps(record, indent=2).encode())
+            _atomic_write(vmfb_path, vmfb)
+    with _lock:
+        _memory[key] = vmfb
+    return vmfb
+
+
+def clear_memory_cache():
+    """Forget in-memory modules (the disk cache stays)."""
+    with _lock:
+        _memory.clear()
+

@@ -1,0 +1,155 @@
+"""Attention masks with Composable Kernel's semantics (``block_masking.hpp``, example ``mask.hpp``).
+
+A mask is a window of ``left`` keys before and ``right`` keys after each query row, aligned either
+top-left (row ``i`` is centred on key ``i``) or bottom-right (centred on key ``i + Sk - Sq``,
+FlashAttention's alignment). ``-1`` means that side is unlimited. Exactly, for a problem of ``Sq``
+rows and ``Sk`` keys, CK builds (y, x)::
+
+    if left < 0:  left  = Sq - 1 if top_left else Sk - 1
+    if right < 0: right = Sk - 1 if top_left else Sq - 1
+    x = 1 + right + (0 if top_left else Sk - Sq)
+    y = 1 + left  + (0 if top_left else Sq - Sk)
+
+and row ``i`` may see key ``j`` iff ``i - y + 1 <= j < min(i + x, Sk)`` and ``j >= 0``.
+A row that may see no key yields O = 0 and LSE = -inf.
+
+This module needs only numpy, so deployed modules can use it without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+__all__ = ["Mask", "as_mask"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """A CK attention mask: ``left``/``right`` window sides (-1 = unlimited) and alignment."""
+
+    left: int = -1
+    right: int = -1
+    top_left: bool = True
+
+    def __post_init__(self):
+        for name in ("left", "right"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
+                raise TypeError(f"mask {name} must be an int, got {type(val).__name__}")
+            if val < -1:
+                raise ValueError(f"mask {name} must be >= -1 (-1 = unlimited), got {val}")
+        object.__setattr__(self, "left", int(self.left))
+        object.__setattr__(self, "right", int(self.right))
+        object.__setattr__(self, "top_left", bool(self.top_left))
+
+    # -- constructors ---------------------------------------------------------------------------
+    @classmethod
+    def none(cls) -> "Mask":
+        """No masking: every row sees every key."""
+        return cls(-1, -1, True)
+
+    @classmethod
+    def causal(cls, top_left: bool = False) -> "Mask":
+        """Causal: ``j <= i`` (top-left) or ``j <= i + Sk - Sq`` (bottom-right, the default)."""
+        return cls(-1, 0, top_left)
+
+    @classmethod
+    def window(cls, left: int, right: int, top_left: bool = False) -> "Mask":
+        """Sliding window: ``i - left <= j <= i + right``, shifted by ``Sk - Sq`` unless top-left."""
+        return cls(left, right, top_left)
+
+    @classmethod
+    def from_str(cls, text: str) -> "Mask":
+        """Parse CK's example mask strings: ``0``, ``t``/``1``, ``b``/``2``, ``t:l,r``, ``b:l,r``,
+        ``xt:w``, ``xb:w`` (xformers window: ``w < 0`` is causal, else ``l = w // 2``,
+        ``r = w - 1 - l``)."""
+        if not isinstance(text, str):
+            raise TypeError(f"mask string must be a str, got {type(text).__name__}")
+        s = text.strip()
+        if s == "0":
+            return cls.none()
+        if s in ("t", "1"):
+            return cls.causal(top_left=True)
+        if s in ("b", "2"):
+            return cls.causal(top_left=False)
+        m = re.fullmatch(r"([tb]):(-?\d+),(-?\d+)", s)
+        if m:
+            left, right = int(m.group(2)), int(m.group(3))
+            if left < -1 or right < -1:
+                raise ValueError(f"mask {text!r}: window sides must be >= -1")
+            return cls(left, right, m.group(1) == "t")
+        m = re.fullmatch(r"x([tb]):(-?\d+)", s)
+        if m:
+            top_left, w = m.group(1) == "t", int(m.group(2))
+            if w < 0:
+                return cls.causal(top_left)
+            left = w // 2
+            return cls(left, max(w - 1 - left, 0), top_left)
+        raise ValueError(
+            f"mask {text!r} is not a CK mask string (expected 0, t, b, 1, 2, t:l,r, b:l,r, xt:w or xb:w)"
+        )
+
+    # -- properties -----------------------------------------------------------------------------
+    @property
+    def is_none(self) -> bool:
+        return self.left < 0 and self.right < 0
+
+    @property
+    def kind(self) -> str:
+        """A short name: ``none``, ``causal`` or ``window``."""
+        if self.is_none:
+            return "none"
+        if self.left < 0 and self.right == 0:
+            return "causal"
+        return "window"
+
+    def __str__(self) -> str:
+        if self.is_none:
+            return "0"
+        return f"{'t' if self.top_left else 'b'}:{self.left},{self.right}"
+
+    # -- semantics ------------------------------------------------------------------------------
+    def coords(self, sq: int, sk: int) -> tuple[int, int]:
+        """CK's (y, x) for a problem of ``sq`` rows and ``sk`` keys (see module docstring)."""
+        left, right = self.left, self.right
+        if self.is_none:
+            # Every key visible; y, x chosen so the window covers everything.
+            return sq + sk + 1, sk + 1
+        if left < 0:
+            left = sq - 1 if self.top_left else sk - 1
+        if right < 0:
+            right = sk - 1 if self.top_left else sq - 1
+        x = 1 + right + (0 if self.top_left else sk - sq)
+        y = 1 + left + (0 if self.top_left else sq - sk)
+        return y, x
+
+    def tile_range(self, i0, rows: int, sq, sk, n0: int):
+        """CK's ``GetTileRangeAlongX``: the key range ``[lo, hi)``, in multiples of ``n0`` (``hi``
+        clipped to ``sk``), that rows ``i0 .. i0+rows-1`` may see; ``lo >= hi`` means none.
+        Works elementwise on numpy arrays of tile starts and lengths."""
+        y, x = self.coords(sq, sk)
+        lo = np.maximum(i0 - y + 1, 0) // n0 * n0
+        hi = np.minimum(i0 + rows - 1 + x, sk)
+        hi = np.minimum(-(-hi // n0) * n0, sk)
+        return lo, hi
+
+    def materialize(self, sq: int, sk: int) -> np.ndarray:
+        """The ``[sq, sk]`` boolean visibility matrix, for tests and debugging only."""
+        y, x = self.coords(sq, sk)
+        i = np.arange(sq)[:, None]
+        j = np.arange(sk)[None, :]
+        return (j >= i - y + 1) & (j < np.minimum(i + x, sk))
+
+
+def as_mask(mask) -> Mask:
+    """Normalize the ``mask`` argument: None, a CK string, or a :class:`Mask`."""
+    if mask is None:
+        return Mask.none()
+    if isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, str):
+        return Mask.from_str(mask)
+    raise TypeError(f"mask must be None, a CK mask string or a fmha_iree.Mask, got {type(mask).__name__}")

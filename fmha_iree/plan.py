@@ -1,0 +1,120 @@
+"""Tiling plan: which work units run, in which launches, and where each output row comes from.
+
+The query rows of every sequence are cut into tiles of ``R = tiles.m0`` rows. For each tile, CK's
+``GetTileRangeAlongX`` (``Mask.tile_range``) gives the key range the mask leaves visible; that range
+is cut into chunks of ``C = tiles.kv_chunk`` keys, one work unit each. Keys outside the range are
+never visited, so causal costs about half of unmasked and a window of ``w`` keys about ``Sq * w``.
+
+Units are launched in waves: a ``step`` call holds at most one unit per tile (wave ``w`` holds the
+``w``-th unit of every tile), so each call's merge into the tiles' online-softmax state is a plain
+scatter. A wave larger than ``max_units`` is split over several calls to bound the memory of one
+call's scores (``max_units * Hq * R * C`` floats).
+
+Only numpy is needed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .mask import Mask
+from .tiles import TileConfig
+
+__all__ = ["Sequences", "Plan", "build_plan", "units_budget"]
+
+# Upper bound on one step call's score elements (Hq * R * C per unit): 32 Mi floats = 128 MiB.
+SCORE_BUDGET = 1 << 25
+
+
+def units_budget(hq: int, tiles: TileConfig) -> int:
+    return max(1, SCORE_BUDGET // (hq * tiles.m0 * tiles.kv_chunk))
+
+
+@dataclasses.dataclass
+class Sequences:
+    """One entry per sequence: its batch slot, physical starts on the sequence axis, lengths, and
+    where its rows go in the ``lse`` output."""
+
+    b: np.ndarray
+    q_start: np.ndarray
+    q_len: np.ndarray
+    k_start: np.ndarray
+    k_len: np.ndarray
+    lse_start: np.ndarray | None = None
+
+    @classmethod
+    def batch(cls, q_lens: np.ndarray, k_lens: np.ndarray) -> "Sequences":
+        """Batch mode: sequence ``b`` starts at row 0 of slot ``b``."""
+        n = len(q_lens)
+        zero = np.zeros(n, np.int64)
+        return cls(np.arange(n, dtype=np.int64), zero, np.asarray(q_lens, np.int64), zero, np.asarray(k_lens, np.int64))
+
+
+@dataclasses.dataclass
+class Plan:
+    n_tiles: int
+    calls: list  # [P, 10] int32 descriptor arrays, one per step call, in order
+    out_map: np.ndarray  # [Bo, So] int32: state slot of each output row, -1 if none
+    lse_map: np.ndarray  # [Bl, Sl] int32
+    n_units: int
+
+    @property
+    def n_calls(self) -> int:
+        return len(self.calls)
+
+
+def _slots(seqs: Sequences, tile_base: np.ndarray, rows: int, starts: np.ndarray, shape) -> np.ndarray:
+    """Map each row of an output of ``shape`` (slot b, position s) to its state slot."""
+    out = np.full(shape, -1, np.int64)
+    n = seqs.q_len
+    total = int(n.sum())
+    if total:
+        seq = np.repeat(np.arange(len(n)), n)
+        rel = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
+        out[seqs.b[seq], starts[seq] + rel] = tile_base[seq] * rows + rel
+    return out.astype(np.int32)
+
+
+def build_plan(seqs: Sequences, mask: Mask, tiles: TileConfig, out_shape, lse_shape, max_units: int) -> Plan:
+    R, C, n0 = tiles.m0, tiles.kv_chunk, tiles.n0
+    q_len, k_len = seqs.q_len, seqs.k_len
+    nt_seq = -(-q_len // R)
+    tile_base = np.cumsum(nt_seq) - nt_seq
+    n_tiles = int(nt_seq.sum())
+
+    seq = np.repeat(np.arange(len(q_len)), nt_seq)
+    qrel0 = (np.arange(n_tiles) - tile_base[seq]) * R
+    sq, sk = q_len[seq], k_len[seq]
+    y, x = mask.coords(sq, sk)
+    y = np.broadcast_to(y, sq.shape)
+    x = np.broadcast_to(x, sq.shape)
+    lo, hi = mask.tile_range(qrel0, R, sq, sk, n0)
+    n_chunks = np.where(hi > lo, -(-(hi - lo) // C), 0)
+
+    n_units = int(n_chunks.sum())
+    u_tile = np.repeat(np.arange(n_tiles), n_chunks)
+    u_wave = np.arange(n_units) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
+    us = seq[u_tile]
+    krel0 = lo[u_tile] + u_wave * C
+    desc = np.stack(
+        [
+            u_tile, seqs.b[us], seqs.q_start[us] + qrel0[u_tile], seqs.k_start[us] + krel0,
+            qrel0[u_tile], krel0, sq[u_tile], sk[u_tile], y[u_tile], x[u_tile],
+        ],
+        axis=1,
+    ).astype(np.int32)
+
+    order = np.lexsort((u_tile, u_wave))
+    desc, u_wave = desc[order], u_wave[order]
+    calls = []
+    bounds = np.flatnonzero(np.diff(u_wave)) + 1
+    for wave in np.split(desc, bounds) if n_units else []:
+        for i in range(0, len(wave), max_units):
+            calls.append(np.ascontiguousarray(wave[i : i + max_units]))
+
+    lse_start = seqs.q_start if seqs.lse_start is None else seqs.lse_start
+    out_map = _slots(seqs, tile_base, R, seqs.q_start, out_shape)
+    lse_map = _slots(seqs, tile_base, R, lse_start, lse_shape)
+    return Plan(n_tiles, calls, out_map, lse_map, n_units)

@@ -1,0 +1,195 @@
+"""Problem specification: validate a call, and the kernel specialization it needs.
+
+Everything here runs before anything is compiled or launched; bad input raises ``ValueError`` or
+``TypeError`` naming the argument. Only numpy is needed (torch tensors are recognised by duck
+typing), so deployed modules can validate without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+from .mask import Mask, as_mask
+from .targets import Target
+from .tiles import TileConfig, default_tiles
+
+__all__ = ["KernelSpec", "Operand", "BatchProblem", "as_operand", "check_batch", "MAX_HEAD_DIM"]
+
+LAYOUTS = ("bhsd", "bshd")
+MAX_HEAD_DIM = 256
+_NUMPY_DTYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}
+_TORCH_DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Everything a compiled module is specialized on (the compile key, with the toolchain).
+
+    Batch size, sequence lengths, head counts (at a fixed ratio), masks, scale and the number of
+    work units are runtime values: changing them never compiles again.
+    """
+
+    dtype: str  # f16, bf16, f32
+    layout: str  # bhsd, bshd
+    group: int  # Hq // Hk
+    dq: int
+    dv: int
+    tiles: TileConfig
+    target: Target
+
+    @property
+    def module_name(self) -> str:
+        t = self.tiles
+        return (
+            f"fmha_{self.dtype}_{self.layout}_g{self.group}_d{self.dq}x{self.dv}"
+            f"_t{t.ck_name}c{t.kv_chunk}_{self.target.arch}"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "dtype": self.dtype, "layout": self.layout, "group": self.group, "dq": self.dq,
+            "dv": self.dv, "tiles": self.tiles.as_dict(), "target": dataclasses.asdict(self.target),
+        }
+
+
+@dataclasses.dataclass
+class Operand:
+    """An input converted for the IREE ABI: a C-contiguous numpy array (bf16 as int16 bits)."""
+
+    array: np.ndarray
+    dtype: str
+    is_torch: bool
+
+
+def as_operand(x, name: str) -> Operand:
+    """Convert a torch tensor or numpy array; reject anything else naming ``name``."""
+    mod = type(x).__module__
+    if mod.startswith("torch") and hasattr(x, "detach"):
+        dt = _TORCH_DTYPES.get(str(x.dtype))
+        if dt is None:
+            raise TypeError(f"{name} has dtype {x.dtype}; supported: float16, bfloat16, float32")
+        t = x.detach().cpu().contiguous()
+        if dt == "bf16":
+            import torch
+
+            t = t.view(torch.int16)
+        return Operand(t.numpy(), dt, True)
+    if isinstance(x, np.ndarray):
+        dt = _NUMPY_DTYPES.get(x.dtype)
+        if dt is None:
+            raise TypeError(f"{name} has dtype {x.dtype}; numpy inputs support float16 and float32")
+        return Operand(np.ascontiguousarray(x), dt, False)
+    raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+
+
+def check_scale(scale, dq: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(dq)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_tiles(tiles, target: Target, dq: int, dv: int) -> TileConfig:
+    if tiles is None:
+        return default_tiles(target.family, dq, dv)
+    if not isinstance(tiles, TileConfig):
+        raise TypeError(f"tiles must be a fmha_iree.TileConfig or None, got {type(tiles).__name__}")
+    return tiles
+
+
+def check_head_dims(dq: int, dv: int):
+    for name, d in (("q/k head dim", dq), ("v head dim", dv)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} {d} is not supported (1..{MAX_HEAD_DIM})")
+
+
+def check_seqlens(cu, name: str, batch: int, limit: int) -> np.ndarray:
+    """Validate a ``[B+1]`` cumulative int array; return the per-batch lengths."""
+    if type(cu).__module__.startswith("torch") and hasattr(cu, "detach"):
+        cu = cu.detach().cpu().numpy()
+    if not isinstance(cu, np.ndarray):
+        if isinstance(cu, (list, tuple)):
+            cu = np.asarray(cu)
+        else:
+            raise TypeError(f"{name} must be an int32 tensor/array of shape [B+1], got {type(cu).__name__}")
+    if cu.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers (int32), got {cu.dtype}")
+    if cu.shape != (batch + 1,):
+        raise ValueError(f"{name} must have shape [B+1] = [{batch + 1}], got {list(cu.shape)}")
+    cu = cu.astype(np.int64)
+    if (cu < 0).any():
+        raise ValueError(f"{name} must be non-negative")
+    lens = np.diff(cu)
+    if (lens < 0).any():
+        raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+    if (lens > limit).any():
+        b = int(np.argmax(lens > limit))
+        raise ValueError(f"{name} gives batch {b} {int(lens[b])} rows, past the tensor's {limit}")
+    return lens
+
+
+@dataclasses.dataclass
+class BatchProblem:
+    """A validated batch-mode call."""
+
+    q: Operand
+    k: Operand
+    v: Operand
+    layout: str
+    batch: int
+    hq: int
+    hk: int
+    sq: int
+    sk: int
+    dq: int
+    dv: int
+    mask: Mask
+    scale: float
+    q_lens: np.ndarray  # effective rows per batch
+    k_lens: np.ndarray  # effective keys per batch
+
+    def kernel(self, tiles: TileConfig, target: Target) -> KernelSpec:
+        return KernelSpec(self.q.dtype, self.layout, self.hq // self.hk, self.dq, self.dv, tiles, target)
+
+
+def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k) -> BatchProblem:
+    """Validate a batch-mode ``fmha_fwd`` call (see :func:`fmha_iree.fmha_fwd`)."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    mask = as_mask(mask)
+    qo, ko, vo = as_operand(q, "q"), as_operand(k, "k"), as_operand(v, "v")
+    for name, o in (("k", ko), ("v", vo)):
+        if o.dtype != qo.dtype:
+            raise TypeError(f"{name} has dtype {o.dtype} but q has {qo.dtype}: all inputs must share one dtype")
+    for name, o in (("q", qo), ("k", ko), ("v", vo)):
+        if o.array.ndim != 4:
+            raise ValueError(f"{name} must be 4-D ({layout}), got shape {list(o.array.shape)}")
+
+    def bhsd(a):
+        b, x1, x2, d = a.shape
+        return (b, x1, x2, d) if layout == "bhsd" else (b, x2, x1, d)
+
+    B, Hq, Sq, Dq = bhsd(qo.array)
+    Bk, Hk, Sk, Dk = bhsd(ko.array)
+    Bv, Hv, Sv, Dv = bhsd(vo.array)
+    if Bk != B or Bv != B:
+        raise ValueError(f"batch sizes differ: q {B}, k {Bk}, v {Bv}")
+    if Dk != Dq:
+        raise ValueError(f"k head dim {Dk} must equal q head dim {Dq}")
+    if Hv != Hk or Sv != Sk:
+        raise ValueError(f"v (heads {Hv}, seqlen {Sv}) must match k (heads {Hk}, seqlen {Sk})")
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hk})")
+    check_head_dims(Dq, Dv)
+    scale = check_scale(scale, Dq)
+    q_lens = np.full(B, Sq, np.int64) if cu_seqlen_q is None else check_seqlens(cu_seqlen_q, "cu_seqlen_q", B, Sq)
+    k_lens = np.full(B, Sk, np.int64) if cu_seqlen_k is None else check_seqlens(cu_seqlen_k, "cu_seqlen_k", B, Sk)
+    return BatchProblem(qo, ko, vo, layout, B, Hq, Hk, Sq, Sk, Dq, Dv, mask, scale, q_lens, k_lens)
