@@ -4,7 +4,7 @@
 function) as gathers + one `iree_linalg_ext.online_attention` (single collapsed batch dim
 P*Hk, M = G*R, K1 = Dq, K2 = C, N = Dv) + scatters back into the state.
 
-`lowering` (a dict, or None to let IREE choose) becomes the op's `compilation_info` and
+`lowering` (a dict, "cpu", or None to let IREE choose) becomes the op's `compilation_info` and
 `decomposition_config`, in the form IREE 3.13's VectorDistribute pipeline reads:
 
     workgroup_m      rows of G*R per workgroup (CK kM0); must divide G*R
@@ -21,6 +21,15 @@ P*Hk, M = G*R, K1 = Dq, K2 = C, N = Dv) + scatters back into the state.
     promote_operands operands of the attention op staged in shared memory (default [0, 1, 2])
     llvm_func_attrs  optional dict of LLVM function attributes (e.g. {"amdgpu-waves-per-eu": "2"})
     prefetch_stages  optional gpu_pipeline_options prefetch_num_stages
+    allow_split_n    allow workgroup_n < Dv (default False; see below)
+
+`lowering="cpu"` (or {"backend": "cpu", ...}) renders an llvm-cpu config that keeps N whole: IREE
+3.13's default llvm-cpu config for online_attention tiles N by 8 and then gives a running sum
+Dv/8 times too large (and unrescaled acc) when the outs carry a non-empty state. Use it for llvm-cpu.
+
+workgroup_n < Dv is refused unless allow_split_n: the state is chained through the op's outs, and
+workgroups that split N each update max/sum; whether they read the old or an already updated
+max/sum depends on how IREE binds the outs (readwrite in place would race).
 
 Dims of the op's iteration domain are (B, M, K1, K2, N), so the rendered attribute is
 
@@ -64,7 +73,7 @@ def _mma_attr(name: str, virtual: bool | None = None) -> str:
     return f"#iree_gpu.{kind}<{name}>"
 
 
-def render_lowering_attrs(lowering: Mapping[str, Any] | None, *, m_total: int, dv: int,
+def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: int, dv: int,
                           c: int) -> tuple[str, str]:
     """(properties, attributes) text for the online_attention op; ("", "") for None.
 
@@ -75,10 +84,29 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | None, *, m_total: int, d
     """
     if not lowering:
         return "", ""
+    if isinstance(lowering, str):
+        lowering = {"backend": lowering}
     lw = dict(lowering)
+    if lw.get("backend") == "cpu":
+        # llvm-cpu: IREE 3.13's default config tiles N (vector_common_parallel = [.., 8]) and then
+        # applies the running-sum update once per N tile (sum comes out Dv/8 times too large,
+        # acc of later N tiles is not rescaled). Keep N whole.
+        wm = int(lw.get("workgroup_m", m_total))
+        k2 = int(lw.get("reduction_k2", 2))
+        return "", (
+            " {compilation_info = #iree_codegen.compilation_info<\n"
+            "        lowering_config = #iree_cpu.lowering_config<"
+            f"distribution = {_ilist([1, wm, 0, 0, 0])}, "
+            "vector_common_parallel = [1, 1, 0, 0, 0], "
+            f"vector_reduction = {_ilist([0, 0, 0, k2, 0])}>,\n"
+            "        translation_info = #iree_codegen.translation_info<"
+            "pipeline = #iree_cpu.pipeline<LinalgExtTileAndVectorize>>>}")
     wm = int(lw.get("workgroup_m", m_total))
     wn = int(lw.get("workgroup_n", dv))
     k2 = int(lw.get("reduction_k2", 64))
+    if wn != dv and not lw.get("allow_split_n"):
+        raise ValueError(f"workgroup_n={wn} != Dv={dv}: splitting N across workgroups is unsafe "
+                         "for a chained online_attention (pass allow_split_n=True to force)")
     if m_total % wm or dv % wn or c % k2:
         raise ValueError(f"tile (M={wm}, N={wn}, K2={k2}) must divide (G*R={m_total}, "
                          f"Dv={dv}, C={c})")
@@ -136,7 +164,7 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | None, *, m_total: int, d
 
 
 def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int,
-                       dq: int, dv: int, lowering: Mapping[str, Any] | None = None) -> str:
+                       dq: int, dv: int, lowering: Mapping[str, Any] | str | None = None) -> str:
     """MLIR text of `util.func public @func_name` implementing one wave of the plan.
 
     Signature (dynamic: B, Sq, Sk, Hq, Hk, NT, P; M = group * r):

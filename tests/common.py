@@ -1,0 +1,70 @@
+"""Shared helpers for the fmha_iree tests: one call-and-compare routine.
+
+Compile budget: every distinct (dtype, Hq//Hk, Dq, Dv, layout, tiles, device) compiles a module.
+The suite reuses a handful of kernel keys; MAIN below is the workhorse (masks, lengths, padding,
+API behaviour), other files add one key per thing they sweep.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import fmha_iree
+from reference import assert_close, attention_ref
+
+# The workhorse kernel key: f32 (tightest tolerance), Hq == Hk, d64, bhsd, default tiles.
+MAIN = dict(dtype=torch.float32, Dq=64, Dv=64, layout="bhsd")
+
+
+def ids(values, fmt=str):
+    return [fmt(v) for v in values]
+
+
+def len_id(pair):
+    return f"{pair[0]}x{pair[1]}"
+
+
+def compiles() -> int:
+    return int(fmha_iree.cache_stats()["compiles"])
+
+
+def check_fwd(q, k, v, *, ref_mask=None, mask=None, layout="bhsd", scale=None,
+              cu_seqlen_q=None, cu_seqlen_k=None, tiles=None, what="", **extra):
+    """Run fmha_fwd(return_lse=True) and compare out and lse to the float64 reference.
+
+    ``mask`` is what fmha_iree gets (string or Mask); ``ref_mask`` what the reference gets
+    (defaults to ``mask``, which must then be a string or None).
+    Returns (out, lse) as produced by fmha_iree.
+    """
+    if ref_mask is None and (mask is None or isinstance(mask, str)):
+        ref_mask = mask
+    kw = dict(mask=mask, scale=scale, return_lse=True, layout=layout, **extra)
+    if cu_seqlen_q is not None:
+        kw["cu_seqlen_q"] = cu_seqlen_q
+    if cu_seqlen_k is not None:
+        kw["cu_seqlen_k"] = cu_seqlen_k
+    if tiles is not None:
+        kw["tiles"] = tiles
+    res = fmha_iree.fmha_fwd(q, k, v, **kw)
+    assert isinstance(res, tuple) and len(res) == 2, f"return_lse=True must give (out, lse), got {type(res)}"
+    out, lse = res
+
+    ref_out, ref_lse = attention_ref(q, k, v, mask=ref_mask, scale=scale, layout=layout,
+                                     cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
+    is_torch = isinstance(q, torch.Tensor)
+    if is_torch:
+        assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
+        assert out.dtype == q.dtype, f"out dtype {out.dtype} != input {q.dtype}"
+        assert lse.dtype == torch.float32, f"lse dtype {lse.dtype}"
+        dtype = q.dtype
+    else:
+        assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
+        assert out.dtype == q.dtype, f"out dtype {out.dtype} != input {q.dtype}"
+        assert lse.dtype == np.float32, f"lse dtype {lse.dtype}"
+        dtype = q.dtype
+    assert tuple(out.shape) == ref_out.shape, f"out shape {tuple(out.shape)} != {ref_out.shape}"
+    assert tuple(lse.shape) == ref_lse.shape, f"lse shape {tuple(lse.shape)} != {ref_lse.shape}"
+    assert_close(out, ref_out, dtype, kind="out", what=what)
+    assert_close(lse, ref_lse, dtype, kind="lse", what=what)
+    return out, lse

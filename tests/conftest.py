@@ -1,0 +1,16 @@
+"""pytest configuration: report how many modules this test process compiled."""
+
+import sys
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    mod = sys.modules.get("fmha_iree")
+    if mod is None or not hasattr(mod, "cache_stats"):
+        return
+    try:
+        stats = mod.cache_stats()
+    except Exception as e:  # pragma: no cover - diagnostics only
+        terminalreporter.write_line(f"fmha_iree.cache_stats() failed: {e!r}")
+        return
+    terminalreporter.write_sep("-", "fmha_iree cache")
+    terminalreporter.write_line(f"cache_stats(): {stats}")

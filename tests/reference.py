@@ -1,0 +1,270 @@
+"""Independent float64 reference for CK's FMHA forward (does NOT import fmha_iree).
+
+Written from /work/shared/docs/ck-fmha-reference.md:
+
+* mask window rules: top-left window ``i-l <= j <= i+r``; bottom-right is the same window
+  shifted by ``Sk-Sq``; a negative side is unlimited;
+* CK mask strings ``0, t, 1, b, 2, t:l,r, b:l,r, xt:w, xb:w``;
+* LSE is the natural log of the softmax denominator over the visible keys (float32 in the
+  package; float64 here); rows that see no key give out 0 and lse -inf;
+* GQA/MQA: query head ``h`` reads kv head ``h // (Hq // Hk)``;
+* cu_seqlen_q / cu_seqlen_k (batch mode): batch ``b`` uses ``cu[b+1]-cu[b]`` rows/keys from the
+  start of its slot, the tail is padding (out 0, lse -inf for padded query rows); the mask uses
+  the effective lengths.
+
+Tolerances for every dtype live here, in ``TOLERANCES`` / ``LSE_TOLERANCES``, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import numpy as np
+import torch
+
+# --------------------------------------------------------------------------------------------
+# Tolerances (the ONE place): (atol, rtol), compared as |a - r| <= atol + rtol * |r|.
+# Outputs of unit-variance random inputs; the reference gets the same (rounded) inputs as the
+# kernel, so the error is the kernel's own rounding (P / output rounding, f32 accumulation).
+# --------------------------------------------------------------------------------------------
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+# LSE is float32 for every input dtype; values are O(log Sk + max logit) ~ 1..10.
+LSE_TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+_NP_TO_TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """Normalise a torch or numpy dtype to the torch dtype used as tolerance key."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return _NP_TO_TORCH[np.dtype(dtype)]
+
+
+# --------------------------------------------------------------------------------------------
+# Masks
+# --------------------------------------------------------------------------------------------
+_LR_RE = re.compile(r"^([tb]):(-?\d+),(-?\d+)$")
+_X_RE = re.compile(r"^(xt|xb):(-?\d+)$")
+
+
+def parse_mask(mask) -> tuple[int, int, bool] | None:
+    """CK mask string / (left, right, top_left) tuple / None -> (left, right, top_left) or None.
+
+    None means no mask. A negative side means unlimited.
+    """
+    if mask is None:
+        return None
+    if isinstance(mask, tuple):
+        left, right, top_left = mask
+        return int(left), int(right), bool(top_left)
+    if not isinstance(mask, str):
+        raise TypeError(f"reference mask must be str/tuple/None, got {type(mask)!r}")
+    s = mask.strip()
+    if s == "0":
+        return None
+    if s in ("t", "1"):
+        return (-1, 0, True)
+    if s in ("b", "2"):
+        return (-1, 0, False)
+    m = _LR_RE.match(s)
+    if m:
+        return (int(m.group(2)), int(m.group(3)), m.group(1) == "t")
+    m = _X_RE.match(s)
+    if m:
+        w = int(m.group(2))
+        top_left = m.group(1) == "xt"
+        # The doc says "w<0 causal"; CK's mask.hpp uses `if (window_size > 0)` i.e. w <= 0 is
+        # causal. The tests never use w == 0, where the two readings differ.
+        if w <= 0:
+            return (-1, 0, top_left)
+        left = w // 2
+        return (left, w - 1 - left, top_left)
+    raise ValueError(f"unknown mask string {mask!r}")
+
+
+def visible(mask, sq: int, sk: int) -> np.ndarray:
+    """bool [sq, sk]: row i may see key j. Built directly from the window rule."""
+    spec = parse_mask(mask)
+    if spec is None:
+        return np.ones((sq, sk), dtype=bool)
+    left, right, top_left = spec
+    i = np.arange(sq)[:, None]
+    j = np.arange(sk)[None, :]
+    shift = 0 if top_left else sk - sq  # bottom-right: window shifted by Sk-Sq
+    vis = np.ones((sq, sk), dtype=bool)
+    if left >= 0:
+        vis &= j >= i + shift - left
+    if right >= 0:
+        vis &= j <= i + shift + right
+    return vis
+
+
+def visible_ck_coords(mask, sq: int, sk: int) -> np.ndarray:
+    """Same as visible(), but through CK's (y, x) coordinates as written in the doc.
+
+    Used only to cross-check visible() in test_reference.py.
+    """
+    spec = parse_mask(mask)
+    if spec is None:
+        return np.ones((sq, sk), dtype=bool)
+    left, right, top_left = spec
+    if left < 0:
+        left = sq - 1 if top_left else sk - 1
+    if right < 0:
+        right = sk - 1 if top_left else sq - 1
+    x = 1 + right + (0 if top_left else sk - sq)
+    y = 1 + left + (0 if top_left else sq - sk)
+    vis = np.zeros((sq, sk), dtype=bool)
+    for i in range(sq):
+        lo = max(i - y + 1, 0)
+        hi = min(i + x, sk)
+        if hi > lo:
+            vis[i, lo:hi] = True
+    return vis
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+def to_f64(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def _cu_lengths(cu, b: int, full: int, name: str) -> np.ndarray:
+    if cu is None:
+        return np.full(b, full, dtype=np.int64)
+    cu = np.asarray(cu.cpu().numpy() if isinstance(cu, torch.Tensor) else cu, dtype=np.int64)
+    assert cu.shape == (b + 1,), f"{name}: expected [{b + 1}], got {cu.shape}"
+    lens = np.diff(cu)
+    assert (lens >= 0).all() and (lens <= full).all(), f"{name}: bad lengths {lens}"
+    return lens
+
+
+def attention_ref(q, k, v, *, mask=None, scale=None, layout="bhsd", cu_seqlen_q=None,
+                  cu_seqlen_k=None):
+    """float64 reference. Returns (out, lse): out in the input layout, lse [B, Hq, Sq]."""
+    q, k, v = to_f64(q), to_f64(k), to_f64(v)
+    if layout == "bshd":
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    elif layout != "bhsd":
+        raise ValueError(layout)
+    B, Hq, Sq, Dq = q.shape
+    _, Hk, Sk, _ = k.shape
+    Dv = v.shape[-1]
+    assert k.shape == (B, Hk, Sk, Dq) and v.shape == (B, Hk, Sk, Dv) and Hq % Hk == 0
+    group = Hq // Hk
+    if scale is None:
+        scale = 1.0 / np.sqrt(Dq)
+    lq = _cu_lengths(cu_seqlen_q, B, Sq, "cu_seqlen_q")
+    lk = _cu_lengths(cu_seqlen_k, B, Sk, "cu_seqlen_k")
+
+    out = np.zeros((B, Hq, Sq, Dv), dtype=np.float64)
+    lse = np.full((B, Hq, Sq), -np.inf, dtype=np.float64)
+    for b in range(B):
+        sq, sk = int(lq[b]), int(lk[b])
+        if sq == 0:
+            continue
+        vis = visible(mask, sq, sk)
+        any_vis = vis.any(axis=1)
+        if not any_vis.any():
+            continue
+        for h in range(Hq):
+            kh = h // group
+            s = scale * (q[b, h, :sq] @ k[b, kh, :sk].T)  # [sq, sk]
+            s = np.where(vis, s, -np.inf)
+            with np.errstate(invalid="ignore"):
+                m = np.max(s, axis=1, keepdims=True) if sk > 0 else np.zeros((sq, 1))
+                m_safe = np.where(any_vis[:, None], m, 0.0)
+                p = np.exp(s - m_safe)
+                p = np.where(vis, p, 0.0)
+                l = p.sum(axis=1, keepdims=True)
+                o = (p @ v[b, kh, :sk]) / np.where(any_vis[:, None], l, 1.0)
+                row_lse = (m_safe + np.log(np.where(any_vis[:, None], l, 1.0)))[:, 0]
+            # NaN rows stay NaN (NaN in q gives NaN logits; np.where keeps them for visible keys)
+            out[b, h, :sq] = np.where(any_vis[:, None], o, 0.0)
+            lse[b, h, :sq] = np.where(any_vis, row_lse, -np.inf)
+    if layout == "bshd":
+        out = out.transpose(0, 2, 1, 3)
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# Comparison
+# --------------------------------------------------------------------------------------------
+def assert_close(actual, ref, dtype, *, kind: str = "out", what: str = ""):
+    """Compare a kernel result to the float64 reference.
+
+    * shapes must agree;
+    * NaN anywhere in ``actual`` fails unless ``ref`` has NaN at the same place (and vice versa);
+    * -inf / +inf must match exactly (so -inf == -inf);
+    * finite values: |a - r| <= atol + rtol * |r| with the per-dtype tolerance of ``kind``
+      ("out" -> TOLERANCES, "lse" -> LSE_TOLERANCES).
+    """
+    a = to_f64(actual)
+    r = np.asarray(ref, dtype=np.float64)
+    label = f"{what} {kind}".strip()
+    assert a.shape == r.shape, f"{label}: shape {a.shape} != reference {r.shape}"
+    table = LSE_TOLERANCES if kind == "lse" else TOLERANCES
+    atol, rtol = table[torch_dtype(dtype)]
+
+    a_nan, r_nan = np.isnan(a), np.isnan(r)
+    if (a_nan != r_nan).any():
+        idx = np.argwhere(a_nan != r_nan)
+        raise AssertionError(
+            f"{label}: NaN mismatch at {len(idx)} element(s), first {tuple(idx[0])}: "
+            f"actual={a[tuple(idx[0])]} ref={r[tuple(idx[0])]}")
+    a_inf, r_inf = np.isinf(a), np.isinf(r)
+    bad_inf = (a_inf | r_inf) & ~((a == r) & a_inf)
+    if bad_inf.any():
+        idx = np.argwhere(bad_inf)
+        raise AssertionError(
+            f"{label}: inf mismatch at {len(idx)} element(s), first {tuple(idx[0])}: "
+            f"actual={a[tuple(idx[0])]} ref={r[tuple(idx[0])]}")
+    fin = ~(r_nan | r_inf)
+    if not fin.any():
+        return
+    with np.errstate(invalid="ignore"):
+        err = np.where(fin, np.abs(a - r), 0.0)
+    lim = atol + rtol * np.abs(np.where(fin, r, 0.0))
+    bad = err > lim
+    if bad.any():
+        worst = np.unravel_index(np.argmax(np.where(fin, err - lim, -np.inf)), err.shape)
+        raise AssertionError(
+            f"{label}: {int(bad.sum())}/{int(fin.sum())} elements out of tolerance "
+            f"(atol={atol}, rtol={rtol}); max abs err {err.max():.3e}; worst at {worst}: "
+            f"actual={a[worst]!r} ref={r[worst]!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+def seed_of(*parts) -> int:
+    """A fixed seed derived from a test's parameters (different tests -> different inputs)."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def make_qkv(seed, *, B=1, Hq=2, Hk=None, Sq=7, Sk=None, Dq=64, Dv=None, dtype=torch.float32,
+             layout="bhsd"):
+    """Random normal q, k, v (never zeros) as torch tensors in the given layout."""
+    Hk = Hq if Hk is None else Hk
+    Sk = Sq if Sk is None else Sk
+    Dv = Dq if Dv is None else Dv
+    g = torch.Generator().manual_seed(int(seed))
+    q = torch.randn(B, Hq, Sq, Dq, generator=g, dtype=torch.float32)
+    k = torch.randn(B, Hk, Sk, Dq, generator=g, dtype=torch.float32)
+    v = torch.randn(B, Hk, Sk, Dv, generator=g, dtype=torch.float32)
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    return q.to(dtype), k.to(dtype), v.to(dtype)

@@ -1,0 +1,120 @@
+"""Bad input: ValueError / TypeError naming the argument, raised before anything is compiled,
+and the process stays usable.
+
+The bad calls use a kernel key no other test compiles (f32, d32, bhsd): if validation happened
+after compiling, cache_stats()["compiles"] would move.
+"""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import fmha_iree
+from common import MAIN, check_fwd, compiles
+from reference import make_qkv, seed_of
+
+
+def good(B=1, Hq=2, Hk=2, Sq=8, Sk=8, Dq=32, Dv=32, dtype=torch.float32, layout="bhsd"):
+    return make_qkv(seed_of("errors", B, Hq, Hk, Sq, Sk, Dq, Dv), B=B, Hq=Hq, Hk=Hk, Sq=Sq,
+                    Sk=Sk, Dq=Dq, Dv=Dv, dtype=dtype, layout=layout)
+
+
+def cu(*vals, dtype=torch.int32):
+    return torch.tensor(vals, dtype=dtype)
+
+
+def _with(i, x, qkv):
+    t = list(qkv)
+    t[i] = x
+    return tuple(t)
+
+
+Q, K, V = 0, 1, 2
+ARG_Q, ARG_K, ARG_V = r"\bq\b", r"\bk\b", r"\bv\b"
+HEADS = r"\b(q|k|Hq|Hk)\b|head"
+DTYPE = r"\b(q|k|v)\b|dtype"
+
+# (id, qkv tuple, kwargs, regex the message must match)
+CASES = [
+    ("q-3d", _with(Q, good()[0][0], good()), {}, ARG_Q),
+    ("q-5d", _with(Q, good()[0][None], good()), {}, ARG_Q),
+    ("k-head-dim", _with(K, good(Dq=16)[1], good()), {}, ARG_K),
+    ("v-seqlen", _with(V, good(Sk=9)[2], good()), {}, ARG_V),
+    ("k-seqlen-vs-v", _with(K, good(Sk=9)[1], good()), {}, r"\b(k|v)\b"),
+    ("k-batch", _with(K, good(B=2)[1], good()), {}, r"\b(k|q)\b|batch"),
+    ("v-heads", _with(V, good(Hk=1)[2], good()), {}, r"\b(k|v)\b"),
+    ("heads-not-divisible", good(Hq=3, Hk=2), {}, HEADS),
+    ("kv-more-heads-than-q", good(Hq=2, Hk=4), {}, HEADS),
+    ("mixed-dtypes", _with(K, good()[1].half(), good()), {}, DTYPE),
+    ("mixed-torch-numpy", _with(V, good()[2].numpy(), good()), {}, r"\b(q|k|v)\b"),
+    ("float64", tuple(x.double() for x in good()), {}, DTYPE),
+    ("int32", tuple((x * 10).int() for x in good()), {}, DTYPE),
+    ("numpy-float64", tuple(x.double().numpy() for x in good()), {}, DTYPE),
+    ("list-input", _with(Q, good()[0].tolist(), good()), {}, ARG_Q),
+    ("mask-unknown", good(), dict(mask="zz"), "mask"),
+    ("mask-3", good(), dict(mask="3"), "mask"),
+    ("mask-missing-right", good(), dict(mask="t:1"), "mask"),
+    ("mask-not-ints", good(), dict(mask="b:a,b"), "mask"),
+    ("mask-x-empty", good(), dict(mask="xt:"), "mask"),
+    ("mask-bad-prefix", good(), dict(mask="q:1,2"), "mask"),
+    ("mask-wrong-type", good(), dict(mask=3.5), "mask"),
+    ("layout-unknown", good(), dict(layout="bsdh"), "layout"),
+    ("layout-sbhd", good(), dict(layout="sbhd"), "layout"),
+    ("cu_q-past-tensor", good(B=2), dict(cu_seqlen_q=cu(0, 8, 17)), "cu_seqlen_q"),
+    ("cu_q-wrong-length", good(B=2), dict(cu_seqlen_q=cu(0, 8)), "cu_seqlen_q"),
+    ("cu_q-non-monotonic", good(B=2), dict(cu_seqlen_q=cu(0, 5, 3)), "cu_seqlen_q"),
+    ("cu_q-float", good(B=2), dict(cu_seqlen_q=cu(0, 4, 8, dtype=torch.float32)),
+     "cu_seqlen_q"),
+    ("cu_k-past-tensor", good(B=2), dict(cu_seqlen_k=cu(0, 9, 10)), "cu_seqlen_k"),
+    ("cu_k-wrong-length", good(B=2), dict(cu_seqlen_k=cu(0, 1, 2, 3)), "cu_seqlen_k"),
+    ("cu_k-2d", good(B=2), dict(cu_seqlen_k=cu(0, 1, 2)[None]), "cu_seqlen_k"),
+    ("device-unknown", good(), dict(device="nope"), "device"),
+    ("device-bad-driver", good(), dict(device="nope://0"), "device"),
+    ("tiles-wrong-type", good(), dict(tiles="128x128"), "tiles"),
+]
+
+
+@pytest.fixture(scope="module")
+def main_problem():
+    """A valid MAIN-key problem, run once so it is compiled (or loaded) before the error tests."""
+    q, k, v = make_qkv(seed_of("errors-valid"), B=1, Hq=2, Sq=13, Sk=21, Dq=MAIN["Dq"])
+    fmha_iree.fmha_fwd(q, k, v, mask="b", return_lse=True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("name,qkv,kwargs,pattern", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(main_problem, name, qkv, kwargs, pattern):
+    before = compiles()
+    with pytest.raises((ValueError, TypeError)) as ei:
+        fmha_iree.fmha_fwd(*qkv, return_lse=True, **kwargs)
+    msg = str(ei.value)
+    assert re.search(pattern, msg), f"message does not name the argument ({pattern}): {msg!r}"
+    assert compiles() == before, "a bad call compiled a module before rejecting its input"
+    # still usable
+    q, k, v = main_problem
+    check_fwd(q, k, v, mask="b", what=f"after {name}")
+    assert compiles() == before
+
+
+def test_tile_config_rejects_nonsense():
+    for bad in (dict(m0=0), dict(n0=-16)):
+        with pytest.raises((ValueError, TypeError)):
+            fmha_iree.TileConfig(**bad)
+
+
+def test_mask_from_str_rejects_unknown():
+    for bad in ("zz", "t:1", "xt:", ""):
+        with pytest.raises(ValueError):
+            fmha_iree.Mask.from_str(bad)
+
+
+def test_numpy_bad_input_then_numpy_ok(main_problem):
+    q, k, v = (x.numpy() for x in main_problem)
+    before = compiles()
+    with pytest.raises((ValueError, TypeError)) as ei:
+        fmha_iree.fmha_fwd(q, k[:, :, :, :16], v)
+    assert re.search(ARG_K, str(ei.value)), str(ei.value)
+    out = fmha_iree.fmha_fwd(q, k, v, mask="b")
+    assert isinstance(out, np.ndarray) and compiles() == before
