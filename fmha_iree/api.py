@@ -9,10 +9,10 @@ import numpy as np
 from . import compile as _compile
 from .plan import Plan, Sequences, build_plan, units_budget
 from .runtime import FmhaModule
-from .spec import BatchProblem, KernelSpec, Operand, check_batch, check_tiles
+from .spec import BatchProblem, KernelSpec, Operand, check_batch, check_tiles, check_varlen
 from .targets import resolve_device
 
-__all__ = ["fmha_fwd", "cache_stats"]
+__all__ = ["fmha_fwd", "fmha_fwd_varlen", "cache_stats"]
 
 _modules: dict = {}
 _modules_lock = threading.Lock()
@@ -102,5 +102,41 @@ def fmha_fwd(
     lse_shape = (p.batch, p.hq, p.sq)
     seqs = Sequences.batch(p.q_lens, p.k_lens)
     out, lse = _execute(p, seqs, out_shape, lse_shape, (p.batch, p.sq), (p.batch, p.sq), tiles, device)
+    out = _wrap(out, p.q, p.q.dtype)
+    return (out, _wrap(lse, p.q, "f32")) if return_lse else out
+
+
+def fmha_fwd_varlen(
+    q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
+    mask=None, scale=None, return_lse=False, tiles=None, device=None,
+):
+    """CK's FMHA forward in group mode: sequences packed along the token axis ("thd").
+
+    Args:
+        q, k, v: ``[Tq, Hq, Dq]``, ``[Tk, Hk, Dq]``, ``[Tk, Hk, Dv]``.
+        seqstart_q, seqstart_k: int32 ``[B+1]``, starting at 0, non-decreasing: sequence ``b`` has
+            ``seqstart_q[b+1] - seqstart_q[b]`` queries and ``seqstart_k[b+1] - seqstart_k[b]`` keys.
+        seqlen_k: int32 ``[B]``: keys actually used per sequence (a KV cache holding more).
+        seqstart_padded_q, seqstart_padded_k: int32 ``[B+1]`` physical starts when sequences are
+            stored with gaps: offsets come from these, lengths from the unpadded starts.
+        mask: as in :func:`fmha_fwd`, applied per sequence with that sequence's own lengths
+            (bottom-right aligns each sequence's last query with its last key).
+
+    Returns ``out [Tq, Hq, Dv]`` (rows owned by no sequence are 0) or ``(out, lse)`` with lse
+    float32 ``[Hq, seqstart_q[-1]]`` indexed by the unpadded starts. One compiled module serves any
+    number of sequences and any lengths.
+    """
+    p, (q_start, q_len, k_start, k_len, lse_start, total_q) = check_varlen(
+        q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
+        seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale,
+    )
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    resolve_device(device)
+    zeros = np.zeros(len(q_len), np.int64)
+    seqs = Sequences(zeros, q_start, q_len, k_start, k_len, lse_start)
+    out_shape = (p.sq, p.hq, p.dv)
+    lse_shape = (p.hq, total_q)
+    out, lse = _execute(p, seqs, out_shape, lse_shape, (1, p.sq), (1, total_q), tiles, device)
     out = _wrap(out, p.q, p.q.dtype)
     return (out, _wrap(lse, p.q, "f32")) if return_lse else out

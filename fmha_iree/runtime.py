@@ -55,9 +55,10 @@ class FmhaModule:
     def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, hk: int, plan: Plan):
         """Execute ``plan`` on ABI arrays; returns (out, lse) as numpy arrays."""
         with self._lock:
-            qd, kd, vd = self._put(q), self._put(k), self._put(v)
-            sd = self._put(np.array([scale], np.float32))
             acc, m, l = self._init(np.zeros((plan.n_tiles, hk), np.int32))
+            if plan.calls:
+                qd, kd, vd = self._put(q), self._put(k), self._put(v)
+                sd = self._put(np.array([scale], np.float32))
             for desc in plan.calls:
                 acc, m, l = self._step(qd, kd, vd, sd, acc, m, l, desc)
             out, lse = self._finalize(acc, m, l, plan.out_map, plan.lse_map)

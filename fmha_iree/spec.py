@@ -193,3 +193,89 @@ def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k) -> Ba
     q_lens = np.full(B, Sq, np.int64) if cu_seqlen_q is None else check_seqlens(cu_seqlen_q, "cu_seqlen_q", B, Sq)
     k_lens = np.full(B, Sk, np.int64) if cu_seqlen_k is None else check_seqlens(cu_seqlen_k, "cu_seqlen_k", B, Sk)
     return BatchProblem(qo, ko, vo, layout, B, Hq, Hk, Sq, Sk, Dq, Dv, mask, scale, q_lens, k_lens)
+
+
+def _int_vector(x, name: str, length: int | None) -> np.ndarray:
+    """An int array of shape [length] (any int dtype; torch tensors and lists accepted)."""
+    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    elif isinstance(x, (list, tuple)):
+        x = np.asarray(x)
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be an int32 tensor/array, got {type(x).__name__}")
+    if x.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers (int32), got {x.dtype}")
+    if x.ndim != 1 or (length is not None and x.shape[0] != length):
+        want = "[B+1]" if length is None else f"[{length}]"
+        raise ValueError(f"{name} must have shape {want}, got {list(x.shape)}")
+    return x.astype(np.int64)
+
+
+def _check_starts(s: np.ndarray, name: str, total: int):
+    if s.shape[0] < 1 or s[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {s[:1].tolist()}")
+    if (np.diff(s) < 0).any():
+        raise ValueError(f"{name} must be non-decreasing, got {s.tolist()}")
+    if s[-1] > total:
+        raise ValueError(f"{name} ends at {int(s[-1])}, past the packed tensor's {total} tokens")
+
+
+def _check_padded(p, name: str, lens: np.ndarray, total: int) -> np.ndarray:
+    p = _int_vector(p, name, len(lens) + 1)
+    starts = p[:-1]
+    if (starts < 0).any():
+        raise ValueError(f"{name} must be non-negative")
+    ends = starts + lens
+    if (ends > total).any():
+        b = int(np.argmax(ends > total))
+        raise ValueError(f"{name}: sequence {b} ends at {int(ends[b])}, past the packed tensor's {total} tokens")
+    order = np.argsort(starts, kind="stable")
+    if (starts[order][1:] < ends[order][:-1]).any():
+        raise ValueError(f"{name}: padded sequences overlap")
+    return starts
+
+
+def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q, seqstart_padded_k, mask, scale):
+    """Validate a group-mode call; returns the problem (as a B=1 ``bshd`` batch over the packed
+    token axis) and the per-sequence starts and lengths."""
+    mask = as_mask(mask)
+    qo, ko, vo = as_operand(q, "q"), as_operand(k, "k"), as_operand(v, "v")
+    for name, o in (("k", ko), ("v", vo)):
+        if o.dtype != qo.dtype:
+            raise TypeError(f"{name} has dtype {o.dtype} but q has {qo.dtype}: all inputs must share one dtype")
+    for name, o in (("q", qo), ("k", ko), ("v", vo)):
+        if o.array.ndim != 3:
+            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(o.array.shape)}")
+    Tq, Hq, Dq = qo.array.shape
+    Tk, Hk, Dk = ko.array.shape
+    Tv, Hv, Dv = vo.array.shape
+    if Dk != Dq:
+        raise ValueError(f"k head dim {Dk} must equal q head dim {Dq}")
+    if Hv != Hk or Tv != Tk:
+        raise ValueError(f"v (tokens {Tv}, heads {Hv}) must match k (tokens {Tk}, heads {Hk})")
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hk})")
+    check_head_dims(Dq, Dv)
+    scale = check_scale(scale, Dq)
+
+    sq = _int_vector(seqstart_q, "seqstart_q", None)
+    sk = _int_vector(seqstart_k, "seqstart_k", None)
+    if sk.shape != sq.shape:
+        raise ValueError(f"seqstart_k has {sk.shape[0]} entries but seqstart_q has {sq.shape[0]}: both are [B+1]")
+    _check_starts(sq, "seqstart_q", Tq if seqstart_padded_q is None else np.iinfo(np.int64).max)
+    _check_starts(sk, "seqstart_k", Tk if seqstart_padded_k is None else np.iinfo(np.int64).max)
+    q_len, k_have = np.diff(sq), np.diff(sk)
+    k_len = k_have
+    if seqlen_k is not None:
+        k_len = _int_vector(seqlen_k, "seqlen_k", len(q_len))
+        if (k_len < 0).any() or (k_len > k_have).any():
+            b = int(np.argmax((k_len < 0) | (k_len > k_have)))
+            raise ValueError(f"seqlen_k[{b}] = {int(k_len[b])} is outside [0, {int(k_have[b])}] (the keys sequence {b} has)")
+    q_start = sq[:-1] if seqstart_padded_q is None else _check_padded(seqstart_padded_q, "seqstart_padded_q", q_len, Tq)
+    k_start = sk[:-1] if seqstart_padded_k is None else _check_padded(seqstart_padded_k, "seqstart_padded_k", k_have, Tk)
+
+    def packed(o: Operand) -> Operand:
+        return Operand(o.array.reshape((1,) + o.array.shape), o.dtype, o.is_torch)
+
+    problem = BatchProblem(packed(qo), packed(ko), packed(vo), "bshd", 1, Hq, Hk, Tq, Tk, Dq, Dv, mask, scale, q_len, k_len)
+    return problem, (q_start, q_len, k_start, k_len, sq[:-1], int(sq[-1]))
