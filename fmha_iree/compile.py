@@ -149,3 +149,68 @@ def clear_memory_cache():
     with _lock:
         _memory.clear()
 
+
+
+def entry_points(spec: KernelSpec) -> dict:
+    """The module's functions and argument shapes/dtypes; ``?`` marks a runtime (dynamic) size."""
+    from .graph import DESC_COLUMNS
+
+    t = "i16(bf16 bits)" if spec.dtype == "bf16" else spec.dtype
+    gr = spec.group * spec.tiles.m0
+    seq = lambda h, d: ["?", h, "?", d] if spec.layout == "bhsd" else ["?", "?", h, d]  # noqa: E731
+    hq = "?" if spec.group == 1 else f"{spec.group}*Hk"
+    state = {"acc": [["?", "Hk", gr, spec.dv], "f32"], "m": [["?", "Hk", gr], "f32"], "l": [["?", "Hk", gr], "f32"]}
+    return {
+        "init": {"args": {"carrier": [["NT", "Hk"], "i32"]}, "results": state},
+        "step": {
+            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+                     "scale": [[1], "f32"], **state, "desc": [["P", len(DESC_COLUMNS)], "i32"]},
+            "results": state,
+            "desc_columns": list(DESC_COLUMNS),
+        },
+        "finalize": {
+            "args": {**state, "out_map": [["?", "?"], "i32"], "lse_map": [["?", "?"], "i32"]},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
+        },
+    }
+
+
+def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Path | None = None,
+                   problem: dict | None = None) -> dict:
+    """Compile ``spec`` to ``out_path`` (.vmfb) with a JSON manifest beside it; return the manifest.
+
+    For gfx targets the executables are dumped (to ``dump_dir`` or a temp dir) and the manifest gets
+    an ISA report (registers, spills, LDS, matrix instructions, occupancy).
+    """
+    import tempfile
+
+    from .graph import ABI_VERSION
+    from .isa import isa_report
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = Path(dump_dir) if dump_dir else Path(tmp)
+        dump.mkdir(parents=True, exist_ok=True)
+        vmfb, record = compile_spec(spec, extra_flags=[f"--iree-hal-dump-executable-files-to={dump}"])
+        isa = isa_report(dump, spec.target.arch) if spec.target.backend == "rocm" else None
+    t = spec.tiles
+    manifest = {
+        "format": "fmha_iree.module/1",
+        "abi_version": ABI_VERSION,
+        "module": spec.module_name,
+        "problem": {"dtype": spec.dtype, "layout": spec.layout, "group": spec.group, "hdim": spec.dq,
+                    "hdim_v": spec.dv, **(problem or {})},
+        "target": {"name": spec.target.arch, "backend": spec.target.backend, "family": spec.target.family},
+        "tiles": {"ck": {"kM0": t.m0, "kN0": t.n0, "kK0": t.k0, "kN1": t.n1, "kK1": t.k1}, "kv_chunk": t.kv_chunk,
+                  "iree": {"work_unit_rows": t.m0, "work_unit_keys": t.kv_chunk,
+                           "note": "unit shape of the torch graph; IREE picks workgroup tiles inside it"}},
+        "entry_points": entry_points(spec),
+        "toolchain": record["toolchain"],
+        "flags": record["flags"],
+        "command": record["command"],
+        "isa": isa,
+    }
+    _atomic_write(out_path, vmfb)
+    _atomic_write(out_path.with_suffix(".json"), json.dumps(manifest, indent=2).encode())
+    return manifest

@@ -18,30 +18,34 @@ P*Hk, M = G*R, K1 = Dq, K2 = C, N = Dv) + scatters back into the state.
     qk_mma_kind      intrinsic for Q@K^T (default: mma_kind); may be a virtual one
                      ("VMFMA_F32_16x16x32_F16"), see `qk_virtual`
     qk_virtual       True if qk_mma_kind is a virtual_mma_layout (default: name starts with "V")
-    promote_operands operands of the attention op staged in shared memory (default [0, 1, 2])
+    promote_operands operands of the attention op staged in shared memory (default [1, 2]: K, V;
+                     as IREE's gfx942 tuning spec. [0, 1, 2] also stages Q: M=128 d=128 then
+                     needs 80 KB LDS and fails on gfx9's 64 KB)
     llvm_func_attrs  optional dict of LLVM function attributes (e.g. {"amdgpu-waves-per-eu": "2"})
     prefetch_stages  optional gpu_pipeline_options prefetch_num_stages
-    allow_split_n    allow workgroup_n < Dv (default False; see below)
 
-`lowering="cpu"` (or {"backend": "cpu", ...}) renders an llvm-cpu config that keeps N whole: IREE
-3.13's default llvm-cpu config for online_attention tiles N by 8 and then gives a running sum
-Dv/8 times too large (and unrescaled acc) when the outs carry a non-empty state. Use it for llvm-cpu.
+`lowering="cpu"` (or {"backend": "cpu", ...}) renders an llvm-cpu config that keeps N whole
+(distribution/vector tiles [1, M, 0, 0, 0] / [1, 1, 0, 0, 0]). Not required: with the fresh-outs
+structure below IREE's own llvm-cpu default (which tiles N by 8) is also correct.
 
-workgroup_n < Dv is refused unless allow_split_n: the state is chained through the op's outs, and
-workgroups that split N each update max/sum; whether they read the old or an already updated
-max/sum depends on how IREE binds the outs (readwrite in place would race).
+The op starts from a fresh (0, -FLT_MAX, 0) and the chunk is merged into the old state afterwards,
+so workgroup_n < Dv is safe (chaining the old state through the op's outs is not: IREE binds those
+outs readwrite in place and N-split workgroups then race on max/sum).
 
-Dims of the op's iteration domain are (B, M, K1, K2, N), so the rendered attribute is
+Dims of the op's iteration domain are (B, M, K1, K2, N). IREE 3.13 prints/parses the op as
+`online_attention <{decomposition_config = {...}, indexing_maps = [...]}> {compilation_info = ...}`
+(decomposition_config is a property inside `<{...}>`; the old `{indexing_maps = ...}` attr-dict form
+is rejected with "properties dictionary is missing required attribute: indexing_maps"). Rendered:
 
     compilation_info = #iree_codegen.compilation_info<
       lowering_config = #iree_gpu.lowering_config<{workgroup = [1, M, 0, 0, N],
                                                    reduction = [0, 0, 0, K2, 0],
-                                                   promote_operands = [0, 1, 2]}>,
+                                                   promote_operands = [1, 2]}>,
       translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<VectorDistribute>
                                                         workgroup_size = [T, 1, 1] subgroup_size = W>>,
     decomposition_config = {
       qk_attrs = {attention_qk_matmul, lowering_config = #iree_gpu.lowering_config<{
-          mma_kind = ..., subgroup_basis = [[1, SM, 1, 1, SN], [0, 1, 2, 3]], promote_operands = [0, 1]}>},
+          mma_kind = ..., subgroup_basis = [[1, SM, 1, 1, SN], [0, 1, 2, 3]], promote_operands = [1]}>},
       pv_attrs = {attention_pv_matmul, lowering_config = #iree_gpu.lowering_config<{
           mma_kind = ..., subgroup_basis = [[1, SM, 1, 1, SN], [0, 1, 3, 4]], promote_operands = [1]}>}}
 """
@@ -88,9 +92,8 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
         lowering = {"backend": lowering}
     lw = dict(lowering)
     if lw.get("backend") == "cpu":
-        # llvm-cpu: IREE 3.13's default config tiles N (vector_common_parallel = [.., 8]) and then
-        # applies the running-sum update once per N tile (sum comes out Dv/8 times too large,
-        # acc of later N tiles is not rescaled). Keep N whole.
+        # llvm-cpu, N kept whole (IREE's default tiles N by 8; with the old state chained
+        # through the op's outs that gave a sum Dv/8 times too large -- see module docstring).
         wm = int(lw.get("workgroup_m", m_total))
         k2 = int(lw.get("reduction_k2", 2))
         return "", (
@@ -104,9 +107,6 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
     wm = int(lw.get("workgroup_m", m_total))
     wn = int(lw.get("workgroup_n", dv))
     k2 = int(lw.get("reduction_k2", 64))
-    if wn != dv and not lw.get("allow_split_n"):
-        raise ValueError(f"workgroup_n={wn} != Dv={dv}: splitting N across workgroups is unsafe "
-                         "for a chained online_attention (pass allow_split_n=True to force)")
     if m_total % wm or dv % wn or c % k2:
         raise ValueError(f"tile (M={wm}, N={wn}, K2={k2}) must divide (G*R={m_total}, "
                          f"Dv={dv}, C={c})")
@@ -122,7 +122,7 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
     wg = int(wg)
     if wg != sg * sgm * sgn:
         raise ValueError(f"workgroup_size {wg} != subgroup_size {sg} * {sgm} * {sgn}")
-    promote = lw.get("promote_operands", [0, 1, 2])
+    promote = lw.get("promote_operands", [1, 2])
 
     lc = f"workgroup = {_ilist([1, wm, 0, 0, wn])}, reduction = {_ilist([0, 0, 0, k2, 0])}"
     if promote is not None:
@@ -149,7 +149,7 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
         basis = _ilist([1, sgm, 1, 1, sgn])
         qk = (f"mma_kind = {_mma_attr(qk_kind, lw.get('qk_virtual'))}, "
               f"subgroup_basis = [{basis}, [0, 1, 2, 3]], "
-              f"promote_operands = {_ilist(lw.get('qk_promote_operands', [0, 1]))}")
+              f"promote_operands = {_ilist(lw.get('qk_promote_operands', [1]))}")
         pv = (f"mma_kind = {_mma_attr(pv_kind, False)}, "
               f"subgroup_basis = [{basis}, [0, 1, 3, 4]], "
               f"promote_operands = {_ilist(lw.get('pv_promote_operands', [1]))}")
@@ -211,16 +211,21 @@ def default_lowering(target: str, *, dtype: str = "f16", r: int = 128, group: in
     gfx9 (CDNA: gfx90a/gfx942/gfx950): MFMA 16x16x16, wave64, 4 waves along M.
     gfx11/gfx12 (RDNA3/4): WMMA 16x16x16 (WMMAR3_/WMMAR4_), wave32, 4 waves along M.
     sm_80+: NV_MMA_SYNC 16x8x16, warp 32, 4 warps along M.
-    Tiles: M = min(64, G*R), N = Dv, K2 = min(64, C) (the H200 tile sweep in the findings had
-    M64 N128 K2=32 and M128 N128 K2=64 at the top; 64/64 is the safe middle here).
+    Tiles: M = 64, N = Dv, K2 = 64 (32 when Dv >= 256 on 64 KB-LDS gfx9; M64 N256 K2=64 needs
+    72 KB). Checked with iree-compile 3.13 (R=128, C=64): no VGPR spills for d = 64/128 on
+    gfx90a/gfx942/gfx950/gfx1100/gfx1201, compiles for sm_80. RDNA with Dv >= 256 returns None
+    (IREE's default): every explicit RDNA d256 config tried spilled (wave32, Q kept in VGPRs).
+    M=128 on RDNA needs 8 waves (4 waves spill ~95 VGPRs at d128).
     """
     t = _DTYPES.get(str(dtype), str(dtype))
     tgt = target.lower()
     m_total = int(group) * int(r)
     wm = 64 if m_total % 64 == 0 else m_total
     k2 = 64 if c % 64 == 0 else (32 if c % 32 == 0 else c)
+    if int(dv) >= 256 and tgt != "gfx950" and c % 32 == 0:
+        k2 = 32
     base = {"workgroup_m": wm, "workgroup_n": int(dv), "reduction_k2": k2,
-            "promote_operands": [0, 1, 2]}
+            "promote_operands": [1, 2]}
     if t == "f32":
         # No f32 MMA tiles are given for these; let IREE pick.
         return None
@@ -231,6 +236,8 @@ def default_lowering(target: str, *, dtype: str = "f16", r: int = 128, group: in
             kind = "MFMA_F32_16x16x16_F16" if t == "f16" else "MFMA_F32_16x16x8_BF16"
         return {**base, "subgroup_size": 64, "subgroups_m": 4, "mma_kind": kind}
     if tgt.startswith("gfx11") or tgt.startswith("gfx12"):
+        if int(dv) >= 256:
+            return None
         gen = "WMMAR3" if tgt.startswith("gfx11") else "WMMAR4"
         kind = f"{gen}_F32_16x16x16_{'F16' if t == 'f16' else 'BF16'}"
         return {**base, "subgroup_size": 32, "subgroups_m": 4, "mma_kind": kind}

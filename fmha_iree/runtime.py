@@ -12,7 +12,7 @@ import numpy as np
 
 from .plan import Plan
 
-__all__ = ["get_device", "FmhaModule"]
+__all__ = ["get_device", "FmhaModule", "DeployedFmha", "load"]
 
 _devices: dict = {}
 _devices_lock = threading.Lock()
@@ -63,3 +63,56 @@ class FmhaModule:
                 acc, m, l = self._step(qd, kd, vd, sd, acc, m, l, desc)
             out, lse = self._finalize(acc, m, l, plan.out_map, plan.lse_map)
             return out.to_host(), lse.to_host()
+
+
+class DeployedFmha:
+    """A module compiled ahead of time (``fmha-iree compile``), loaded with its manifest.
+
+    Call it like :func:`fmha_iree.fmha_fwd` without ``layout``/``tiles``/``device`` (fixed by the
+    module); inputs are checked against the manifest before anything runs.
+    """
+
+    def __init__(self, manifest: dict, module: FmhaModule):
+        from .tiles import TileConfig
+
+        self.manifest = manifest
+        self.module = module
+        t = manifest["tiles"]
+        ck = t["ck"]
+        self.tiles = TileConfig(ck["kM0"], ck["kN0"], ck["kK0"], ck["kN1"], ck["kK1"], kv_chunk=t["kv_chunk"])
+
+    def __call__(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None):
+        from .api import run_batch
+        from .spec import check_batch
+
+        pr = self.manifest["problem"]
+        if mask is None:
+            mask = pr.get("mask")
+        p = check_batch(q, k, v, mask=mask, scale=scale, layout=pr["layout"], cu_seqlen_q=cu_seqlen_q,
+                        cu_seqlen_k=cu_seqlen_k)
+        if p.q.dtype != pr["dtype"]:
+            raise TypeError(f"q has dtype {p.q.dtype} but the module was compiled for {pr['dtype']}")
+        if p.hq // p.hk != pr["group"]:
+            raise ValueError(f"q/k heads {p.hq}/{p.hk} give a group of {p.hq // p.hk}; the module expects {pr['group']}")
+        if (p.dq, p.dv) != (pr["hdim"], pr["hdim_v"]):
+            raise ValueError(f"head dims q/k {p.dq}, v {p.dv} differ from the module's {pr['hdim']}, {pr['hdim_v']}")
+        for key, have in (("heads", p.hq), ("kv_heads", p.hk)):
+            if pr.get(key) not in (None, have):
+                raise ValueError(f"{'q' if key == 'heads' else 'k'} has {have} heads; the module was compiled for {pr[key]}")
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        return run_batch(p, return_lse, self.tiles, lambda: self.module)
+
+
+def load(path, device: str = "local-task") -> DeployedFmha:
+    """Load ``path`` (a ``.vmfb`` written by ``fmha-iree compile``) and its ``.json`` manifest on
+    ``device``. Needs only ``iree-base-runtime`` and numpy."""
+    import json
+    from pathlib import Path
+
+    from .targets import resolve_device
+
+    path = Path(path)
+    manifest = json.loads(path.with_suffix(".json").read_text())
+    uri, _ = resolve_device(device)
+    return DeployedFmha(manifest, FmhaModule(path.read_bytes(), uri, manifest["module"]))
