@@ -85,11 +85,38 @@ def _cache_key(spec: KernelSpec, flags: list[str]) -> str:
     return spec.module_name + "-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def gpu_lowering(spec: KernelSpec) -> dict | None:
+    """The IREE lowering config a GPU spec's tiles become: kM0 -> workgroup M, kN1 -> workgroup N,
+    kN0 -> reduction over keys (K2); intrinsic and subgroups from the target family. ``None`` for
+    the CPU, and for combinations IREE is left to choose (f32; RDNA with Dv >= 256)."""
+    from .mlir_templates import default_lowering
+
+    if spec.target.backend == "llvm-cpu":
+        return None
+    t = spec.tiles
+    base = default_lowering(spec.target.arch, dtype=spec.dtype, r=t.m0, group=spec.group, c=t.kv_chunk, dv=spec.dv)
+    if base is None:
+        return None
+    n1 = t.n1 if spec.dv % t.n1 == 0 else spec.dv
+    return {**base, "workgroup_m": t.m0, "workgroup_n": n1, "reduction_k2": t.n0}
+
+
 def source_mlir(spec: KernelSpec) -> str:
-    """The module's input IR: the torch graph of ``graph.py``."""
+    """The module's input IR. CPU: the torch graph of ``graph.py``. GPU: its ``init``/``finalize``
+    plus the ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the
+    tile config)."""
     from .graph import export_module
 
-    return export_module(spec)
+    if spec.target.backend == "llvm-cpu":
+        return export_module(spec)
+    from .mlir_templates import render_online_step
+
+    t = spec.tiles
+    step = render_online_step(func_name="step", dtype=spec.dtype, layout=spec.layout, group=spec.group,
+                              r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=gpu_lowering(spec))
+    text = export_module(spec, with_step=False).rstrip()
+    assert text.endswith("}"), "unexpected exported module text"
+    return text[:-1] + step + "\n}\n"
 
 
 def compile_spec(spec: KernelSpec, *, extra_flags: list[str] | None = None) -> tuple[bytes, dict]:

@@ -232,8 +232,9 @@ def _examples(spec: KernelSpec):
     return init, step, fin
 
 
-def build_programs(spec: KernelSpec):
-    """The three entry points as an iree-turbine FxProgramsBuilder."""
+def build_programs(spec: KernelSpec, *, with_step: bool = True):
+    """The entry points as an iree-turbine FxProgramsBuilder (``step`` left out when another
+    implementation, such as the GPU template, provides it)."""
     from iree.turbine import aot
 
     class Root(torch.nn.Module):
@@ -250,9 +251,11 @@ def build_programs(spec: KernelSpec):
     def _init(root, carrier):
         return root.init_(carrier)
 
-    @fxb.export_program(name="step", args=step["args"], dynamic_shapes=step["dynamic_shapes"])
-    def _step(root, q, k, v, scale, acc, m, l, desc):
-        return root.step_(q, k, v, scale, acc, m, l, desc)
+    if with_step:
+
+        @fxb.export_program(name="step", args=step["args"], dynamic_shapes=step["dynamic_shapes"])
+        def _step(root, q, k, v, scale, acc, m, l, desc):
+            return root.step_(q, k, v, scale, acc, m, l, desc)
 
     @fxb.export_program(name="finalize", args=fin["args"], dynamic_shapes=fin["dynamic_shapes"])
     def _finalize(root, acc, m, l, out_map, lse_map):
@@ -261,7 +264,7 @@ def build_programs(spec: KernelSpec):
     return fxb
 
 
-def export_module(spec: KernelSpec) -> str:
+def export_module(spec: KernelSpec, *, with_step: bool = True) -> str:
     """MLIR text (torch dialect) of the module for ``spec``, named after its specialization."""
     import warnings
 
@@ -269,5 +272,5 @@ def export_module(spec: KernelSpec) -> str:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        exported = aot.export(build_programs(spec), module_name=spec.module_name)
+        exported = aot.export(build_programs(spec, with_step=with_step), module_name=spec.module_name)
     return str(exported.mlir_module)

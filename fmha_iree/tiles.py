@@ -77,9 +77,10 @@ def parse_tiles(text: str) -> TileConfig:
 # larger ones coarsen the skipping of masked keys.
 _CPU = {d: TileConfig(128, 128, 32, 128, 32) for d in (32, 64, 96, 128, 192, 256)}
 
-# GPU families start from CK's gfx9 fp16/bf16 table (reference doc "Tiles"), then narrowed where
-# IREE's VectorDistribute needs it; tuned entries replace these (scripts/tune.py).
-_CK_GFX9 = {
+# CK's gfx9 fp16/bf16 table (reference doc "Tiles"), for the record and for --tiles. Through
+# IREE 3.13's VectorDistribute its kM0=128 / kN0=128 step does not fit: at d128 it asks for 96 KiB
+# of LDS (limit 64 KiB on gfx90a/gfx942, seen compiling for gfx942 on 2026-11-29).
+CK_GFX9 = {
     32: TileConfig(128, 64, 16, 32, 32),
     64: TileConfig(128, 64, 32, 64, 32),
     96: TileConfig(128, 128, 32, 128, 32),
@@ -88,7 +89,19 @@ _CK_GFX9 = {
     256: TileConfig(128, 128, 32, 256, 32),
 }
 
-_TABLES = {"cpu": _CPU, "cdna": _CK_GFX9, "rdna": _CK_GFX9, "cuda": _CK_GFX9}
+
+def _gpu(n0_by_d: dict) -> dict:
+    # kM0 = 64 rows per workgroup, kN1 = the whole Dv, kK0 = kK1 = 16 (the K of the 16x16x16
+    # MFMA/WMMA or 16x8x16 MMA intrinsic IREE uses), work units of 256 keys. Compile checks with
+    # iree-compile 3.13 on 2026-11-29 (gfx942 f16 d128, kN0 = 64): 108 VGPRs, 43 KB LDS, no spills;
+    # kN0 = 32 at Dv = 256 keeps LDS under 64 KiB (40 KB, 236 VGPRs, no spills). The H200 tile sweep
+    # in iree-findings.md found M64 / K2=32 fastest for IREE's attention op at d128.
+    return {d: TileConfig(64, n0, 16, d, 16, kv_chunk=256) for d, n0 in n0_by_d.items()}
+
+
+_GPU = _gpu({32: 64, 64: 64, 96: 64, 128: 64, 192: 32, 256: 32})
+
+_TABLES = {"cpu": _CPU, "cdna": _GPU, "rdna": _GPU, "cuda": _GPU}
 
 
 def default_tiles(family: str, dq: int, dv: int) -> TileConfig:
@@ -96,4 +109,7 @@ def default_tiles(family: str, dq: int, dv: int) -> TileConfig:
     table = _TABLES[family]
     d = max(dq, dv)
     key = min((k for k in table if k >= d), default=max(table))
-    return table[key]
+    tiles = table[key]
+    if family != "cpu" and tiles.n1 != dv:
+        tiles = TileConfig(tiles.m0, tiles.n0, tiles.k0, dv, tiles.k1, kv_chunk=tiles.kv_chunk)
+    return tiles
