@@ -66,7 +66,7 @@ def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_sh
 def _compiled(p: BatchProblem, tiles, device):
     """(tiles, module getter) for a problem on ``device``, compiling on first use."""
     device_uri, target = resolve_device(device)
-    tiles = check_tiles(tiles, target, p.dq, p.dv)
+    tiles = check_tiles(tiles, target, p.dq, p.dv, p.q.dtype)
     spec = p.kernel(tiles, target)
     return tiles, lambda: _module(spec, device_uri)
 

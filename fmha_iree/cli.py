@@ -27,16 +27,17 @@ def _heads(text: str) -> tuple[int, int]:
 def compile_main(args) -> int:
     from .compile import build_artifact
     from .mask import Mask
-    from .spec import KernelSpec, check_head_dims
+    from .spec import KernelSpec, check_head_dims, check_tiles
     from .targets import Target
-    from .tiles import default_tiles, parse_tiles
+    from .tiles import parse_tiles
 
     try:
         target = Target.from_name(args.target)
         dv = args.hdim_v or args.hdim
         check_head_dims(args.hdim, dv)
         mask = Mask.from_str(args.mask)
-        tiles = parse_tiles(args.tiles) if args.tiles else default_tiles(target.family, args.hdim, dv)
+        tiles = parse_tiles(args.tiles) if args.tiles else None
+        tiles = check_tiles(tiles, target, args.hdim, dv, args.dtype)
     except (ValueError, TypeError) as e:
         print(f"fmha-iree compile: {e}", file=sys.stderr)
         return 2
@@ -52,6 +53,70 @@ def compile_main(args) -> int:
     if args.verbose:
         print(json.dumps(manifest, indent=2))
     return 0
+
+
+def compile_matrix(out_dir, targets, hdims, dtypes, *, layout="bhsd", group=1, jobs=2, progress=True) -> list[dict]:
+    """Compile the default config of every target x head dim x dtype into ``out_dir`` (one
+    ``.vmfb`` + ``.json`` each, named after the module) and write ``matrix.json`` summarizing them.
+    Masks are runtime values, so one module per entry serves every mask kind."""
+    import concurrent.futures as cf
+    import time
+    from pathlib import Path
+
+    from .compile import build_artifact, source_mlir
+    from .spec import KernelSpec, check_tiles
+    from .targets import Target
+
+    out_dir = Path(out_dir)
+    specs = []
+    for t in targets:
+        target = Target.from_name(t)
+        for d in hdims:
+            for dt in dtypes:
+                tiles = check_tiles(None, target, d, d, dt)
+                specs.append(KernelSpec(dt, layout, group, d, d, tiles, target))
+    for spec in specs:  # torch export is not thread-safe: export (cached) serially first
+        source_mlir(spec)
+    rows, done, t0 = [], 0, time.time()
+
+    def one(spec):
+        try:
+            man = build_artifact(spec, out_dir / f"{spec.module_name}.vmfb", problem={"mask": "any (runtime)"})
+            isa = man["isa"] or []
+            return {"module": spec.module_name, "target": spec.target.arch, "dtype": spec.dtype, "hdim": spec.dq,
+                    "tiles": spec.tiles.ck_name, "ok": True,
+                    "spills": sum(k["vgpr_spill_count"] + k["sgpr_spill_count"] for k in isa) if isa else None,
+                    "max_vgpr": max((k["vgpr_count"] for k in isa), default=None),
+                    "max_lds": max((k["group_segment_fixed_size"] for k in isa), default=None),
+                    "min_occupancy": min((k["occupancy_waves_per_simd"] for k in isa if k["mfma_count"] + k["wmma_count"]), default=None)}
+        except Exception as e:  # report every failure, keep compiling the rest
+            return {"module": spec.module_name, "target": spec.target.arch, "dtype": spec.dtype, "hdim": spec.dq,
+                    "tiles": spec.tiles.ck_name, "ok": False, "error": str(e).splitlines()[-1][:300] if str(e) else repr(e)}
+
+    with cf.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for row in pool.map(one, specs):
+            rows.append(row)
+            done += 1
+            if progress:
+                bar = "#" * (30 * done // len(specs))
+                print(f"\r[{bar:<30}] {done}/{len(specs)} {time.time() - t0:5.0f}s {row['module'][:60]:<60}",
+                      end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    (out_dir / "matrix.json").write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+def matrix_main(args) -> int:
+    rows = compile_matrix(args.output, args.targets.split(","), [int(d) for d in args.hdims.split(",")],
+                          args.dtypes.split(","), layout=args.layout, jobs=args.jobs)
+    bad = [r for r in rows if not r["ok"] or r.get("spills")]
+    for r in rows:
+        print(f"{r['target']:<8}{r['dtype']:<5}d{r['hdim']:<4}{r['tiles']:<22}"
+              + (f"ok  spills={r['spills']} vgpr={r['max_vgpr']} lds={r['max_lds']} occ={r['min_occupancy']}" if r["ok"]
+                 else f"FAILED {r['error']}"))
+    print(f"{len(rows) - len(bad)}/{len(rows)} compiled without spills into {args.output}")
+    return 1 if bad else 0
 
 
 def main(argv=None) -> int:
@@ -70,7 +135,16 @@ def main(argv=None) -> int:
     c.add_argument("--dump", help="also keep IREE's dumped executables (configured IR, ISA) here")
     c.add_argument("-o", "--output", required=True, help="output .vmfb (the manifest goes beside it as .json)")
     c.add_argument("-v", "--verbose", action="store_true")
+    mx = sub.add_parser("matrix", help="compile the default config of targets x head dims x dtypes into one folder")
+    mx.add_argument("--targets", default="gfx90a,gfx942,gfx950,gfx1100,gfx1201,sm_80,host")
+    mx.add_argument("--hdims", default="32,64,96,128,192,256")
+    mx.add_argument("--dtypes", default="f16,bf16,f32")
+    mx.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
+    mx.add_argument("--jobs", type=int, default=2, help="parallel iree-compile processes")
+    mx.add_argument("-o", "--output", required=True, help="output folder")
     args = ap.parse_args(argv)
+    if args.cmd == "matrix":
+        return matrix_main(args)
     args.heads_given = args.heads is not None
     if args.heads is None:
         args.heads = (1, 1)

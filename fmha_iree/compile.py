@@ -90,31 +90,45 @@ def gpu_lowering(spec: KernelSpec) -> dict | None:
     kN0 -> reduction over keys (K2); intrinsic and subgroups from the target family. ``None`` for
     the CPU, and for combinations IREE is left to choose (f32; RDNA with Dv >= 256)."""
     from .mlir_templates import default_lowering
+    from .tiles import iree_picks_config
 
-    if spec.target.backend == "llvm-cpu":
+    if spec.target.backend == "llvm-cpu" or iree_picks_config(spec.target.family, spec.dtype, spec.dv):
         return None
     t = spec.tiles
     base = default_lowering(spec.target.arch, dtype=spec.dtype, r=t.m0, group=spec.group, c=t.kv_chunk, dv=spec.dv)
     if base is None:
         return None
     n1 = t.n1 if spec.dv % t.n1 == 0 else spec.dv
-    return {**base, "workgroup_m": t.m0, "workgroup_n": n1, "reduction_k2": t.n0}
+    # One subgroup per 16 rows of kM0, at most 4 (the default tables' 4 waves).
+    return {**base, "workgroup_m": t.m0, "workgroup_n": n1, "reduction_k2": t.n0, "subgroups_m": min(4, t.m0 // 16)}
+
+
+@functools.lru_cache(maxsize=64)
+def _torch_module(dtype: str, layout: str, group: int, dq: int, dv: int, tiles, with_step: bool) -> tuple[str, str]:
+    """Exported torch-graph MLIR (target independent, so exported once per process) and the
+    module name it carries."""
+    from .graph import export_module
+    from .targets import Target
+
+    spec = KernelSpec(dtype, layout, group, dq, dv, tiles, Target("llvm-cpu", "host"))
+    return export_module(spec, with_step=with_step), spec.module_name
 
 
 def source_mlir(spec: KernelSpec) -> str:
     """The module's input IR. CPU: the torch graph of ``graph.py``. GPU: its ``init``/``finalize``
     plus the ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the
     tile config)."""
-    from .graph import export_module
-
-    if spec.target.backend == "llvm-cpu":
-        return export_module(spec)
+    cpu = spec.target.backend == "llvm-cpu"
+    text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, cpu)
+    text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
+    if cpu:
+        return text
     from .mlir_templates import render_online_step
 
     t = spec.tiles
     step = render_online_step(func_name="step", dtype=spec.dtype, layout=spec.layout, group=spec.group,
                               r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=gpu_lowering(spec))
-    text = export_module(spec, with_step=False).rstrip()
+    text = text.rstrip()
     assert text.endswith("}"), "unexpected exported module text"
     return text[:-1] + step + "\n}\n"
 

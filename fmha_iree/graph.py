@@ -114,7 +114,9 @@ class Step(torch.nn.Module):
         vt = self._gather(v, b[:, None, None], hk[None, :, None], skey[:, None, :], bhsd)
         qt = qt.to(torch.float32).reshape(P, hk_n, G * R, -1)
         kt = kt.to(torch.float32)
-        vt = vt.to(torch.float32)
+        # Keys past the sequence's length are padding: keep them out of P @ V (0 * NaN = NaN).
+        inside = (krel0[:, None] + c < klen[:, None])[:, None, :, None]  # [P, 1, C, 1]
+        vt = torch.where(inside, vt.to(torch.float32), torch.zeros((), dtype=torch.float32))
 
         # Scores in log2 units, masked by the unit's window.
         s = torch.matmul(qt, kt.transpose(2, 3)) * (scale * LOG2E)  # [P, Hk, G*R, C]
@@ -170,11 +172,10 @@ class Finalize(torch.nn.Module):
         oidx = torch.clamp(omap, min=0)
         a = torch.index_select(acc_s, 0, oidx)
         den = torch.index_select(l_s, 0, oidx)
-        keep = torch.logical_and(ovalid[:, None], den > 0)
-        den = torch.where(keep, den, torch.ones_like(den))
-        out = a / den[..., None]
         # Rows with no visible key (l == 0) or owned by no sequence are 0; NaN stays NaN.
-        out = torch.where(torch.logical_or(keep, torch.isnan(den))[..., None], out, torch.zeros_like(out))
+        keep = torch.logical_and(ovalid[:, None], torch.logical_or(den > 0, torch.isnan(den)))
+        den = torch.where(keep, den, torch.ones_like(den))
+        out = torch.where(keep[..., None], a / den[..., None], torch.zeros_like(a))
         out = out.reshape(bo, so, hq_n, Dv)
         if sp.layout == "bhsd":
             out = out.permute(0, 2, 1, 3)

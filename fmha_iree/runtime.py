@@ -62,7 +62,9 @@ class FmhaModule:
             for desc in plan.calls:
                 acc, m, l = self._step(qd, kd, vd, sd, acc, m, l, desc)
             out, lse = self._finalize(acc, m, l, plan.out_map, plan.lse_map)
-            return out.to_host(), lse.to_host()
+            # to_host() may map the device buffer itself (CPU drivers); the allocator reuses it
+            # in later calls, so hand the caller its own copy.
+            return np.array(out.to_host(), copy=True), np.array(lse.to_host(), copy=True)
 
 
 class DeployedFmha:

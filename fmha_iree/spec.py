@@ -15,7 +15,7 @@ import numpy as np
 
 from .mask import Mask, as_mask
 from .targets import Target
-from .tiles import TileConfig, default_tiles
+from .tiles import TileConfig, check_tiles_for, default_tiles
 
 __all__ = ["KernelSpec", "Operand", "BatchProblem", "as_operand", "check_batch", "MAX_HEAD_DIM"]
 
@@ -97,12 +97,14 @@ def check_scale(scale, dq: int) -> float:
     return scale
 
 
-def check_tiles(tiles, target: Target, dq: int, dv: int) -> TileConfig:
+def check_tiles(tiles, target: Target, dq: int, dv: int, dtype: str) -> TileConfig:
+    """The tile config to use: ``tiles`` if it can work on ``target`` (else ``ValueError`` with the
+    reasons), or the target's default."""
     if tiles is None:
-        return default_tiles(target.family, dq, dv)
-    if not isinstance(tiles, TileConfig):
+        tiles = default_tiles(target.family, dq, dv)
+    elif not isinstance(tiles, TileConfig):
         raise TypeError(f"tiles must be a fmha_iree.TileConfig or None, got {type(tiles).__name__}")
-    return tiles
+    return check_tiles_for(tiles, target.family, target.arch, dq, dv, dtype)
 
 
 def check_head_dims(dq: int, dv: int):

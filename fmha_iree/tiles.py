@@ -113,3 +113,54 @@ def default_tiles(family: str, dq: int, dv: int) -> TileConfig:
     if family != "cpu" and tiles.n1 != dv:
         tiles = TileConfig(tiles.m0, tiles.n0, tiles.k0, dv, tiles.k1, kv_chunk=tiles.kv_chunk)
     return tiles
+
+
+# Shared memory per workgroup IREE 3.13 allows per target (its target descriptions,
+# ``max_workgroup_memory_bytes``, read from dumped configured IR on 2026-11-29).
+LDS_LIMIT = {"gfx90a": 65536, "gfx942": 65536, "gfx950": 163840, "gfx1100": 65536, "gfx1201": 65536}
+SMEM_LIMIT_CUDA = 166912
+MMA_K = 16  # K of the 16x16x16 MFMA/WMMA and 16x8x16 MMA intrinsics used
+
+
+def lds_estimate(tiles: TileConfig, dq: int, dv: int, elem_bytes: int) -> int:
+    """Shared memory of the fused GPU step: K and V tiles (kN0 x (Dq + Dv)) plus the P tile
+    (kM0 x kN0). Matches IREE 3.13 on gfx942 f16 within ~10% (d128: M64/K2=32 22 KB, M64/K2=64
+    43 KB, M128/K2=64 52 KB, M128/K2=128 98 KB; 2026-11-29)."""
+    return (tiles.n0 * (dq + dv) + tiles.m0 * tiles.n0) * elem_bytes
+
+
+def iree_picks_config(family: str, dtype: str, dv: int) -> bool:
+    """GPU problems whose lowering is left to IREE (the tile only shapes the work units): f32, for
+    which no matrix intrinsic config is set up here, and RDNA with Dv >= 256, where every explicit
+    config tried spilled VGPRs while IREE's own did not (f16; compile checks 2026-11-29)."""
+    return family != "cpu" and (dtype == "f32" or (family == "rdna" and dv >= 256))
+
+
+def not_supported_reasons(tiles: TileConfig, family: str, arch: str, dq: int, dv: int, dtype: str) -> list[str]:
+    """Why ``tiles`` cannot work for this target and problem (empty when it can)."""
+    why = []
+    if family == "cpu":
+        if tiles.m0 > 1024 or tiles.kv_chunk > 4096:
+            why.append(f"tiles.m0 {tiles.m0} / kv_chunk {tiles.kv_chunk} too large for the CPU (m0 <= 1024, kv_chunk <= 4096)")
+        return why
+    for name in ("m0", "n0", "n1", "k0", "k1"):
+        if getattr(tiles, name) % MMA_K:
+            why.append(f"tiles.{name} = {getattr(tiles, name)} is not a multiple of the matrix intrinsic's 16")
+    if dv % tiles.n1:
+        why.append(f"tiles.n1 = {tiles.n1} does not divide the V head dim {dv}")
+    if dq % MMA_K or dv % MMA_K:
+        why.append(f"head dims {dq}/{dv} must be multiples of 16 on GPU targets")
+    if iree_picks_config(family, dtype, dv):
+        return why
+    limit = SMEM_LIMIT_CUDA if family == "cuda" else LDS_LIMIT.get(arch, 65536)
+    need = lds_estimate(tiles, dq, dv, 4 if dtype == "f32" else 2)
+    if need > limit:
+        why.append(f"tiles {tiles.ck_name} need about {need} bytes of shared memory; {arch} has {limit}")
+    return why
+
+
+def check_tiles_for(tiles: TileConfig, family: str, arch: str, dq: int, dv: int, dtype: str) -> TileConfig:
+    why = not_supported_reasons(tiles, family, arch, dq, dv, dtype)
+    if why:
+        raise ValueError("tiles: " + "; ".join(why))
+    return tiles

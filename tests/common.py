@@ -67,4 +67,10 @@ def check_fwd(q, k, v, *, ref_mask=None, mask=None, layout="bhsd", scale=None,
     assert tuple(lse.shape) == ref_lse.shape, f"lse shape {tuple(lse.shape)} != {ref_lse.shape}"
     assert_close(out, ref_out, dtype, kind="out", what=what)
     assert_close(lse, ref_lse, dtype, kind="lse", what=what)
-    return out, lse
+    # copies, so that callers comparing against a later call test that call, not buffer reuse
+    # (test_api.py::test_results_not_overwritten_by_later_calls tests the aliasing itself)
+    return _copy(out), _copy(lse)
+
+
+def _copy(x):
+    return x.clone() if isinstance(x, torch.Tensor) else np.array(x, copy=True)

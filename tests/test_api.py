@@ -41,6 +41,22 @@ def test_torch_in_torch_out(dtype):
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_results_not_overwritten_by_later_calls(kind):
+    """A returned out / lse is the caller's: later calls (same kernel, same or other shapes)
+    must not write into it."""
+    q, k, v = make_qkv(seed_of("alias", kind), B=2, Hq=2, Sq=50, Sk=61, Dq=64)
+    q2, k2, v2 = make_qkv(seed_of("alias2", kind), B=2, Hq=2, Sq=50, Sk=61, Dq=64)
+    conv = (lambda x: x) if kind == "torch" else (lambda x: x.numpy())
+    out, lse = fmha_iree.fmha_fwd(conv(q), conv(k), conv(v), mask="b", return_lse=True)
+    ref_out, ref_lse = attention_ref(q, k, v, mask="b")
+    fmha_iree.fmha_fwd(conv(q2), conv(k2), conv(v2), mask="b", return_lse=True)  # same problem
+    fmha_iree.fmha_fwd(conv(q2), conv(k2), conv(v2), mask="t", return_lse=True)  # other mask
+    fmha_iree.fmha_fwd(conv(q2[:, :, :9]), conv(k2), conv(v2), return_lse=True)  # smaller
+    assert_close(out, ref_out, torch.float32, what="first result after later calls")
+    assert_close(lse, ref_lse, torch.float32, kind="lse", what="first result after later calls")
+
+
 def test_inputs_not_modified():
     q, k, v = make_qkv(seed_of("no-modify"), B=1, Hq=2, Sq=20, Sk=20, Dq=64)
     copies = [x.clone() for x in (q, k, v)]
@@ -57,7 +73,7 @@ def test_explicit_scale(scale):
 
 def test_default_scale_is_inv_sqrt_dq():
     q, k, v = make_qkv(seed_of("default-scale"), B=1, Hq=2, Sq=20, Sk=30, Dq=64)
-    a = fmha_iree.fmha_fwd(q, k, v, mask="t")
+    a = fmha_iree.fmha_fwd(q, k, v, mask="t").clone()
     b = fmha_iree.fmha_fwd(q, k, v, mask="t", scale=1 / math.sqrt(64))
     assert_close(a, b.double().numpy(), torch.float32)
 

@@ -43,17 +43,23 @@ def test_cu_seqlen(name, sq, sk, lq, lk, mask):
             assert torch.isneginf(lse[b, :, n:]).all(), f"batch {b}: padded lse must be -inf"
 
 
-@pytest.mark.parametrize("fill", ["nan", "inf", "huge"])
-def test_padding_is_never_read(fill):
-    """Garbage (NaN / inf / 1e30) in the padding of q, k and v must not reach the result."""
+GARBAGE = [("q", "nan"), ("k", "nan"), ("v", "nan"), ("k", "inf"), ("v", "inf"), ("k", "huge"),
+           ("v", "huge")]
+
+
+@pytest.mark.parametrize("tensor,fill", GARBAGE, ids=[f"{t}-{f}" for t, f in GARBAGE])
+def test_padding_is_never_read(tensor, fill):
+    """Garbage (NaN / inf / 1e30) in the padding of q, k or v must not reach the result."""
     sq, sk, lq, lk = 70, 90, [70, 33], [41, 90]
-    q, k, v = make_qkv(seed_of("pad-garbage", fill), B=2, Hq=2, Sq=sq, Sk=sk, Dq=MAIN["Dq"])
+    q, k, v = make_qkv(seed_of("pad-garbage", tensor, fill), B=2, Hq=2, Sq=sq, Sk=sk,
+                       Dq=MAIN["Dq"])
     val = {"nan": float("nan"), "inf": float("inf"), "huge": 1e30}[fill]
-    q[1, :, lq[1]:] = val
-    k[0, :, lk[0]:] = val
-    v[0, :, lk[0]:] = val
+    if tensor == "q":
+        q[1, :, lq[1]:] = val
+    else:
+        {"k": k, "v": v}[tensor][0, :, lk[0]:] = val
     out, lse = check_fwd(q, k, v, mask="b", cu_seqlen_q=cu(lq), cu_seqlen_k=cu(lk),
-                         what=f"padding={fill}")
+                         what=f"{tensor} padding={fill}")
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
 
@@ -68,8 +74,8 @@ def test_cu_seqlen_layouts_gqa(layout, hq, hk):
 
 def test_cu_seqlen_full_lengths_equal_no_padding():
     q, k, v = make_qkv(seed_of("pad-full"), B=2, Hq=2, Sq=30, Sk=45, Dq=MAIN["Dq"])
-    out, lse = fmha_iree.fmha_fwd(q, k, v, mask="b", return_lse=True,
-                                  cu_seqlen_q=cu([30, 30]), cu_seqlen_k=cu([45, 45]))
+    out, lse = (x.clone() for x in fmha_iree.fmha_fwd(
+        q, k, v, mask="b", return_lse=True, cu_seqlen_q=cu([30, 30]), cu_seqlen_k=cu([45, 45])))
     out0, lse0 = fmha_iree.fmha_fwd(q, k, v, mask="b", return_lse=True)
     assert_close(out, out0.double().numpy(), torch.float32)
     assert_close(lse, lse0.double().numpy(), torch.float32, kind="lse")
