@@ -55,7 +55,8 @@ def compile_main(args) -> int:
     return 0
 
 
-def compile_matrix(out_dir, targets, hdims, dtypes, *, layout="bhsd", group=1, jobs=2, progress=True) -> list[dict]:
+def compile_matrix(out_dir, targets, hdims, dtypes, *, layout="bhsd", group=1, jobs=2, progress=True,
+                   keep_dumps=False) -> list[dict]:
     """Compile the default config of every target x head dim x dtype into ``out_dir`` (one
     ``.vmfb`` + ``.json`` each, named after the module) and write ``matrix.json`` summarizing them.
     Masks are runtime values, so one module per entry serves every mask kind."""
@@ -81,7 +82,8 @@ def compile_matrix(out_dir, targets, hdims, dtypes, *, layout="bhsd", group=1, j
 
     def one(spec):
         try:
-            man = build_artifact(spec, out_dir / f"{spec.module_name}.vmfb", problem={"mask": "any (runtime)"})
+            dump = out_dir / "dumps" / spec.module_name if keep_dumps else None
+            man = build_artifact(spec, out_dir / f"{spec.module_name}.vmfb", dump_dir=dump, problem={"mask": "any (runtime)"})
             isa = man["isa"] or []
             return {"module": spec.module_name, "target": spec.target.arch, "dtype": spec.dtype, "hdim": spec.dq,
                     "tiles": spec.tiles.ck_name, "ok": True,

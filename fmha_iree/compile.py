@@ -216,6 +216,23 @@ def entry_points(spec: KernelSpec) -> dict:
     }
 
 
+def _iree_tiles(spec: KernelSpec) -> dict:
+    """What the CK tile became in IREE, for the manifest."""
+    t = spec.tiles
+    low = gpu_lowering(spec)
+    out = {"work_unit_rows": t.m0, "work_unit_keys": t.kv_chunk}
+    if low is None:
+        out["lowering"] = None
+        out["note"] = ("llvm-cpu: IREE picks vector tiles inside each work unit" if spec.target.backend == "llvm-cpu"
+                       else "IREE's own attention config (see tiles.iree_picks_config)")
+    else:
+        out["lowering"] = low
+        out["workgroup"] = [1, low["workgroup_m"], 0, 0, low["workgroup_n"]]
+        out["reduction"] = [0, 0, 0, low["reduction_k2"], 0]
+        out["note"] = "online_attention dims (batch, M, K1, K2, N): kM0 -> M, kN1 -> N, kN0 -> K2; kK0/kK1 = the intrinsic's K"
+    return out
+
+
 def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Path | None = None,
                    problem: dict | None = None) -> dict:
     """Compile ``spec`` to ``out_path`` (.vmfb) with a JSON manifest beside it; return the manifest.
@@ -244,8 +261,7 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
                     "hdim_v": spec.dv, **(problem or {})},
         "target": {"name": spec.target.arch, "backend": spec.target.backend, "family": spec.target.family},
         "tiles": {"ck": {"kM0": t.m0, "kN0": t.n0, "kK0": t.k0, "kN1": t.n1, "kK1": t.k1}, "kv_chunk": t.kv_chunk,
-                  "iree": {"work_unit_rows": t.m0, "work_unit_keys": t.kv_chunk,
-                           "note": "unit shape of the torch graph; IREE picks workgroup tiles inside it"}},
+                  "iree": _iree_tiles(spec)},
         "entry_points": entry_points(spec),
         "toolchain": record["toolchain"],
         "flags": record["flags"],

@@ -1,0 +1,167 @@
+"""Deployable modules: the compile matrix, manifests, tiles in IREE's configured IR, ISA reports,
+refusals of impossible tiles, and running a module with only the IREE runtime and numpy."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import fmha_iree
+from fmha_iree.cli import compile_matrix
+from fmha_iree.targets import GFX_TARGETS, Target
+from fmha_iree.tiles import not_supported_reasons
+
+from reference import attention_ref, assert_close
+
+ALL_TARGETS = list(GFX_TARGETS) + ["sm_80", "host"]
+HDIMS = [32, 64, 96, 128, 192, 256]
+DTYPES = ["f16", "bf16", "f32"]
+MANIFEST_KEYS = {"format", "abi_version", "module", "problem", "target", "tiles", "entry_points", "toolchain",
+                 "flags", "command", "isa"}
+
+
+def _configured_tiles(dump_dir):
+    """(workgroup, reduction) of every configured online_attention dispatch in ``dump_dir``."""
+    found = []
+    for f in sorted(dump_dir.glob("configured_*.mlir")):
+        text = f.read_text()
+        if "online_attention" not in text:
+            continue
+        for m in re.finditer(r"reduction = \[([^\]]*)\], workgroup = \[([^\]]*)\]", text):
+            found.append(([int(x) for x in m.group(2).split(",")], [int(x) for x in m.group(1).split(",")]))
+    return found
+
+
+def _supported(target, d, dtype):
+    from fmha_iree.tiles import default_tiles
+
+    t = Target.from_name(target)
+    return not not_supported_reasons(default_tiles(t.family, d, d), t.family, t.arch, d, d, dtype)
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """Compile the default config of every target x head dim x dtype (masks are runtime values:
+    one module serves every mask kind)."""
+    out = tmp_path_factory.mktemp("matrix")
+    rows = compile_matrix(out, ALL_TARGETS, HDIMS, DTYPES, jobs=2, progress=False, keep_dumps=True)
+    return out, rows
+
+
+def test_matrix_compiles_every_default(matrix):
+    out, rows = matrix
+    assert len(rows) == len(ALL_TARGETS) * len(HDIMS) * len(DTYPES)
+    failed = [r for r in rows if not r["ok"]]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("target", ALL_TARGETS)
+def test_matrix_manifests_tiles_and_isa(matrix, target):
+    out, rows = matrix
+    for r in (r for r in rows if r["target"] == Target.from_name(target).arch):
+        man = json.loads((out / f"{r['module']}.json").read_text())
+        assert MANIFEST_KEYS <= set(man), set(man) ^ MANIFEST_KEYS
+        assert man["problem"]["dtype"] == r["dtype"] and man["problem"]["hdim"] == r["hdim"]
+        assert set(man["tiles"]["ck"]) == {"kM0", "kN0", "kK0", "kN1", "kK1"}
+        assert set(man["entry_points"]) == {"init", "step", "finalize"}
+        assert "?" in man["entry_points"]["step"]["args"]["q"][0], "batch / sequence dims must be dynamic"
+        assert man["toolchain"]["iree-base-compiler"] and any(f.startswith("--iree-hal-target-device") for f in man["flags"])
+        assert (out / f"{r['module']}.vmfb").stat().st_size > 0
+        low = man["tiles"]["iree"]["lowering"]
+        if low is not None:  # the requested tiles reach IREE's configured IR
+            ck = man["tiles"]["ck"]
+            found = _configured_tiles(out / "dumps" / r["module"])
+            assert ([1, ck["kM0"], 0, 0, ck["kN1"]], [0, 0, 0, ck["kN0"], 0]) in found, (r["module"], found)
+        if man["target"]["backend"] == "rocm":
+            isa = man["isa"]
+            assert isa, "gfx manifests carry an ISA report"
+            for k in isa:
+                assert {"vgpr_count", "agpr_count", "sgpr_count", "vgpr_spill_count", "group_segment_fixed_size",
+                        "mfma_count", "wmma_count", "occupancy_waves_per_simd"} <= set(k)
+                assert k["vgpr_spill_count"] == 0 and k["sgpr_spill_count"] == 0, (r["module"], k)
+            matrix_ops = sum(k["mfma_count"] + k["wmma_count"] for k in isa)
+            if r["dtype"] != "f32":
+                assert matrix_ops > 0, f"{r['module']}: no MFMA/WMMA instructions"
+        else:
+            assert man["isa"] is None
+
+
+@pytest.mark.parametrize("target", ["gfx90a", "gfx950", "gfx1201", "sm_80"])
+def test_nondefault_tiles_reach_configured_ir(tmp_path, target):
+    from fmha_iree.compile import build_artifact
+    from fmha_iree.spec import KernelSpec
+
+    tiles = fmha_iree.TileConfig(m0=32, n0=32, k0=16, n1=64, k1=16, kv_chunk=128)
+    spec = KernelSpec("f16", "bshd", 2, 128, 128, tiles, Target.from_name(target))
+    man = build_artifact(spec, tmp_path / "m.vmfb", dump_dir=tmp_path / "dump")
+    assert ([1, 32, 0, 0, 64], [0, 0, 0, 32, 0]) in _configured_tiles(tmp_path / "dump")
+    assert man["tiles"]["iree"]["workgroup"] == [1, 32, 0, 0, 64]
+
+
+@pytest.mark.parametrize(
+    "tiles,fragment",
+    [
+        (fmha_iree.TileConfig(128, 128, 32, 128, 32), "shared memory"),
+        (fmha_iree.TileConfig(72, 64, 16, 128, 16), "multiple of the matrix intrinsic"),
+        (fmha_iree.TileConfig(64, 64, 16, 96, 16), "does not divide"),
+    ],
+)
+def test_impossible_tiles_are_refused_before_iree(tiles, fragment):
+    before = fmha_iree.cache_stats()["compiles"]
+    q = np.zeros((1, 2, 8, 128), np.float16)
+    with pytest.raises(ValueError, match="tiles") as e:
+        fmha_iree.fmha_fwd(q, q, q, tiles=tiles, device="hip://0")
+    assert fragment in str(e.value)
+    assert fmha_iree.cache_stats()["compiles"] == before
+
+
+def test_cli_refuses_impossible_tiles(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "gfx942", "--dtype", "f16",
+                        "--hdim", "128", "--tiles", "128x128x32x128x32", "-o", str(tmp_path / "x.vmfb")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "shared memory" in r.stderr
+    assert not (tmp_path / "x.vmfb").exists()
+
+
+def test_host_module_runs_with_runtime_only(tmp_path):
+    """`fmha-iree compile --target host`, then `fmha_iree.runtime.load` in a process where
+    importing torch or iree.compiler fails."""
+    vmfb = tmp_path / "fmha.vmfb"
+    subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "host", "--dtype", "f32",
+                    "--hdim", "64", "--hdim-v", "32", "--heads", "4:2", "--mask", "b", "-o", str(vmfb)],
+                   check=True, capture_output=True)
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 4, 37, 64), dtype=np.float32)
+    k = rng.standard_normal((2, 2, 50, 64), dtype=np.float32)
+    v = rng.standard_normal((2, 2, 50, 32), dtype=np.float32)
+    np.save(tmp_path / "q.npy", q), np.save(tmp_path / "k.npy", k), np.save(tmp_path / "v.npy", v)
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["torch"] = None          # import torch -> ImportError
+        sys.modules["iree.compiler"] = None  # import iree.compiler -> ImportError
+        import numpy as np
+        from fmha_iree.runtime import load
+        f = load({str(vmfb)!r}, device="local-task")
+        d = {str(tmp_path)!r}
+        q, k, v = (np.load(f"{{d}}/{{n}}.npy") for n in "qkv")
+        out, lse = f(q, k, v, return_lse=True)          # the module's default mask: b
+        np.save(f"{{d}}/out.npy", out); np.save(f"{{d}}/lse.npy", lse)
+        try:
+            f(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16))
+        except TypeError as e:
+            print("refused:", e)
+        assert "torch" not in sys.modules or sys.modules["torch"] is None
+    """)
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "refused:" in r.stdout and "f32" in r.stdout
+    out, lse = np.load(tmp_path / "out.npy"), np.load(tmp_path / "lse.npy")
+    ref_out, ref_lse = attention_ref(q, k, v, mask="b")
+    assert_close(out, ref_out, np.float32, what="deployed out")
+    assert_close(lse, ref_lse, np.float32, kind="lse", what="deployed lse")
