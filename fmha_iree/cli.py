@@ -70,11 +70,17 @@ def compile_matrix(out_dir, targets, hdims, dtypes, *, layout="bhsd", group=1, j
 
     out_dir = Path(out_dir)
     specs = []
+    refused = []
     for t in targets:
         target = Target.from_name(t)
         for d in hdims:
             for dt in dtypes:
-                tiles = check_tiles(None, target, d, d, dt)
+                try:
+                    tiles = check_tiles(None, target, d, d, dt)
+                except ValueError as e:  # a combination this target cannot run: say why
+                    refused.append({"module": None, "target": target.arch, "dtype": dt, "hdim": d, "tiles": None,
+                                    "ok": False, "refused": str(e)})
+                    continue
                 specs.append(KernelSpec(dt, layout, group, d, d, tiles, target))
     for spec in specs:  # torch export is not thread-safe: export (cached) serially first
         source_mlir(spec)
@@ -105,6 +111,8 @@ def compile_matrix(out_dir, targets, hdims, dtypes, *, layout="bhsd", group=1, j
                       end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
+    rows += refused
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "matrix.json").write_text(json.dumps(rows, indent=2))
     return rows
 
@@ -112,11 +120,11 @@ def compile_matrix(out_dir, targets, hdims, dtypes, *, layout="bhsd", group=1, j
 def matrix_main(args) -> int:
     rows = compile_matrix(args.output, args.targets.split(","), [int(d) for d in args.hdims.split(",")],
                           args.dtypes.split(","), layout=args.layout, jobs=args.jobs)
-    bad = [r for r in rows if not r["ok"] or r.get("spills")]
+    bad = [r for r in rows if (not r["ok"] and "refused" not in r) or r.get("spills")]
     for r in rows:
-        print(f"{r['target']:<8}{r['dtype']:<5}d{r['hdim']:<4}{r['tiles']:<22}"
+        print(f"{r['target']:<8}{r['dtype']:<5}d{r['hdim']:<4}{r['tiles'] or '-':<22}"
               + (f"ok  spills={r['spills']} vgpr={r['max_vgpr']} lds={r['max_lds']} occ={r['min_occupancy']}" if r["ok"]
-                 else f"FAILED {r['error']}"))
+                 else f"REFUSED {r['refused']}" if "refused" in r else f"FAILED {r['error']}"))
     print(f"{len(rows) - len(bad)}/{len(rows)} compiled without spills into {args.output}")
     return 1 if bad else 0
 

@@ -92,10 +92,13 @@ def gpu_lowering(spec: KernelSpec) -> dict | None:
     from .mlir_templates import default_lowering
     from .tiles import iree_picks_config
 
-    if spec.target.backend == "llvm-cpu" or iree_picks_config(spec.target.family, spec.dtype, spec.dv):
+    if spec.target.backend == "llvm-cpu" or iree_picks_config(spec.target.family, spec.dtype, spec.dv, spec.target.arch, spec.dq):
         return None
     t = spec.tiles
-    base = default_lowering(spec.target.arch, dtype=spec.dtype, r=t.m0, group=spec.group, c=t.kv_chunk, dv=spec.dv)
+    # default_lowering gives the intrinsic and subgroup shape of the family (it declines RDNA
+    # Dv >= 256, which iree_picks_config already screened); the tile fields are overridden below.
+    base = default_lowering(spec.target.arch, dtype=spec.dtype, r=t.m0, group=spec.group, c=t.kv_chunk,
+                            dv=min(spec.dv, 128))
     if base is None:
         return None
     n1 = t.n1 if spec.dv % t.n1 == 0 else spec.dv

@@ -103,11 +103,22 @@ _GPU = _gpu({32: 64, 64: 64, 96: 64, 128: 64, 192: 32, 256: 32})
 
 _TABLES = {"cpu": _CPU, "cdna": _GPU, "rdna": _GPU, "cuda": _GPU}
 
+# gfx1100 (RDNA3, wave32, 256 VGPRs): at Dv >= 128 the family default spills VGPRs; these do not
+# (iree-compile 3.13, 2026-11-29: d128 f16/bf16 230/241 VGPRs, d256 f16 220 VGPRs, 0 spills).
+# bf16 at d256 spilled in every config tried and is refused (not_supported_reasons).
+_ARCH_OVERRIDES = {
+    "gfx1100": {128: TileConfig(32, 32, 16, 64, 16, kv_chunk=256), 256: TileConfig(16, 16, 16, 32, 16, kv_chunk=256)},
+}
 
-def default_tiles(family: str, dq: int, dv: int) -> TileConfig:
-    """The default tile for a target family (``cpu``, ``cdna``, ``rdna``, ``cuda``) and head dims."""
-    table = _TABLES[family]
+
+def default_tiles(family: str, dq: int, dv: int, arch: str = "") -> TileConfig:
+    """The default tile for a target family (``cpu``, ``cdna``, ``rdna``, ``cuda``), chip and head
+    dims."""
     d = max(dq, dv)
+    over = _ARCH_OVERRIDES.get(arch, {})
+    if d in over:
+        return over[d]
+    table = _TABLES[family]
     key = min((k for k in table if k >= d), default=max(table))
     tiles = table[key]
     if family != "cpu" and tiles.n1 != dv:
@@ -129,11 +140,18 @@ def lds_estimate(tiles: TileConfig, dq: int, dv: int, elem_bytes: int) -> int:
     return (tiles.n0 * (dq + dv) + tiles.m0 * tiles.n0) * elem_bytes
 
 
-def iree_picks_config(family: str, dtype: str, dv: int) -> bool:
-    """GPU problems whose lowering is left to IREE (the tile only shapes the work units): f32, for
-    which no matrix intrinsic config is set up here, and RDNA with Dv >= 256, where every explicit
-    config tried spilled VGPRs while IREE's own did not (f16; compile checks 2026-11-29)."""
-    return family != "cpu" and (dtype == "f32" or (family == "rdna" and dv >= 256))
+def iree_picks_config(family: str, dtype: str, dv: int, arch: str = "", dq: int | None = None) -> bool:
+    """GPU problems whose lowering is left to IREE (the tile then only shapes the work units).
+    Compile checks with iree-compile 3.13 on 2026-11-29 (scripts/compile_matrix.py): f32 (no
+    matrix-intrinsic config is set up here); head dims 96 / 192 (explicit configs fail with "failed
+    to derive layout for promoted read-like op"); gfx1201 with Dv >= 256 (explicit configs spilled,
+    IREE's own did not)."""
+    if family == "cpu":
+        return False
+    dq = dv if dq is None else dq
+    if dtype == "f32" or dq in (96, 192) or dv in (96, 192):
+        return True
+    return family == "rdna" and arch != "gfx1100" and dv >= 256
 
 
 def not_supported_reasons(tiles: TileConfig, family: str, arch: str, dq: int, dv: int, dtype: str) -> list[str]:
@@ -150,7 +168,9 @@ def not_supported_reasons(tiles: TileConfig, family: str, arch: str, dq: int, dv
         why.append(f"tiles.n1 = {tiles.n1} does not divide the V head dim {dv}")
     if dq % MMA_K or dv % MMA_K:
         why.append(f"head dims {dq}/{dv} must be multiples of 16 on GPU targets")
-    if iree_picks_config(family, dtype, dv):
+    if arch == "gfx1100" and dtype == "bf16" and max(dq, dv) > 128:
+        why.append("gfx1100 bf16 with head dim > 128: every config IREE 3.13 compiles spills VGPRs")
+    if iree_picks_config(family, dtype, dv, arch, dq):
         return why
     limit = SMEM_LIMIT_CUDA if family == "cuda" else LDS_LIMIT.get(arch, 65536)
     need = lds_estimate(tiles, dq, dv, 4 if dtype == "f32" else 2)

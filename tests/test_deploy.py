@@ -37,13 +37,6 @@ def _configured_tiles(dump_dir):
     return found
 
 
-def _supported(target, d, dtype):
-    from fmha_iree.tiles import default_tiles
-
-    t = Target.from_name(target)
-    return not not_supported_reasons(default_tiles(t.family, d, d), t.family, t.arch, d, d, dtype)
-
-
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     """Compile the default config of every target x head dim x dtype (masks are runtime values:
@@ -54,16 +47,26 @@ def matrix(tmp_path_factory):
 
 
 def test_matrix_compiles_every_default(matrix):
+    """Every entry compiles, or is refused before IREE with the reason the target gives."""
     out, rows = matrix
     assert len(rows) == len(ALL_TARGETS) * len(HDIMS) * len(DTYPES)
-    failed = [r for r in rows if not r["ok"]]
+    failed = [r for r in rows if not r["ok"] and "refused" not in r]
     assert not failed, failed
+    for r in (r for r in rows if "refused" in r):
+        t = Target.from_name(r["target"])
+        from fmha_iree.tiles import default_tiles
+
+        why = not_supported_reasons(default_tiles(t.family, r["hdim"], r["hdim"], t.arch), t.family, t.arch,
+                                    r["hdim"], r["hdim"], r["dtype"])
+        assert why and all(w in r["refused"] for w in why), r
+    refused = [r for r in rows if "refused" in r]
+    assert len(refused) <= 1, refused  # today: gfx1100 bf16 d256 only
 
 
 @pytest.mark.parametrize("target", ALL_TARGETS)
 def test_matrix_manifests_tiles_and_isa(matrix, target):
     out, rows = matrix
-    for r in (r for r in rows if r["target"] == Target.from_name(target).arch):
+    for r in (r for r in rows if r["target"] == Target.from_name(target).arch and r["ok"]):
         man = json.loads((out / f"{r['module']}.json").read_text())
         assert MANIFEST_KEYS <= set(man), set(man) ^ MANIFEST_KEYS
         assert man["problem"]["dtype"] == r["dtype"] and man["problem"]["hdim"] == r["hdim"]
@@ -85,7 +88,7 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
                         "mfma_count", "wmma_count", "occupancy_waves_per_simd"} <= set(k)
                 assert k["vgpr_spill_count"] == 0 and k["sgpr_spill_count"] == 0, (r["module"], k)
             matrix_ops = sum(k["mfma_count"] + k["wmma_count"] for k in isa)
-            if r["dtype"] != "f32":
+            if low is not None:  # our configs name an MFMA/WMMA intrinsic: it must be in the code
                 assert matrix_ops > 0, f"{r['module']}: no MFMA/WMMA instructions"
         else:
             assert man["isa"] is None

@@ -36,7 +36,7 @@ def _configured_tiles(tmp_path, spec):
 )
 def test_gfx942_configured_ir_shows_requested_tiles(tmp_path, tiles):
     target = Target.from_name("gfx942")
-    tiles = tiles or default_tiles(target.family, 128, 128)
+    tiles = tiles or default_tiles(target.family, 128, 128, target.arch)
     spec = KernelSpec("f16", "bhsd", 1, 128, 128, tiles, target)
     found = _configured_tiles(tmp_path, spec)
     assert found, "no configured online_attention dispatch found"
