@@ -54,9 +54,10 @@ def _empty_result(p: BatchProblem, out_shape, lse_shape):
     return np.zeros(out_shape, dt), np.full(lse_shape, -np.inf, np.float32)
 
 
-def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_shape, lse_rows_shape, tiles, get_module):
+def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_shape, lse_rows_shape, tiles, get_module,
+             family: str):
     """Shared by batch and varlen mode and deployed modules: plan, run. Returns ABI numpy arrays."""
-    plan: Plan = build_plan(seqs, p.mask, tiles, out_rows_shape, lse_rows_shape, units_budget(p.hq, tiles))
+    plan: Plan = build_plan(seqs, p.mask, tiles, out_rows_shape, lse_rows_shape, units_budget(p.hq, tiles, family))
     if plan.n_tiles == 0 or 0 in out_shape:
         return _empty_result(p, out_shape, lse_shape)
     out, lse = get_module().run(p.q.array, p.k.array, p.v.array, p.scale, p.hk, plan)
@@ -64,17 +65,17 @@ def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_sh
 
 
 def _compiled(p: BatchProblem, tiles, device):
-    """(tiles, module getter) for a problem on ``device``, compiling on first use."""
+    """(tiles, module getter, target family) for a problem on ``device``, compiling on first use."""
     device_uri, target = resolve_device(device)
     tiles = check_tiles(tiles, target, p.dq, p.dv, p.q.dtype)
     spec = p.kernel(tiles, target)
-    return tiles, lambda: _module(spec, device_uri)
+    return tiles, lambda: _module(spec, device_uri), target.family
 
 
-def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module):
+def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str):
     out_shape = (p.batch, p.hq, p.sq, p.dv) if p.layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
     seqs = Sequences.batch(p.q_lens, p.k_lens)
-    out, lse = _execute(p, seqs, out_shape, (p.batch, p.hq, p.sq), (p.batch, p.sq), (p.batch, p.sq), tiles, get_module)
+    out, lse = _execute(p, seqs, out_shape, (p.batch, p.hq, p.sq), (p.batch, p.sq), (p.batch, p.sq), tiles, get_module, family)
     out = _wrap(out, p.q, p.q.dtype)
     return (out, _wrap(lse, p.q, "f32")) if return_lse else out
 
@@ -109,8 +110,8 @@ def fmha_fwd(
     p = check_batch(q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    tiles, get_module = _compiled(p, tiles, device)
-    return run_batch(p, return_lse, tiles, get_module)
+    tiles, get_module, family = _compiled(p, tiles, device)
+    return run_batch(p, return_lse, tiles, get_module, family)
 
 
 def fmha_fwd_varlen(
@@ -139,9 +140,9 @@ def fmha_fwd_varlen(
     )
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    tiles, get_module = _compiled(p, tiles, device)
+    tiles, get_module, family = _compiled(p, tiles, device)
     zeros = np.zeros(len(q_len), np.int64)
     seqs = Sequences(zeros, q_start, q_len, k_start, k_len, lse_start)
-    out, lse = _execute(p, seqs, (p.sq, p.hq, p.dv), (p.hq, total_q), (1, p.sq), (1, total_q), tiles, get_module)
+    out, lse = _execute(p, seqs, (p.sq, p.hq, p.dv), (p.hq, total_q), (1, p.sq), (1, total_q), tiles, get_module, family)
     out = _wrap(out, p.q, p.q.dtype)
     return (out, _wrap(lse, p.q, "f32")) if return_lse else out

@@ -24,12 +24,20 @@ from .tiles import TileConfig
 
 __all__ = ["Sequences", "Plan", "build_plan", "units_budget"]
 
-# Upper bound on one step call's score elements (Hq * R * C per unit): 32 Mi floats = 128 MiB.
-SCORE_BUDGET = 1 << 25
+# Upper bound on one step call's score elements (Hq * R * C per unit).
+# CPU: 1 Mi floats = 4 MiB. The step's dispatches each pass over the whole call's scores, so they
+# should stay cache-sized: on the 2-core dev CPU (f32, B=1, H=8, S=4096, D=64, 128x128 units,
+# 2026-11-29) 1 << 20 used ~2.1 s of CPU against ~4.0 s for 1 << 25 (32 units, 16 MiB of scores per
+# call); 1 << 21 was the same as 1 << 20, 1 << 19 and below slower (per-call overhead).
+# GPU: the fused online_attention never materializes scores; the bound only caps the per-call
+# gathers and the i1 mask (256 Mi elements), and every call costs ~1 ms of host overhead (H200
+# profile, docs/BENCHMARKS.md), so calls are as large as that allows.
+SCORE_BUDGET = {"cpu": 1 << 20, "gpu": 1 << 28}
 
 
-def units_budget(hq: int, tiles: TileConfig) -> int:
-    return max(1, SCORE_BUDGET // (hq * tiles.m0 * tiles.kv_chunk))
+def units_budget(hq: int, tiles: TileConfig, family: str = "cpu") -> int:
+    budget = SCORE_BUDGET["cpu" if family == "cpu" else "gpu"]
+    return max(1, budget // (hq * tiles.m0 * tiles.kv_chunk))
 
 
 @dataclasses.dataclass

@@ -103,7 +103,7 @@ class DeployedFmha:
                 raise ValueError(f"{'q' if key == 'heads' else 'k'} has {have} heads; the module was compiled for {pr[key]}")
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-        return run_batch(p, return_lse, self.tiles, lambda: self.module)
+        return run_batch(p, return_lse, self.tiles, lambda: self.module, self.manifest["target"]["family"])
 
 
 def load(path, device: str = "local-task") -> DeployedFmha:
