@@ -86,6 +86,18 @@ def as_operand(x, name: str) -> Operand:
     raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
 
 
+def _operands(q, k, v, ndim: int, what: str) -> tuple[Operand, Operand, Operand]:
+    """Convert q, k, v; all of one dtype and ``ndim`` dimensions."""
+    ops = as_operand(q, "q"), as_operand(k, "k"), as_operand(v, "v")
+    for name, o in zip("kv", ops[1:]):
+        if o.dtype != ops[0].dtype:
+            raise TypeError(f"{name} has dtype {o.dtype} but q has {ops[0].dtype}: all inputs must share one dtype")
+    for name, o in zip("qkv", ops):
+        if o.array.ndim != ndim:
+            raise ValueError(f"{name} must be {what}, got shape {list(o.array.shape)}")
+    return ops
+
+
 def check_scale(scale, dq: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(dq)
@@ -167,13 +179,7 @@ def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k) -> Ba
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     mask = as_mask(mask)
-    qo, ko, vo = as_operand(q, "q"), as_operand(k, "k"), as_operand(v, "v")
-    for name, o in (("k", ko), ("v", vo)):
-        if o.dtype != qo.dtype:
-            raise TypeError(f"{name} has dtype {o.dtype} but q has {qo.dtype}: all inputs must share one dtype")
-    for name, o in (("q", qo), ("k", ko), ("v", vo)):
-        if o.array.ndim != 4:
-            raise ValueError(f"{name} must be 4-D ({layout}), got shape {list(o.array.shape)}")
+    qo, ko, vo = _operands(q, k, v, 4, f"4-D ({layout})")
 
     def bhsd(a):
         b, x1, x2, d = a.shape
@@ -241,13 +247,7 @@ def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q
     """Validate a group-mode call; returns the problem (as a B=1 ``bshd`` batch over the packed
     token axis) and the per-sequence starts and lengths."""
     mask = as_mask(mask)
-    qo, ko, vo = as_operand(q, "q"), as_operand(k, "k"), as_operand(v, "v")
-    for name, o in (("k", ko), ("v", vo)):
-        if o.dtype != qo.dtype:
-            raise TypeError(f"{name} has dtype {o.dtype} but q has {qo.dtype}: all inputs must share one dtype")
-    for name, o in (("q", qo), ("k", ko), ("v", vo)):
-        if o.array.ndim != 3:
-            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(o.array.shape)}")
+    qo, ko, vo = _operands(q, k, v, 3, "3-D [tokens, heads, head_dim]")
     Tq, Hq, Dq = qo.array.shape
     Tk, Hk, Dk = ko.array.shape
     Tv, Hv, Dv = vo.array.shape

@@ -74,3 +74,18 @@ def check_fwd(q, k, v, *, ref_mask=None, mask=None, layout="bhsd", scale=None,
 
 def _copy(x):
     return x.clone() if isinstance(x, torch.Tensor) else np.array(x, copy=True)
+
+
+def configured_attention_tiles(dump_dir):
+    """(workgroup, reduction) tile lists of every configured online_attention dispatch that IREE
+    dumped into ``dump_dir`` (``--iree-hal-dump-executable-files-to``)."""
+    import re
+
+    found = []
+    for f in sorted(dump_dir.glob("configured_*.mlir")):
+        text = f.read_text()
+        if "online_attention" not in text:
+            continue
+        for m in re.finditer(r"reduction = \[([^\]]*)\], workgroup = \[([^\]]*)\]", text):
+            found.append(([int(x) for x in m.group(2).split(",")], [int(x) for x in m.group(1).split(",")]))
+    return found

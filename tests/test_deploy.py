@@ -3,7 +3,6 @@ refusals of impossible tiles, and running a module with only the IREE runtime an
 
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ from fmha_iree.cli import compile_matrix
 from fmha_iree.targets import GFX_TARGETS, Target
 from fmha_iree.tiles import not_supported_reasons
 
+from common import configured_attention_tiles
 from reference import attention_ref, assert_close
 
 ALL_TARGETS = list(GFX_TARGETS) + ["sm_80", "host"]
@@ -23,18 +23,6 @@ HDIMS = [32, 64, 96, 128, 192, 256]
 DTYPES = ["f16", "bf16", "f32"]
 MANIFEST_KEYS = {"format", "abi_version", "module", "problem", "target", "tiles", "entry_points", "toolchain",
                  "flags", "command", "isa"}
-
-
-def _configured_tiles(dump_dir):
-    """(workgroup, reduction) of every configured online_attention dispatch in ``dump_dir``."""
-    found = []
-    for f in sorted(dump_dir.glob("configured_*.mlir")):
-        text = f.read_text()
-        if "online_attention" not in text:
-            continue
-        for m in re.finditer(r"reduction = \[([^\]]*)\], workgroup = \[([^\]]*)\]", text):
-            found.append(([int(x) for x in m.group(2).split(",")], [int(x) for x in m.group(1).split(",")]))
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +66,7 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
         low = man["tiles"]["iree"]["lowering"]
         if low is not None:  # the requested tiles reach IREE's configured IR
             ck = man["tiles"]["ck"]
-            found = _configured_tiles(out / "dumps" / r["module"])
+            found = configured_attention_tiles(out / "dumps" / r["module"])
             assert ([1, ck["kM0"], 0, 0, ck["kN1"]], [0, 0, 0, ck["kN0"], 0]) in found, (r["module"], found)
         if man["target"]["backend"] == "rocm":
             isa = man["isa"]
@@ -102,7 +90,7 @@ def test_nondefault_tiles_reach_configured_ir(tmp_path, target):
     tiles = fmha_iree.TileConfig(m0=32, n0=32, k0=16, n1=64, k1=16, kv_chunk=128)
     spec = KernelSpec("f16", "bshd", 2, 128, 128, tiles, Target.from_name(target))
     man = build_artifact(spec, tmp_path / "m.vmfb", dump_dir=tmp_path / "dump")
-    assert ([1, 32, 0, 0, 64], [0, 0, 0, 32, 0]) in _configured_tiles(tmp_path / "dump")
+    assert ([1, 32, 0, 0, 64], [0, 0, 0, 32, 0]) in configured_attention_tiles(tmp_path / "dump")
     assert man["tiles"]["iree"]["workgroup"] == [1, 32, 0, 0, 64]
 
 

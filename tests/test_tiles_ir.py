@@ -4,8 +4,6 @@ Compiles the GPU module for gfx942 (no GPU needed) and reads IREE's configured d
 fused online_attention step.
 """
 
-import re
-
 import pytest
 
 import fmha_iree
@@ -14,19 +12,14 @@ from fmha_iree.spec import KernelSpec
 from fmha_iree.targets import Target
 from fmha_iree.tiles import default_tiles
 
+from common import configured_attention_tiles
+
 
 def _configured_tiles(tmp_path, spec):
     import iree.compiler.tools as ict
 
     ict.compile_str(source_mlir(spec), extra_args=compile_flags(spec) + [f"--iree-hal-dump-executable-files-to={tmp_path}"])
-    found = []
-    for f in sorted(tmp_path.glob("configured_*step*.mlir")):
-        text = f.read_text()
-        if "online_attention" not in text:
-            continue
-        for m in re.finditer(r"reduction = \[([^\]]*)\], workgroup = \[([^\]]*)\]", text):
-            found.append(([int(x) for x in m.group(2).split(",")], [int(x) for x in m.group(1).split(",")]))
-    return found
+    return configured_attention_tiles(tmp_path)
 
 
 @pytest.mark.parametrize(
