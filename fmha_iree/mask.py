@@ -64,8 +64,8 @@ class Mask:
     @classmethod
     def from_str(cls, text: str) -> "Mask":
         """Parse CK's example mask strings: ``0``, ``t``/``1``, ``b``/``2``, ``t:l,r``, ``b:l,r``,
-        ``xt:w``, ``xb:w`` (xformers window: ``w < 0`` is causal, else ``l = w // 2``,
-        ``r = w - 1 - l``)."""
+        ``xt:w``, ``xb:w`` (xformers window: ``w <= 0`` is causal, as in CK's ``mask.hpp``, else
+        ``l = w // 2``, ``r = w - 1 - l``)."""
         if not isinstance(text, str):
             raise TypeError(f"mask string must be a str, got {type(text).__name__}")
         s = text.strip()
@@ -84,10 +84,10 @@ class Mask:
         m = re.fullmatch(r"x([tb]):(-?\d+)", s)
         if m:
             top_left, w = m.group(1) == "t", int(m.group(2))
-            if w < 0:
+            if w <= 0:  # CK's mask.hpp: a window only when window_size > 0, else causal
                 return cls.causal(top_left)
             left = w // 2
-            return cls(left, max(w - 1 - left, 0), top_left)
+            return cls(left, w - 1 - left, top_left)
         raise ValueError(
             f"mask {text!r} is not a CK mask string (expected 0, t, b, 1, 2, t:l,r, b:l,r, xt:w or xb:w)"
         )

@@ -19,7 +19,7 @@ MASKS = [
     "t:64,0", "b:0,64",                       # one-sided, crossing a 64/128 tile
     "t:-1,2", "t:4,-1", "b:-1,7", "b:9,-1",   # one unlimited side
     "t:-1,-1", "b:-1,-1",                     # both unlimited == no mask
-    "xt:-1", "xb:-1",                         # xformers causal
+    "xt:-1", "xb:-1", "xt:0", "xb:0",         # xformers causal (w <= 0, as CK's mask.hpp)
     "xt:5", "xb:6", "xt:200", "xb:129",       # xformers windows (odd / even / wide)
 ]
 
