@@ -68,7 +68,7 @@ def main():
     print(f"1 x {args.long} alone:                         {t_long * 1e3:9.1f} ms   1.00")
     print(f"1 x {args.long} + {args.count} x {args.short} packed (varlen):      {t_mix * 1e3:9.1f} ms   {t_mix / t_long:.2f}")
     print(f"same batch padded to {args.long} (batch mode): {t_pad * 1e3:9.1f} ms   {t_pad / t_long:.2f}")
-    print(f"compiles during the timed varlen calls (three batch compositions, after a warm-up): {compiles}")
+    print(f"compiles during the timed varlen calls (two batch compositions, after a warm-up with a third): {compiles}")
 
 
 if __name__ == "__main__":
