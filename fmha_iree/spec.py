@@ -98,6 +98,18 @@ def _operands(q, k, v, ndim: int, what: str) -> tuple[Operand, Operand, Operand]
     return ops
 
 
+def _check_kv(hq: int, dq: int, k_hsd, v_hsd, seq_name: str):
+    """k/v agree with q and each other: head dims, heads (GQA ratio), sequence lengths."""
+    (hk, sk, dk), (hv, sv, dv) = k_hsd, v_hsd
+    if dk != dq:
+        raise ValueError(f"k head dim {dk} must equal q head dim {dq}")
+    if hv != hk or sv != sk:
+        raise ValueError(f"v (heads {hv}, {seq_name} {sv}) must match k (heads {hk}, {seq_name} {sk})")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hk})")
+    check_head_dims(dq, dv)
+
+
 def check_scale(scale, dq: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(dq)
@@ -190,13 +202,7 @@ def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k) -> Ba
     Bv, Hv, Sv, Dv = bhsd(vo.array)
     if Bk != B or Bv != B:
         raise ValueError(f"batch sizes differ: q {B}, k {Bk}, v {Bv}")
-    if Dk != Dq:
-        raise ValueError(f"k head dim {Dk} must equal q head dim {Dq}")
-    if Hv != Hk or Sv != Sk:
-        raise ValueError(f"v (heads {Hv}, seqlen {Sv}) must match k (heads {Hk}, seqlen {Sk})")
-    if Hk == 0 or Hq % Hk:
-        raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hk})")
-    check_head_dims(Dq, Dv)
+    _check_kv(Hq, Dq, (Hk, Sk, Dk), (Hv, Sv, Dv), "seqlen")
     scale = check_scale(scale, Dq)
     q_lens = np.full(B, Sq, np.int64) if cu_seqlen_q is None else check_seqlens(cu_seqlen_q, "cu_seqlen_q", B, Sq)
     k_lens = np.full(B, Sk, np.int64) if cu_seqlen_k is None else check_seqlens(cu_seqlen_k, "cu_seqlen_k", B, Sk)
@@ -251,13 +257,7 @@ def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q
     Tq, Hq, Dq = qo.array.shape
     Tk, Hk, Dk = ko.array.shape
     Tv, Hv, Dv = vo.array.shape
-    if Dk != Dq:
-        raise ValueError(f"k head dim {Dk} must equal q head dim {Dq}")
-    if Hv != Hk or Tv != Tk:
-        raise ValueError(f"v (tokens {Tv}, heads {Hv}) must match k (tokens {Tk}, heads {Hk})")
-    if Hk == 0 or Hq % Hk:
-        raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hk})")
-    check_head_dims(Dq, Dv)
+    _check_kv(Hq, Dq, (Hk, Tk, Dk), (Hv, Tv, Dv), "tokens")
     scale = check_scale(scale, Dq)
 
     sq = _int_vector(seqstart_q, "seqstart_q", None)
