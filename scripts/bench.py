@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _timing import median_time
 
 
 def presets(name):
@@ -37,16 +38,6 @@ def presets(name):
     rows.append(dict(B=4, Hq=16, Hk=2, S=4096, D=128, causal=True, mask=None, dtype="f16"))
     rows.append(dict(B=4, Hq=16, Hk=16, S=4096, D=128, causal=False, mask="b:1024,0", dtype="f16"))
     return rows
-
-
-def _median(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
 
 
 def _torch_peers(q, k, v, causal, attn_mask, reps, cuda):
@@ -82,7 +73,7 @@ def _torch_peers(q, k, v, causal, attn_mask, reps, cuda):
                     res[name] = e0.elapsed_time(e1) / reps / 1e3
                 else:
                     o = fn()
-                    res[name] = _median(fn, reps)
+                    res[name] = median_time(fn, reps)
                 out = o if out is None else out
             finally:
                 if ctx:
@@ -127,7 +118,7 @@ def run(args):
                              v.numpy() if dt != torch.bfloat16 else v, mask=mask)
         else:
             call = lambda: fmha_iree.fmha_fwd(q, k, v, mask=mask, device=args.device)  # noqa
-        t = _median(call, args.reps)
+        t = median_time(call, args.reps)
         out = call()
         out = torch.as_tensor(np.asarray(out)) if not isinstance(out, torch.Tensor) else out
         attn_mask = None

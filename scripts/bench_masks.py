@@ -17,16 +17,7 @@ import subprocess
 import sys
 import time
 
-
-def _time(fn, reps):
-    fn()  # warm-up (compile / load)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
-    return ts[len(ts) // 2]
+from _timing import median_time
 
 
 def bench(args):
@@ -40,15 +31,15 @@ def bench(args):
     rows = []
     base = None
     for name, mask in (("none", None), ("causal b", "b"), ("window b:256,0", "b:256,0")):
-        t = _time(lambda: fmha_iree.fmha_fwd(q, k, v, mask=mask), args.reps)
+        t = median_time(lambda: fmha_iree.fmha_fwd(q, k, v, mask=mask), args.reps)
         if mask is None:
             base = t
-            peer = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), args.reps)
+            peer = median_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), args.reps)
         elif mask == "b":
-            peer = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), args.reps)
+            peer = median_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), args.reps)
         else:
             vis = torch.from_numpy(fmha_iree.Mask.from_str(mask).materialize(S, S))
-            peer = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=vis), args.reps)
+            peer = median_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=vis), args.reps)
         rows.append({"mask": name, "fmha_iree_ms": t * 1e3, "vs_unmasked": t / base, "torch_sdpa_ms": peer * 1e3,
                      "speed_vs_torch": peer / t})
     return rows

@@ -12,16 +12,7 @@ import platform
 import time
 
 import numpy as np
-
-
-def _median_time(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
+from _timing import median_time
 
 
 def main():
@@ -50,9 +41,9 @@ def main():
 
     fmha_iree.fmha_fwd_varlen(q[:1], k[:1], v[:1], [0, 1], [0, 1], mask=args.mask, device=args.device)  # compile
     before = fmha_iree.cache_stats()["compiles"]
-    t_long = _median_time(lambda: fmha_iree.fmha_fwd_varlen(q[: args.long], k[: args.long], v[: args.long], one, one,
+    t_long = median_time(lambda: fmha_iree.fmha_fwd_varlen(q[: args.long], k[: args.long], v[: args.long], one, one,
                                                             mask=args.mask, device=args.device), args.reps)
-    t_mix = _median_time(lambda: fmha_iree.fmha_fwd_varlen(q, k, v, starts, starts, mask=args.mask, device=args.device),
+    t_mix = median_time(lambda: fmha_iree.fmha_fwd_varlen(q, k, v, starts, starts, mask=args.mask, device=args.device),
                          args.reps)
     compiles = fmha_iree.cache_stats()["compiles"] - before
 
@@ -60,7 +51,7 @@ def main():
     qp, kp, vp = (torch.zeros(B, args.long, H, D) for _ in range(3))
     for b, (s, n) in enumerate(zip(starts[:-1], lens)):
         qp[b, :n], kp[b, :n], vp[b, :n] = q[s : s + n], k[s : s + n], v[s : s + n]
-    t_pad = _median_time(lambda: fmha_iree.fmha_fwd(qp, kp, vp, mask=args.mask, layout="bshd", device=args.device),
+    t_pad = median_time(lambda: fmha_iree.fmha_fwd(qp, kp, vp, mask=args.mask, layout="bshd", device=args.device),
                          max(1, args.reps // 2))
 
     print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {args.device}, f32 H={H} D={D} mask {args.mask!r}, "
