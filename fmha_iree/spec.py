@@ -65,10 +65,13 @@ class Operand:
     is_torch: bool
 
 
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
 def as_operand(x, name: str) -> Operand:
     """Convert a torch tensor or numpy array; reject anything else naming ``name``."""
-    mod = type(x).__module__
-    if mod.startswith("torch") and hasattr(x, "detach"):
+    if _is_torch(x):
         dt = _TORCH_DTYPES.get(str(x.dtype))
         if dt is None:
             raise TypeError(f"{name} has dtype {x.dtype}; supported: float16, bfloat16, float32")
@@ -139,18 +142,7 @@ def check_head_dims(dq: int, dv: int):
 
 def check_seqlens(cu, name: str, batch: int, limit: int) -> np.ndarray:
     """Validate a ``[B+1]`` cumulative int array; return the per-batch lengths."""
-    if type(cu).__module__.startswith("torch") and hasattr(cu, "detach"):
-        cu = cu.detach().cpu().numpy()
-    if not isinstance(cu, np.ndarray):
-        if isinstance(cu, (list, tuple)):
-            cu = np.asarray(cu)
-        else:
-            raise TypeError(f"{name} must be an int32 tensor/array of shape [B+1], got {type(cu).__name__}")
-    if cu.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers (int32), got {cu.dtype}")
-    if cu.shape != (batch + 1,):
-        raise ValueError(f"{name} must have shape [B+1] = [{batch + 1}], got {list(cu.shape)}")
-    cu = cu.astype(np.int64)
+    cu = _int_vector(cu, name, batch + 1)
     if (cu < 0).any():
         raise ValueError(f"{name} must be non-negative")
     lens = np.diff(cu)
@@ -210,8 +202,9 @@ def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k) -> Ba
 
 
 def _int_vector(x, name: str, length: int | None) -> np.ndarray:
-    """An int array of shape [length] (any int dtype; torch tensors and lists accepted)."""
-    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
+    """An int64 copy of a 1-D int array of shape [length] (any int dtype; torch tensors and lists
+    accepted)."""
+    if _is_torch(x):
         x = x.detach().cpu().numpy()
     elif isinstance(x, (list, tuple)):
         x = np.asarray(x)

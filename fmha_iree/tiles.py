@@ -77,7 +77,7 @@ def parse_tiles(text: str) -> TileConfig:
 # larger ones coarsen the skipping of masked keys.
 _CPU = {d: TileConfig(128, 128, 32, 128, 32) for d in (32, 64, 96, 128, 192, 256)}
 
-# CK's gfx9 fp16/bf16 table (reference doc "Tiles"), for the record and for --tiles. Through
+# CK's gfx9 fp16/bf16 table (reference doc "Tiles"), kept for the record (not a default). Through
 # IREE 3.13's VectorDistribute its kM0=128 / kN0=128 step does not fit: at d128 it asks for 96 KiB
 # of LDS (limit 64 KiB on gfx90a/gfx942, seen compiling for gfx942 on 2026-11-29).
 CK_GFX9 = {
