@@ -8,11 +8,11 @@ import numpy as np
 
 from . import compile as _compile
 from .plan import Plan, Sequences, build_plan, units_budget
-from .runtime import FmhaModule
+from .runtime import DeviceTensor, FmhaModule
 from .spec import BatchProblem, KernelSpec, Operand, check_batch, check_tiles, check_varlen
 from .targets import resolve_device
 
-__all__ = ["fmha_fwd", "fmha_fwd_varlen", "cache_stats"]
+__all__ = ["fmha_fwd", "fmha_fwd_varlen", "cache_stats", "to_device"]
 
 _modules: dict = {}
 _modules_lock = threading.Lock()
@@ -33,15 +33,17 @@ def _module(spec: KernelSpec, device_uri: str) -> FmhaModule:
         mod = _modules.get(key)
     if mod is None:
         vmfb = _compile.get_vmfb(spec)
-        mod = FmhaModule(vmfb, device_uri, spec.module_name)
+        mod = FmhaModule(vmfb, device_uri, spec.module_name, typed_bf16=spec.target.backend != "llvm-cpu",
+                         dense=_compile.dense_abi(spec))
         with _modules_lock:
             mod = _modules.setdefault(key, mod)
     return mod
 
 
-def _wrap(array: np.ndarray, like: Operand, dtype: str):
-    """Return ``array`` in the caller's array type (torch or numpy) and dtype."""
-    if not like.is_torch:
+def _wrap(array, like: Operand, dtype: str):
+    """Return ``array`` in the caller's array type (torch, numpy, or a DeviceTensor left on the
+    device) and dtype."""
+    if like.on_device or not like.is_torch:
         return array
     import torch
 
@@ -51,22 +53,49 @@ def _wrap(array: np.ndarray, like: Operand, dtype: str):
 
 def _empty_result(p: BatchProblem, out_shape, lse_shape):
     dt = {"f16": np.float16, "bf16": np.int16, "f32": np.float32}[p.q.dtype]
-    return np.zeros(out_shape, dt), np.full(lse_shape, -np.inf, np.float32)
+    out, lse = np.zeros(out_shape, dt), np.full(lse_shape, -np.inf, np.float32)
+    if p.q.on_device:
+        uri = p.q.array.device_uri
+        return DeviceTensor.from_host(out, p.q.dtype, uri), DeviceTensor.from_host(lse, "f32", uri)
+    return out, lse
 
 
 def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_shape, lse_rows_shape, tiles, get_module,
              family: str):
-    """Shared by batch and varlen mode and deployed modules: plan, run. Returns ABI numpy arrays."""
+    """Shared by batch and varlen mode and deployed modules: plan, run. Returns ABI arrays (numpy,
+    or DeviceTensors for device-resident inputs)."""
     plan: Plan = build_plan(seqs, p.mask, tiles, out_rows_shape, lse_rows_shape, units_budget(p.hq, tiles, family))
     if plan.n_tiles == 0 or 0 in out_shape:
         return _empty_result(p, out_shape, lse_shape)
-    out, lse = get_module().run(p.q.array, p.k.array, p.v.array, p.scale, p.hk, plan)
+    out, lse = get_module().run(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.hk, plan,
+                                keep_on_device=p.q.on_device)
     return out.reshape(out_shape), lse.reshape(lse_shape)
+
+
+def dense_kind(p: BatchProblem, dense: dict | None) -> str | None:
+    """Whether a batch-mode problem can take a module's one-call dense path: ``"dense"`` (every
+    row sees every key), ``"causal"`` (row i sees keys j <= i, Sq == Sk), or None (the plan).
+    Needs full lengths (no cu_seqlen padding) that are multiples of the module's alignment."""
+    if not dense or p.sq == 0 or p.sk == 0:
+        return None
+    if (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
+        return None
+    a = dense["align"]
+    if p.sq % a or p.sk % a:
+        return None
+    y, x = p.mask.coords(p.sq, p.sk)
+    if y >= p.sq and x >= p.sk:
+        return "dense"
+    if x == 1 and y >= p.sq and p.sq == p.sk and p.sq % (a * dense["causal_blocks"]) == 0:
+        return "causal"
+    return None
 
 
 def _compiled(p: BatchProblem, tiles, device):
     """(tiles, module getter, target family) for a problem on ``device``, compiling on first use."""
     device_uri, target = resolve_device(device)
+    if p.q.on_device and p.q.array.device_uri != device_uri:
+        raise ValueError(f"q lives on {p.q.array.device_uri!r} but device is {device_uri!r}")
     tiles = check_tiles(tiles, target, p.dq, p.dv, p.q.dtype)
     spec = p.kernel(tiles, target)
     return tiles, lambda: _module(spec, device_uri), target.family
@@ -74,10 +103,30 @@ def _compiled(p: BatchProblem, tiles, device):
 
 def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str):
     out_shape = (p.batch, p.hq, p.sq, p.dv) if p.layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
-    seqs = Sequences.batch(p.q_lens, p.k_lens)
-    out, lse = _execute(p, seqs, out_shape, (p.batch, p.hq, p.sq), (p.batch, p.sq), (p.batch, p.sq), tiles, get_module, family)
+    module = get_module() if p.sq and p.sk and p.batch else None
+    kind = dense_kind(p, module.dense if module is not None else None)
+    if kind:
+        out, lse = module.run_dense(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.layout, kind == "causal",
+                                    keep_on_device=p.q.on_device)
+    else:
+        seqs = Sequences.batch(p.q_lens, p.k_lens)
+        out, lse = _execute(p, seqs, out_shape, (p.batch, p.hq, p.sq), (p.batch, p.sq), (p.batch, p.sq), tiles,
+                            get_module, family)
     out = _wrap(out, p.q, p.q.dtype)
     return (out, _wrap(lse, p.q, "f32")) if return_lse else out
+
+
+def to_device(x, device=None) -> DeviceTensor:
+    """Copy a torch tensor or numpy array (float16, bfloat16, float32) to ``device`` once, so calls
+    read it there: :func:`fmha_fwd` given DeviceTensors returns DeviceTensors and moves nothing
+    over the host bus (``.to_numpy()`` / ``.to_torch()`` copy back)."""
+    from .spec import as_operand
+
+    device_uri, _ = resolve_device(device)
+    o = as_operand(x, "x")
+    if o.on_device:
+        return x if x.device_uri == device_uri else DeviceTensor.from_host(x.to_numpy(), x.dtype, device_uri)
+    return DeviceTensor.from_host(o.array, o.dtype, device_uri)
 
 
 def fmha_fwd(

@@ -62,7 +62,7 @@ def _host_cpu() -> str:
 def source_fingerprint() -> str:
     h = hashlib.sha256()
     for p in sorted(_PKG.rglob("*")):
-        if p.is_file() and p.suffix in (".py", ".mlir", ".in"):
+        if p.is_file() and p.suffix in (".py", ".mlir", ".in", ".json"):
             h.update(str(p.relative_to(_PKG)).encode())
             h.update(p.read_bytes())
     h.update(json.dumps(toolchain(), sort_keys=True).encode())
@@ -108,8 +108,10 @@ def gpu_lowering(spec: KernelSpec) -> dict | None:
     if base is None:
         return None
     n1 = t.n1 if spec.dv % t.n1 == 0 else spec.dv
-    # One subgroup per 16 rows of kM0, at most 4 (the default tables' 4 waves).
-    return {**base, "workgroup_m": t.m0, "workgroup_n": n1, "reduction_k2": t.n0, "subgroups_m": min(4, t.m0 // 16)}
+    # One subgroup per 16 rows of kM0: at most 4 waves on AMD (the default tables), 8 warps on
+    # CUDA (M128 with 8 warps won at d256 on the H200, tuned_cuda.json).
+    most = 8 if spec.target.family == "cuda" else 4
+    return {**base, "workgroup_m": t.m0, "workgroup_n": n1, "reduction_k2": t.n0, "subgroups_m": min(most, t.m0 // 16)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -123,24 +125,70 @@ def _torch_module(dtype: str, layout: str, group: int, dq: int, dv: int, tiles, 
     return export_module(spec, with_step=with_step), spec.module_name
 
 
+def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
+    """The dense entry points' static parameters, or None when the module has none (CPU torch
+    modules; GPU lowerings IREE picks; lowerings that split Dv across workgroups, which were not
+    checked on a GPU).
+
+    ``align``: sequence lengths the dense path takes are multiples of this (the workgroup M and
+    K2 tiles, so IREE sees whole tiles); ``causal_blocks``: row blocks of the causal entry point
+    (it computes (NB + 1) / (2 NB) of the unmasked work)."""
+    import math
+
+    fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    if not fused:
+        return None
+    low = _dense_lowering(spec)
+    if low is None or int(low.get("workgroup_n", spec.dv)) != spec.dv:
+        return None
+    align = math.lcm(int(low["workgroup_m"]), int(low["reduction_k2"]))
+    return {"align": align, "causal_blocks": CAUSAL_BLOCKS, "lowering": low}
+
+
+def dense_abi(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
+    """What a runtime needs to call the dense entry points (``align``, ``causal_blocks``)."""
+    d = dense_params(spec, fused_step=fused_step)
+    return None if d is None else {"align": d["align"], "causal_blocks": d["causal_blocks"]}
+
+
+# Row blocks of the causal entry point: (NB + 1) / (2 NB) of the unmasked work; more blocks skip
+# more but make smaller dispatches.
+CAUSAL_BLOCKS = 2
+
+
+def _dense_lowering(spec: KernelSpec) -> dict | None:
+    if spec.target.backend == "llvm-cpu":
+        # The GPU formulation built for llvm-cpu (tests): N whole, tiles from the spec.
+        return {"backend": "cpu", "workgroup_m": spec.tiles.m0, "reduction_k2": spec.tiles.n0,
+                "workgroup_n": spec.dv}
+    return gpu_lowering(spec)
+
+
 def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None) -> str:
     """The module's input IR. CPU: the torch graph of ``graph.py``. GPU: its ``init``/``finalize``
     plus the ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the
-    tile config). ``fused_step=True`` on the CPU builds the GPU formulation for llvm-cpu, so its
-    numerics can be tested where CI runs."""
+    tile config) and, where ``dense_params`` allows, ``dense`` / ``causal``
+    (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``). ``fused_step=True`` on the CPU builds the
+    GPU formulation for llvm-cpu, so its numerics can be tested where CI runs."""
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
     text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused)
     text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
     if not fused:
         return text
-    from .mlir_templates import render_online_step
+    from .mlir_templates import render_causal, render_dense, render_online_step
 
     t = spec.tiles
-    step = render_online_step(func_name="step", dtype=spec.dtype, layout=spec.layout, group=spec.group,
-                              r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=gpu_lowering(spec))
+    funcs = [render_online_step(func_name="step", dtype=spec.dtype, layout=spec.layout, group=spec.group,
+                                r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=gpu_lowering(spec))]
+    dense = dense_params(spec, fused_step=fused)
+    if dense:
+        kw = dict(dtype=spec.dtype, layout=spec.layout, group=spec.group, dq=spec.dq, dv=spec.dv,
+                  align=dense["align"], lowering=dense["lowering"])
+        funcs.append(render_dense(func_name="dense", **kw))
+        funcs.append(render_causal(func_name="causal", blocks=dense["causal_blocks"], **kw))
     text = text.rstrip()
     assert text.endswith("}"), "unexpected exported module text"
-    return text[:-1] + step + "\n}\n"
+    return text[:-1] + "\n".join(funcs) + "\n}\n"
 
 
 def compile_spec(spec: KernelSpec, *, extra_flags: list[str] | None = None) -> tuple[bytes, dict]:
@@ -211,7 +259,7 @@ def entry_points(spec: KernelSpec) -> dict:
     seq = lambda h, d: ["?", h, "?", d] if spec.layout == "bhsd" else ["?", "?", h, d]  # noqa: E731
     hq = "?" if spec.group == 1 else f"{spec.group}*Hk"
     state = {"acc": [["?", "Hk", gr, spec.dv], "f32"], "m": [["?", "Hk", gr], "f32"], "l": [["?", "Hk", gr], "f32"]}
-    return {
+    out = {
         "init": {"args": {"carrier": [["NT", "Hk"], "i32"]}, "results": state},
         "step": {
             "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
@@ -224,6 +272,18 @@ def entry_points(spec: KernelSpec) -> dict:
             "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
         },
     }
+    dense = dense_params(spec)
+    if dense:
+        a, nb = dense["align"], dense["causal_blocks"]
+        tt = "bf16" if spec.dtype == "bf16" else spec.dtype
+        tiled = lambda h, d: ["?", h, f"S/{a}", a, d] if spec.layout == "bhsd" else ["?", f"S/{a}", a, h, d]  # noqa: E731
+        io = {"q": [tiled(hq, spec.dq), tt], "k": [tiled("Hk", spec.dq), tt], "v": [tiled("Hk", spec.dv), tt]}
+        res = {"out": [tiled(hq, spec.dv), tt], "lse": [["?", hq, f"S/{a}", a], "f32"]}
+        out["dense"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
+                        "note": f"every row sees every key; Sq, Sk multiples of {a}"}
+        out["causal"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
+                         "note": f"row i sees keys j <= i; Sq == Sk, a multiple of {a * nb}"}
+    return out
 
 
 def _iree_tiles(spec: KernelSpec) -> dict:
@@ -273,6 +333,7 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
         "tiles": {"ck": {"kM0": t.m0, "kN0": t.n0, "kK0": t.k0, "kN1": t.n1, "kK1": t.k1}, "kv_chunk": t.kv_chunk,
                   "iree": _iree_tiles(spec)},
         "entry_points": entry_points(spec),
+        "dense": dense_abi(spec),
         "toolchain": record["toolchain"],
         "flags": record["flags"],
         "command": record["command"],

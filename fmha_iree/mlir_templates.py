@@ -245,3 +245,144 @@ def default_lowering(target: str, *, dtype: str = "f16", r: int = 128, group: in
         kind = "NV_MMA_SYNC_F32_16x8x16_F16" if t == "f16" else "NV_MMA_SYNC_F32_16x8x16_BF16"
         return {**base, "subgroup_size": 32, "subgroups_m": 4, "mma_kind": kind}
     return None
+
+
+def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: int) -> dict:
+    """Fields shared by the dense and causal templates.
+
+    The sequence axis crosses the ABI split as (S / A, A) with A = `align` (the host reshapes, for
+    free): IREE's GPU pipeline only distributes an attention whose M and K2 it can prove to be
+    multiples of its tiles, and a product with a static factor is such a proof.
+    `prologue` defines the constants, `%scale_t`, the inputs as bhsd (`%qb`, `%kb`, `%vb`:
+    [B, H, S/A, A, D], a transpose each for bshd) and their dims; `from_bhsd` turns `%o4`
+    [B, Hq, S/A, A, Dv] into `%out` in `layout`."""
+    t = _DTYPES.get(str(dtype))
+    if t is None:
+        raise ValueError(f"dtype {dtype!r} not in f16/bf16/f32")
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"layout {layout!r} not in bshd/bhsd")
+    for name, val in (("group", group), ("dq", dq), ("dv", dv), ("align", align)):
+        if int(val) <= 0:
+            raise ValueError(f"{name} must be positive, got {val}")
+    a = int(align)
+    ty = {x: f"tensor<?x?x?x{a}x{d}x{t}>" for x, d in (("q", dq), ("k", dq), ("v", dv))}
+    lines = [
+        "  %c0 = arith.constant 0 : index", "  %c1 = arith.constant 1 : index",
+        "  %c2 = arith.constant 2 : index", "  %c3 = arith.constant 3 : index",
+        f"  %cG = arith.constant {int(group)} : index", f"  %cA = arith.constant {a} : index",
+        "  %zero = arith.constant 0.0 : f32", "  %fmin = arith.constant -3.40282347E+38 : f32",
+        "  %ln2 = arith.constant 0.693147180559945309 : f32",
+    ]
+    consts = "\n".join(lines)
+    scale = "\n".join([
+        "  %scale_f32 = tensor.extract %scale[%c0] : tensor<1xf32>",
+        "  %scale_t = arith.addf %scale_f32, %zero : f32" if t == "f32"
+        else f"  %scale_t = arith.truncf %scale_f32 : f32 to {t}"])
+    lines = []
+    for x in ("q", "k", "v"):
+        if layout == "bhsd":
+            lines.append(f"  %{x}b = tensor.cast %{x} : {ty[x]} to {ty[x]}")
+        else:  # [B, S/A, A, H, D] -> [B, H, S/A, A, D]
+            d = dq if x != "v" else dv
+            src = f"tensor<?x?x{a}x?x{d}x{t}>"
+            lines += [
+                f"  %{x}_B = tensor.dim %{x}, %c0 : {src}", f"  %{x}_S = tensor.dim %{x}, %c1 : {src}",
+                f"  %{x}_H = tensor.dim %{x}, %c3 : {src}",
+                f"  %{x}_e = tensor.empty(%{x}_B, %{x}_H, %{x}_S) : {ty[x]}",
+                f"  %{x}b = linalg.transpose ins(%{x} : {src}) outs(%{x}_e : {ty[x]}) permutation = [0, 3, 1, 2, 4]",
+            ]
+    lines += [
+        f"  %B = tensor.dim %qb, %c0 : {ty['q']}", f"  %Sqt = tensor.dim %qb, %c2 : {ty['q']}",
+        f"  %Hk = tensor.dim %kb, %c1 : {ty['k']}", f"  %Skt = tensor.dim %kb, %c2 : {ty['k']}",
+        "  %BH = arith.muli %B, %Hk : index",
+    ]
+    oty = f"tensor<?x?x?x{a}x{dv}x{t}>"
+    if layout == "bhsd":
+        from_bhsd = f"  %out = tensor.cast %o4 : {oty} to {oty}"
+        args = f"%q: {ty['q']}, %k: {ty['k']}, %v: {ty['v']}"
+        res = oty
+    else:
+        res = f"tensor<?x?x{a}x?x{dv}x{t}>"
+        from_bhsd = "\n".join([
+            f"  %o_B = tensor.dim %o4, %c0 : {oty}", f"  %o_H = tensor.dim %o4, %c1 : {oty}",
+            f"  %o_S = tensor.dim %o4, %c2 : {oty}", f"  %o_e = tensor.empty(%o_B, %o_S, %o_H) : {res}",
+            f"  %out = linalg.transpose ins(%o4 : {oty}) outs(%o_e : {res}) permutation = [0, 2, 3, 1, 4]",
+        ])
+        args = ", ".join(f"%{x}: tensor<?x?x{a}x?x{dq if x != 'v' else dv}x{t}>" for x in ("q", "k", "v"))
+    out_cast = ("    linalg.yield %y : f32" if t == "f32"
+                else f"    %yt = arith.truncf %y : f32 to {t}\n    linalg.yield %yt : {t}")
+    qd, kd, vd = (("[B,Hq,Sq/A,A,Dq]", "[B,Hk,Sk/A,A,Dq]", "[B,Hk,Sk/A,A,Dv]") if layout == "bhsd"
+                  else ("[B,Sq/A,A,Hq,Dq]", "[B,Sk/A,A,Hk,Dq]", "[B,Sk/A,A,Hk,Dv]"))
+    return dict(T=t, G=int(group), DQ=int(dq), DV=int(dv), A=a, layout=layout, consts=consts, scale=scale,
+                inputs="\n".join(lines), prologue="\n".join([consts, scale, *lines]),
+                from_bhsd=from_bhsd, out_cast=out_cast, q_shape_doc=qd, k_shape_doc=kd, v_shape_doc=vd,
+                args=args, out_type=res)
+
+
+def _lowering_for_whole_rows(lowering, dv: int):
+    """(props, attrs) for an op whose M and K2 are runtime sizes (the caller checks divisibility)."""
+    if not lowering:
+        return "", ""
+    lw = {"backend": lowering} if isinstance(lowering, str) else dict(lowering)
+    m = int(lw.get("workgroup_m", 1))
+    k2 = int(lw.get("reduction_k2", 1))
+    return render_lowering_attrs(lw, m_total=m, dv=int(dv), c=k2)
+
+
+def render_dense(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
+                 lowering: Mapping[str, Any] | str | None = None) -> str:
+    """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: attention where
+    every row sees every key, as one online_attention (template `mlir/dense.mlir.in`)."""
+    f = _dense_common(dtype, layout, group, dq, dv, align)
+    props, attrs = _lowering_for_whole_rows(lowering, dv)
+    t, dv_, G, A = f["T"], f["DV"], f["G"], f["A"]
+    epilogue = f"""  %oe = tensor.empty(%BH, %M) : tensor<?x?x{dv_}x{t}>
+  %o3 = linalg.generic {{
+      indexing_maps = [affine_map<(d0, d1, d2) -> (d0, d1, d2)>, affine_map<(d0, d1, d2) -> (d0, d1)>,
+                       affine_map<(d0, d1, d2) -> (d0, d1, d2)>],
+      iterator_types = ["parallel", "parallel", "parallel"]}}
+      ins(%att#0, %att#2 : tensor<?x?x{dv_}xf32>, tensor<?x?xf32>) outs(%oe : tensor<?x?x{dv_}x{t}>) {{
+  ^bb0(%x: f32, %s: f32, %o: {t}):
+    %y = arith.divf %x, %s : f32
+{f["out_cast"]}
+  }} -> tensor<?x?x{dv_}x{t}>
+  %le = tensor.empty(%BH, %M) : tensor<?x?xf32>
+  %l2 = linalg.generic {{
+      indexing_maps = [affine_map<(d0, d1) -> (d0, d1)>, affine_map<(d0, d1) -> (d0, d1)>,
+                       affine_map<(d0, d1) -> (d0, d1)>],
+      iterator_types = ["parallel", "parallel"]}}
+      ins(%att#1, %att#2 : tensor<?x?xf32>, tensor<?x?xf32>) outs(%le : tensor<?x?xf32>) {{
+  ^bb0(%mx: f32, %s: f32, %o: f32):
+    %lg = math.log2 %s : f32
+    %tt = arith.addf %mx, %lg : f32
+    %e = arith.mulf %tt, %ln2 : f32
+    linalg.yield %e : f32
+  }} -> tensor<?x?xf32>
+  %o5 = tensor.expand_shape %o3 [[0, 1], [2, 3, 4], [5]] output_shape [%B, %Hk, {G}, %Sqt, {A}, {dv_}]
+      : tensor<?x?x{dv_}x{t}> into tensor<?x?x{G}x?x{A}x{dv_}x{t}>
+  %o4 = tensor.collapse_shape %o5 [[0], [1, 2], [3], [4], [5]]
+      : tensor<?x?x{G}x?x{A}x{dv_}x{t}> into tensor<?x?x?x{A}x{dv_}x{t}>
+  %lse4 = tensor.expand_shape %l2 [[0, 1], [2, 3, 4]] output_shape [%B, %Hk, {G}, %Sqt, {A}]
+      : tensor<?x?xf32> into tensor<?x?x{G}x?x{A}xf32>
+  %lse = tensor.collapse_shape %lse4 [[0], [1, 2], [3], [4]] : tensor<?x?x{G}x?x{A}xf32> into tensor<?x?x?x{A}xf32>
+{f["from_bhsd"]}
+  util.return %out, %lse : {f["out_type"]}, tensor<?x?x?x{A}xf32>"""
+    return _load("dense.mlir.in").substitute(func_name=func_name, attn_props=props, attn_attrs=attrs,
+                                             epilogue_3d=epilogue, **f)
+
+
+def render_causal(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, blocks: int,
+                  align: int, lowering: Mapping[str, Any] | str | None = None) -> str:
+    """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: causal attention
+    (Sq == Sk, S a multiple of `blocks * align`) as `blocks` independent row blocks, each against
+    the keys up to its diagonal (templates `mlir/causal.mlir.in`, `mlir/causal_block.mlir.in`)."""
+    f = _dense_common(dtype, layout, group, dq, dv, align)
+    nb = int(blocks)
+    if nb < 1:
+        raise ValueError(f"blocks must be positive, got {blocks}")
+    props, attrs = _lowering_for_whole_rows(lowering, dv)
+    block = _load("causal_block.mlir.in")
+    parts = [block.substitute(b=b, b1=b + 1, attn_props=props, attn_attrs=attrs, **f) for b in range(nb)]
+    rows = "  %o6_0 = tensor.cast %o6_e : {t} to {t}\n  %l5_0 = tensor.cast %l5_e : {u} to {u}".format(
+        t=f"tensor<?x?x{f['G']}x?x{f['A']}x{f['DV']}x{f['T']}>", u=f"tensor<?x?x{f['G']}x?x{f['A']}xf32>")
+    return _load("causal.mlir.in").substitute(func_name=func_name, NB=nb, row_blocks=rows + "".join(parts), **f)

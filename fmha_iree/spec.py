@@ -58,11 +58,16 @@ class KernelSpec:
 
 @dataclasses.dataclass
 class Operand:
-    """An input converted for the IREE ABI: a C-contiguous numpy array (bf16 as int16 bits)."""
+    """An input converted for the IREE ABI: a C-contiguous numpy array (bf16 as int16 bits), or a
+    :class:`fmha_iree.runtime.DeviceTensor` already on a device."""
 
     array: np.ndarray
     dtype: str
     is_torch: bool
+
+    @property
+    def on_device(self) -> bool:
+        return not isinstance(self.array, np.ndarray)
 
 
 def _is_torch(x) -> bool:
@@ -70,7 +75,12 @@ def _is_torch(x) -> bool:
 
 
 def as_operand(x, name: str) -> Operand:
-    """Convert a torch tensor or numpy array; reject anything else naming ``name``."""
+    """Convert a torch tensor or numpy array (or take a DeviceTensor as it is); reject anything
+    else naming ``name``."""
+    from .runtime import DeviceTensor
+
+    if isinstance(x, DeviceTensor):
+        return Operand(x, x.dtype, False)
     if _is_torch(x):
         dt = _TORCH_DTYPES.get(str(x.dtype))
         if dt is None:
@@ -86,7 +96,7 @@ def as_operand(x, name: str) -> Operand:
         if dt is None:
             raise TypeError(f"{name} has dtype {x.dtype}; numpy inputs support float16 and float32")
         return Operand(np.ascontiguousarray(x), dt, False)
-    raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+    raise TypeError(f"{name} must be a torch.Tensor, numpy.ndarray or fmha_iree.DeviceTensor, got {type(x).__name__}")
 
 
 def _operands(q, k, v, ndim: int, what: str) -> tuple[Operand, Operand, Operand]:
@@ -95,6 +105,8 @@ def _operands(q, k, v, ndim: int, what: str) -> tuple[Operand, Operand, Operand]
     for name, o in zip("kv", ops[1:]):
         if o.dtype != ops[0].dtype:
             raise TypeError(f"{name} has dtype {o.dtype} but q has {ops[0].dtype}: all inputs must share one dtype")
+        if o.on_device != ops[0].on_device or (o.on_device and o.array.device_uri != ops[0].array.device_uri):
+            raise TypeError(f"{name} and q must both be DeviceTensors on one device, or both host arrays")
     for name, o in zip("qkv", ops):
         if o.array.ndim != ndim:
             raise ValueError(f"{name} must be {what}, got shape {list(o.array.shape)}")

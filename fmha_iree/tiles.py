@@ -100,9 +100,27 @@ def _gpu(n0_by_d: dict) -> dict:
 
 
 _GPU = _gpu({32: 64, 64: 64, 96: 64, 128: 64, 192: 32, 256: 32})
-# CUDA d128: on the H200 (sm_80 module, fp16 B=4 H=16 S=4096, one online_attention over the whole
-# problem, 2026-11-29) K2 = 32 ran 4.6 ms against 5.7 ms for K2 = 64.
-_CUDA = {**_GPU, 128: TileConfig(64, 32, 16, 128, 16, kv_chunk=256)}
+
+
+def _tuned(name: str) -> dict:
+    """Winners of ``scripts/tune.py`` (written there with the figures that chose them), per head
+    dim. Both dtypes got the same winners on the H200 (2026-11-29), so the f16 entry serves."""
+    import json
+    from pathlib import Path
+
+    try:
+        entries = json.loads((Path(__file__).resolve().parent / name).read_text())
+    except OSError:
+        return {}
+    return {e["hdim"]: TileConfig(e["lowering"]["workgroup_m"], e["lowering"]["reduction_k2"], 16, e["hdim"], 16,
+                                  kv_chunk=256)
+            for e in entries if e["dtype"] == "f16"}
+
+
+# CUDA: tuned on the H200 (sm_80 module; one online_attention over B*H=64 x S=4096 at d128, see
+# tuned_cuda.json): M64/K2=32 at d64 and d128 (111 TFLOP/s at d128 f16, ten configs within 4%),
+# M128/K2=32 with 8 warps at d256 (108 TFLOP/s against 86 for M64).
+_CUDA = {**_GPU, **_tuned("tuned_cuda.json")}
 
 _TABLES = {"cpu": _CPU, "cdna": _GPU, "rdna": _GPU, "cuda": _CUDA}
 

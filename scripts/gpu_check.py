@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
-"""Run modules compiled elsewhere (``fmha-iree compile --target sm_80``) on a CUDA GPU through
-``fmha_iree.runtime.load`` (only iree-base-runtime, numpy and torch needed there): check against
-torch SDPA on the same GPU in float64-checked fashion, and time both in the same run.
+"""Correctness on a GPU of modules compiled elsewhere (``fmha-iree compile --target sm_80``),
+through ``fmha_iree.runtime.load`` (only iree-base-runtime, numpy and torch needed there).
 
-    python scripts/gpu_check.py gpu_modules/f16_d128.vmfb --device cuda://0
+    python scripts/gpu_check.py gpu_modules/*.vmfb --device cuda://0
 
-Times of fmha_iree include the host<->device copies of the runtime path (inputs are numpy arrays).
+For every module: shapes that take the plan (odd lengths, windows) and shapes that take the one-call
+dense / causal entry points (lengths multiples of the module's alignment), with host arrays and
+with DeviceTensors, against a float64 reference computed from the inputs with the CK mask rule.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
@@ -19,68 +19,50 @@ import numpy as np
 def main():
     import torch
 
+    import fmha_iree
+    from fmha_iree import Mask
+    from fmha_iree.api import dense_kind
     from fmha_iree.runtime import load
+    from fmha_iree.spec import check_batch
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("module")
+    ap.add_argument("modules", nargs="+")
     ap.add_argument("--device", default="cuda://0")
-    ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    f = load(args.module, device=args.device)
-    print("module", f.manifest["module"], "tiles", f.manifest["tiles"]["ck"])
-    torch.manual_seed(0)
-    cases = [(2, 16, 77, 130, "b"), (1, 16, 300, 300, "t"), (1, 16, 1000, 1000, None), (1, 16, 513, 700, "b:64,0")]
-    for B, H, sq, sk, mask in cases:
-        q = torch.randn(B, H, sq, 128, dtype=torch.float16)
-        k = torch.randn(B, H, sk, 128, dtype=torch.float16)
-        v = torch.randn(B, H, sk, 128, dtype=torch.float16)
-        out, lse = f(q.numpy(), k.numpy(), v.numpy(), mask=mask if mask else "0", return_lse=True)
-        from fmha_iree import Mask
-
-        vis = torch.from_numpy(Mask.from_str(mask or "0").materialize(sq, sk))
-        s = (q.double() @ k.double().transpose(-1, -2)) / np.sqrt(128)
-        s = s.masked_fill(~vis, float("-inf"))
-        ref = torch.softmax(s, -1).nan_to_num(0) @ v.double()
-        rl = torch.logsumexp(s, -1)
-        err = (torch.from_numpy(out).double() - ref).abs().max().item()
-        lerr = (torch.from_numpy(lse).double() - rl).nan_to_num(0, 0, 0).abs().max().item()
-        print(f"check B={B} H={H} Sq={sq} Sk={sk} mask={mask}: max|out-ref|={err:.2e} max|lse-ref|={lerr:.2e}")
-
-    for B, S, causal in ((4, 4096, False), (4, 4096, True), (2, 8192, False), (2, 8192, True)):
-        H = 16
-        q, k, v = (torch.randn(B, H, S, 128, dtype=torch.float16) for _ in range(3))
-        qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
-        mask = "b" if causal else "0"
-        f(qn, kn, vn, mask=mask)
-        ts = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            f(qn, kn, vn, mask=mask)
-            ts.append(time.perf_counter() - t0)
-        t = sorted(ts)[len(ts) // 2]
-        qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
-        res = {}
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-            try:
-                with sdpa_kernel(be):
-                    fn = lambda: torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=causal)  # noqa
-                    fn()
-                    torch.cuda.synchronize()
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    for _ in range(10):
-                        fn()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    res[name] = e0.elapsed_time(e1) / 10 / 1e3
-            except Exception as e:  # a backend torch lacks here
-                res[name] = float("nan")
-                print(name, "failed:", str(e)[:100])
-        flops = 4 * B * H * S * S * 128 / (2 if causal else 1)
-        print(f"time B={B} H={H} S={S} causal={causal}: fmha_iree {t*1e3:.2f} ms ({flops/t/1e12:.1f} TFLOP/s incl. host copies); "
-              + ", ".join(f"torch {n} {x*1e3:.3f} ms ({flops/x/1e12:.0f} TFLOP/s)" for n, x in res.items()))
+    worst = 0.0
+    for path in args.modules:
+        f = load(path, device=args.device)
+        pr = f.manifest["problem"]
+        d, g = pr["hdim"], pr["group"]
+        dt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[pr["dtype"]]
+        print("module", f.manifest["module"], "tiles", f.manifest["tiles"]["ck"], "dense", f.manifest.get("dense"))
+        torch.manual_seed(0)
+        cases = [(2, 77, 130, "b"), (1, 300, 300, "t"), (1, 1000, 1000, "0"), (1, 513, 700, "b:64,0"),
+                 (2, 512, 1024, "0"), (2, 1024, 1024, "b"), (1, 2048, 2048, "t"), (1, 1024, 1024, "b:100,0")]
+        hq = pr.get("heads") or 16
+        for B, sq, sk, mask in cases:
+            hk = hq // g
+            q = torch.randn(B, hq, sq, d, dtype=dt)
+            k = torch.randn(B, hk, sk, d, dtype=dt)
+            v = torch.randn(B, hk, sk, d, dtype=dt)
+            p = check_batch(q, k, v, mask=mask, scale=None, layout=pr["layout"], cu_seqlen_q=None, cu_seqlen_k=None)
+            path_kind = dense_kind(p, f.module.dense) or "plan"
+            vis = torch.from_numpy(Mask.from_str(mask).materialize(sq, sk))
+            s = (q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)) / np.sqrt(d)
+            s = s.masked_fill(~vis, float("-inf"))
+            ref = torch.softmax(s, -1).nan_to_num(0) @ v.double().repeat_interleave(g, 1)
+            rl = torch.logsumexp(s, -1)
+            for src in ("host", "device"):
+                ins = (q, k, v) if src == "host" else tuple(fmha_iree.to_device(x, args.device) for x in (q, k, v))
+                out, lse = f(*ins, mask=mask, return_lse=True)
+                if src == "device":
+                    out, lse = out.to_torch(), lse.to_torch()
+                err = (out.double() - ref).abs().max().item()
+                lerr = (lse.double() - rl).nan_to_num(0, 0, 0).abs().max().item()
+                worst = max(worst, err)
+                print(f"  {pr['dtype']} d{d} g{g} B={B} Sq={sq} Sk={sk} mask={mask:<8} path={path_kind:<6} {src:<6}: "
+                      f"max|out-ref|={err:.2e} max|lse-ref|={lerr:.2e}", flush=True)
+    print(f"worst max|out-ref| {worst:.2e}")
 
 
 if __name__ == "__main__":

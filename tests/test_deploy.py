@@ -22,7 +22,7 @@ ALL_TARGETS = list(GFX_TARGETS) + ["sm_80", "host"]
 HDIMS = [32, 64, 96, 128, 192, 256]
 DTYPES = ["f16", "bf16", "f32"]
 MANIFEST_KEYS = {"format", "abi_version", "module", "problem", "target", "tiles", "entry_points", "toolchain",
-                 "flags", "command", "isa"}
+                 "flags", "command", "isa", "dense"}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,10 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
         assert MANIFEST_KEYS <= set(man), set(man) ^ MANIFEST_KEYS
         assert man["problem"]["dtype"] == r["dtype"] and man["problem"]["hdim"] == r["hdim"]
         assert set(man["tiles"]["ck"]) == {"kM0", "kN0", "kK0", "kN1", "kK1"}
-        assert set(man["entry_points"]) == {"init", "step", "finalize"}
+        # GPU modules with an explicit lowering over the whole Dv also get the one-call entry points.
+        has_dense = man["tiles"]["iree"]["lowering"] is not None and man["tiles"]["ck"]["kN1"] == r["hdim"]
+        assert (man["dense"] is not None) == has_dense, (r["module"], man["dense"])
+        assert set(man["entry_points"]) == {"init", "step", "finalize"} | ({"dense", "causal"} if has_dense else set())
         assert "?" in man["entry_points"]["step"]["args"]["q"][0], "batch / sequence dims must be dynamic"
         assert man["toolchain"]["iree-base-compiler"] and any(f.startswith("--iree-hal-target-device") for f in man["flags"])
         assert (out / f"{r['module']}.vmfb").stat().st_size > 0

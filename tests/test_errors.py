@@ -117,3 +117,24 @@ def test_numpy_bad_input_then_numpy_ok(main_problem):
     assert re.search(ARG_K, str(ei.value)), str(ei.value)
     out = fmha_iree.fmha_fwd(q, k, v, mask="b")
     assert isinstance(out, np.ndarray) and compiles() == before
+
+
+def test_device_tensor_misuse(main_problem):
+    """DeviceTensors: mixing them with host arrays, or passing them for another device, is refused
+    naming the argument, before anything runs."""
+    q, k, v = main_problem
+    qd = fmha_iree.to_device(q, "local-task")
+    before = compiles()
+    with pytest.raises(TypeError, match=r"\bk\b"):
+        fmha_iree.fmha_fwd(qd, k, v)
+    with pytest.raises(ValueError, match="device"):
+        fmha_iree.fmha_fwd(qd, *(fmha_iree.to_device(x, "local-task") for x in (k, v)), device="local-sync")
+    with pytest.raises(ValueError, match="reshape"):
+        qd.reshape((3, 5))
+    with pytest.raises(TypeError, match=r"\bx\b"):
+        fmha_iree.to_device([1.0, 2.0], "local-task")
+    assert compiles() == before
+    out = fmha_iree.fmha_fwd(qd, *(fmha_iree.to_device(x, "local-task") for x in (k, v)), mask="b")
+    assert isinstance(out, fmha_iree.DeviceTensor)
+    check_fwd(q, k, v, mask="b", what="after DeviceTensor misuse")
+    assert torch.allclose(out.to_torch(), fmha_iree.fmha_fwd(q, k, v, mask="b"))

@@ -1,21 +1,23 @@
-"""The GPU formulation of ``step`` (the fused ``online_attention`` template) checked for numbers on
-the CPU, where CI runs: the module is built exactly as for gfx/CUDA targets but for llvm-cpu, then
-driven by the same plan as any module and compared with the float64 reference."""
+"""The GPU formulation (the fused ``online_attention`` templates: the plan's ``step`` and the
+one-call ``dense`` / ``causal`` entry points) checked for numbers on the CPU, where CI runs: the
+module is built exactly as for gfx/CUDA targets but for llvm-cpu, then driven through the same
+API code as any module and compared with the float64 reference."""
 
 import numpy as np
 import pytest
 import torch
 
 import fmha_iree
-from fmha_iree.api import run_batch
-from fmha_iree.compile import compile_flags, source_mlir
-from fmha_iree.runtime import FmhaModule
+from fmha_iree.api import dense_kind, run_batch
+from fmha_iree.compile import compile_flags, dense_abi, source_mlir
+from fmha_iree.runtime import DeviceTensor, FmhaModule
 from fmha_iree.spec import KernelSpec, check_batch
 from fmha_iree.targets import Target
 
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
-# Small units so a few hundred rows cross several tiles and key chunks.
+# Small units so a few hundred rows cross several tiles and key chunks. The dense path then takes
+# lengths that are multiples of 32 (causal: of 32 * 8 blocks).
 TILES = fmha_iree.TileConfig(m0=32, n0=32, k0=16, n1=64, k1=16, kv_chunk=64)
 
 
@@ -25,24 +27,30 @@ def fused_module():
 
     mods = {}
 
-    def get(dtype, layout, group, d):
-        key = (dtype, layout, group, d)
+    def get(dtype, layout, group, d, dv=None):
+        key = (dtype, layout, group, d, dv)
         if key not in mods:
-            spec = KernelSpec(dtype, layout, group, d, d, TILES, Target.from_name("host"))
+            spec = KernelSpec(dtype, layout, group, d, dv or d, TILES, Target.from_name("host"))
             vmfb = ict.compile_str(source_mlir(spec, fused_step=True), extra_args=compile_flags(spec))
-            mods[key] = FmhaModule(vmfb, "local-task", spec.module_name)
+            mods[key] = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True,
+                                   dense=dense_abi(spec, fused_step=True))
         return mods[key]
 
     return get
+
+
+def _run(mod, q, k, v, mask, layout="bhsd", **kw):
+    p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=kw.get("cu_q"), cu_seqlen_k=kw.get("cu_k"))
+    return p, run_batch(p, True, TILES, lambda: mod, "gpu")
 
 
 @pytest.mark.parametrize("mask", ["0", "b", "t", "b:20,0", "t:3,40", "xb:9"])
 @pytest.mark.parametrize("sq,sk", [(77, 130), (130, 77), (200, 200)], ids=["77x130", "130x77", "200x200"])
 def test_fused_step_matches_reference(fused_module, mask, sq, sk):
     q, k, v = make_qkv(seed_of("fused", mask, sq, sk), B=2, Hq=4, Hk=2, Sq=sq, Sk=sk, Dq=64)
-    p = check_batch(q, k, v, mask=mask, scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None)
     mod = fused_module("f32", "bhsd", 2, 64)
-    out, lse = run_batch(p, True, TILES, lambda: mod, "gpu")
+    p, (out, lse) = _run(mod, q, k, v, mask)
+    assert dense_kind(p, mod.dense) is None  # unaligned lengths: the plan's step
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask)
     assert_close(out, ref_out, torch.float32, what=f"fused out mask={mask}")
     assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"fused lse mask={mask}")
@@ -54,9 +62,63 @@ def test_fused_step_padding_and_f16_bshd(fused_module):
     v[1, :, 100:] = float("nan")
     cu_k = np.array([0, 120, 220], np.int32)
     qs, ks, vs = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    p = check_batch(qs, ks, vs, mask="b", scale=None, layout="bshd", cu_seqlen_q=None, cu_seqlen_k=cu_k)
     mod = fused_module("f16", "bshd", 1, 64)
-    out, lse = run_batch(p, True, TILES, lambda: mod, "gpu")
+    _, (out, lse) = _run(mod, qs, ks, vs, "b", layout="bshd", cu_k=cu_k)
     ref_out, ref_lse = attention_ref(qs, ks, vs, mask="b", layout="bshd", cu_seqlen_k=cu_k)
     assert_close(out, ref_out, torch.float16, what="fused f16 bshd padded")
     assert_close(lse, ref_lse, torch.float16, kind="lse", what="fused f16 bshd padded lse")
+
+
+# The one-call entry points: aligned lengths, every layout, GQA, dtype; the mask decides the path.
+DENSE_CASES = [
+    # (mask, sq, sk, expected path)
+    ("0", 96, 160, "dense"),
+    ("0", 160, 64, "dense"),
+    ("b", 256, 256, "causal"),
+    ("t", 512, 512, "causal"),
+    ("b:300,0", 256, 256, "causal"),  # a window wider than the sequence is causal
+    ("t", 256, 512, None),  # causal with Sq != Sk: the plan
+    ("b:64,0", 256, 256, None),  # a real window: the plan
+    ("b", 96, 96, None),  # causal, S not a multiple of 32 * 8: the plan
+]
+
+
+@pytest.mark.parametrize("mask,sq,sk,path", DENSE_CASES, ids=[f"{m}-{a}x{b}" for m, a, b, _ in DENSE_CASES])
+@pytest.mark.parametrize("layout,group", [("bhsd", 1), ("bshd", 2)])
+def test_dense_entry_points(fused_module, mask, sq, sk, path, layout, group):
+    q, k, v = make_qkv(seed_of("dense", mask, sq, sk, layout, group), B=2, Hq=2 * group, Hk=2, Sq=sq, Sk=sk, Dq=64,
+                       layout=layout)
+    mod = fused_module("f32", layout, group, 64)
+    p, (out, lse) = _run(mod, q, k, v, mask, layout=layout)
+    assert dense_kind(p, mod.dense) == path
+    ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout)
+    assert_close(out, ref_out, torch.float32, what=f"dense out {mask} {sq}x{sk} {layout}")
+    assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"dense lse {mask} {sq}x{sk} {layout}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask", ["0", "b"])
+def test_dense_entry_points_half(fused_module, dtype, mask):
+    q, k, v = make_qkv(seed_of("dense-half", str(dtype), mask), B=1, Hq=2, Hk=1, Sq=256, Sk=256, Dq=64, Dv=32,
+                       dtype=dtype)
+    mod = fused_module({torch.float16: "f16", torch.bfloat16: "bf16"}[dtype], "bhsd", 2, 64, 32)
+    p, (out, lse) = _run(mod, q, k, v, mask)
+    assert dense_kind(p, mod.dense) is not None
+    ref_out, ref_lse = attention_ref(q, k, v, mask=mask)
+    assert out.dtype == dtype
+    assert_close(out, ref_out, dtype, what=f"dense {dtype} {mask}")
+    assert_close(lse, ref_lse, dtype, kind="lse", what=f"dense lse {dtype} {mask}")
+
+
+@pytest.mark.parametrize("mask,sq", [("b", 256), ("t:3,40", 77)], ids=["dense-path", "plan-path"])
+def test_device_tensors_stay_on_device(fused_module, mask, sq):
+    """DeviceTensor inputs give DeviceTensor results on both paths; bf16 stays bf16."""
+    q, k, v = make_qkv(seed_of("devt", mask), B=1, Hq=2, Hk=1, Sq=sq, Sk=sq, Dq=64, dtype=torch.bfloat16)
+    mod = fused_module("bf16", "bhsd", 2, 64)
+    qd, kd, vd = (fmha_iree.to_device(x, "local-task") for x in (q, k, v))
+    assert isinstance(qd, DeviceTensor) and qd.dtype == "bf16" and qd.shape == tuple(q.shape)
+    _, (out, lse) = _run(mod, qd, kd, vd, mask)
+    assert isinstance(out, DeviceTensor) and isinstance(lse, DeviceTensor)
+    ref_out, ref_lse = attention_ref(q, k, v, mask=mask)
+    assert_close(out.to_torch(), ref_out, torch.bfloat16, what=f"device out {mask}")
+    assert_close(lse.to_torch(), ref_lse, torch.bfloat16, kind="lse", what=f"device lse {mask}")
