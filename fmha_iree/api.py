@@ -136,7 +136,9 @@ def fmha_fwd(
     """CK's FMHA forward (batch mode): ``softmax(scale * q @ k^T, masked) @ v``.
 
     Args:
-        q, k, v: torch tensors or numpy arrays of one dtype (float16, bfloat16, float32).
+        q, k, v: torch tensors or numpy arrays of one dtype (float16, bfloat16, float32), or
+            DeviceTensors (:func:`to_device`) on ``device``: then the results stay on the device
+            as DeviceTensors too.
             ``layout="bhsd"``: q ``[B, Hq, Sq, Dq]``, k ``[B, Hk, Sk, Dq]``, v ``[B, Hk, Sk, Dv]``;
             ``layout="bshd"``: the same with the S and H axes swapped. ``Hq % Hk == 0`` (GQA/MQA:
             query head ``h`` reads K/V head ``h // (Hq // Hk)``).
@@ -155,6 +157,10 @@ def fmha_fwd(
 
     Rows that see no key give 0 and lse ``-inf``. Returns ``out`` (the input's type, dtype and
     layout, ``Dv`` wide) or ``(out, lse)``.
+
+    On GPU targets, a call with no mask (or causal with Sq == Sk), no cu_seqlen padding and lengths
+    that are multiples of the module's alignment runs as one fused kernel call (``dense_kind``);
+    every other call runs the tiled plan. Both give the same results.
     """
     p = check_batch(q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
     if not isinstance(return_lse, bool):
