@@ -275,8 +275,8 @@ def entry_points(spec: KernelSpec) -> dict:
     dense = dense_params(spec)
     if dense:
         a, nb = dense["align"], dense["causal_blocks"]
-        tt = "bf16" if spec.dtype == "bf16" else spec.dtype
         tiled = lambda h, d: ["?", h, f"S/{a}", a, d] if spec.layout == "bhsd" else ["?", f"S/{a}", a, h, d]  # noqa: E731
+        tt = spec.dtype  # the templates take bf16 typed as bf16 (the torch entry points take i16 bits)
         io = {"q": [tiled(hq, spec.dq), tt], "k": [tiled("Hk", spec.dq), tt], "v": [tiled("Hk", spec.dv), tt]}
         res = {"out": [tiled(hq, spec.dv), tt], "lse": [["?", hq, f"S/{a}", a], "f32"]}
         out["dense"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,

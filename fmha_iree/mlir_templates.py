@@ -272,13 +272,10 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
         f"  %cG = arith.constant {int(group)} : index", f"  %cA = arith.constant {a} : index",
         "  %zero = arith.constant 0.0 : f32", "  %fmin = arith.constant -3.40282347E+38 : f32",
         "  %ln2 = arith.constant 0.693147180559945309 : f32",
-    ]
-    consts = "\n".join(lines)
-    scale = "\n".join([
         "  %scale_f32 = tensor.extract %scale[%c0] : tensor<1xf32>",
         "  %scale_t = arith.addf %scale_f32, %zero : f32" if t == "f32"
-        else f"  %scale_t = arith.truncf %scale_f32 : f32 to {t}"])
-    lines = []
+        else f"  %scale_t = arith.truncf %scale_f32 : f32 to {t}",
+    ]
     for x in ("q", "k", "v"):
         if layout == "bhsd":
             lines.append(f"  %{x}b = tensor.cast %{x} : {ty[x]} to {ty[x]}")
@@ -293,7 +290,7 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
             ]
     lines += [
         f"  %B = tensor.dim %qb, %c0 : {ty['q']}", f"  %Sqt = tensor.dim %qb, %c2 : {ty['q']}",
-        f"  %Hk = tensor.dim %kb, %c1 : {ty['k']}", f"  %Skt = tensor.dim %kb, %c2 : {ty['k']}",
+        f"  %Hk = tensor.dim %kb, %c1 : {ty['k']}",
         "  %BH = arith.muli %B, %Hk : index",
     ]
     oty = f"tensor<?x?x?x{a}x{dv}x{t}>"
@@ -313,10 +310,14 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
                 else f"    %yt = arith.truncf %y : f32 to {t}\n    linalg.yield %yt : {t}")
     qd, kd, vd = (("[B,Hq,Sq/A,A,Dq]", "[B,Hk,Sk/A,A,Dq]", "[B,Hk,Sk/A,A,Dv]") if layout == "bhsd"
                   else ("[B,Sq/A,A,Hq,Dq]", "[B,Sk/A,A,Hk,Dq]", "[B,Sk/A,A,Hk,Dv]"))
-    return dict(T=t, G=int(group), DQ=int(dq), DV=int(dv), A=a, layout=layout, consts=consts, scale=scale,
-                inputs="\n".join(lines), prologue="\n".join([consts, scale, *lines]),
+    return dict(T=t, G=int(group), DQ=int(dq), DV=int(dv), A=a, layout=layout, prologue="\n".join(lines),
                 from_bhsd=from_bhsd, out_cast=out_cast, q_shape_doc=qd, k_shape_doc=kd, v_shape_doc=vd,
                 args=args, out_type=res)
+
+
+def _normalize(f: dict, suffix: str, rows: str) -> str:
+    """`mlir/normalize.mlir.in` for the op `%att<suffix>` over `rows` rows per batch entry."""
+    return _load("normalize.mlir.in").substitute(s=suffix, rows=rows, T=f["T"], DV=f["DV"], out_cast=f["out_cast"])
 
 
 def _lowering_for_whole_rows(lowering, dv: int):
@@ -335,40 +336,8 @@ def render_dense(*, func_name: str, dtype: str, layout: str, group: int, dq: int
     every row sees every key, as one online_attention (template `mlir/dense.mlir.in`)."""
     f = _dense_common(dtype, layout, group, dq, dv, align)
     props, attrs = _lowering_for_whole_rows(lowering, dv)
-    t, dv_, G, A = f["T"], f["DV"], f["G"], f["A"]
-    epilogue = f"""  %oe = tensor.empty(%BH, %M) : tensor<?x?x{dv_}x{t}>
-  %o3 = linalg.generic {{
-      indexing_maps = [affine_map<(d0, d1, d2) -> (d0, d1, d2)>, affine_map<(d0, d1, d2) -> (d0, d1)>,
-                       affine_map<(d0, d1, d2) -> (d0, d1, d2)>],
-      iterator_types = ["parallel", "parallel", "parallel"]}}
-      ins(%att#0, %att#2 : tensor<?x?x{dv_}xf32>, tensor<?x?xf32>) outs(%oe : tensor<?x?x{dv_}x{t}>) {{
-  ^bb0(%x: f32, %s: f32, %o: {t}):
-    %y = arith.divf %x, %s : f32
-{f["out_cast"]}
-  }} -> tensor<?x?x{dv_}x{t}>
-  %le = tensor.empty(%BH, %M) : tensor<?x?xf32>
-  %l2 = linalg.generic {{
-      indexing_maps = [affine_map<(d0, d1) -> (d0, d1)>, affine_map<(d0, d1) -> (d0, d1)>,
-                       affine_map<(d0, d1) -> (d0, d1)>],
-      iterator_types = ["parallel", "parallel"]}}
-      ins(%att#1, %att#2 : tensor<?x?xf32>, tensor<?x?xf32>) outs(%le : tensor<?x?xf32>) {{
-  ^bb0(%mx: f32, %s: f32, %o: f32):
-    %lg = math.log2 %s : f32
-    %tt = arith.addf %mx, %lg : f32
-    %e = arith.mulf %tt, %ln2 : f32
-    linalg.yield %e : f32
-  }} -> tensor<?x?xf32>
-  %o5 = tensor.expand_shape %o3 [[0, 1], [2, 3, 4], [5]] output_shape [%B, %Hk, {G}, %Sqt, {A}, {dv_}]
-      : tensor<?x?x{dv_}x{t}> into tensor<?x?x{G}x?x{A}x{dv_}x{t}>
-  %o4 = tensor.collapse_shape %o5 [[0], [1, 2], [3], [4], [5]]
-      : tensor<?x?x{G}x?x{A}x{dv_}x{t}> into tensor<?x?x?x{A}x{dv_}x{t}>
-  %lse4 = tensor.expand_shape %l2 [[0, 1], [2, 3, 4]] output_shape [%B, %Hk, {G}, %Sqt, {A}]
-      : tensor<?x?xf32> into tensor<?x?x{G}x?x{A}xf32>
-  %lse = tensor.collapse_shape %lse4 [[0], [1, 2], [3], [4]] : tensor<?x?x{G}x?x{A}xf32> into tensor<?x?x?x{A}xf32>
-{f["from_bhsd"]}
-  util.return %out, %lse : {f["out_type"]}, tensor<?x?x?x{A}xf32>"""
     return _load("dense.mlir.in").substitute(func_name=func_name, attn_props=props, attn_attrs=attrs,
-                                             epilogue_3d=epilogue, **f)
+                                             normalize=_normalize(f, "", "%M"), **f)
 
 
 def render_causal(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, blocks: int,
@@ -382,7 +351,8 @@ def render_causal(*, func_name: str, dtype: str, layout: str, group: int, dq: in
         raise ValueError(f"blocks must be positive, got {blocks}")
     props, attrs = _lowering_for_whole_rows(lowering, dv)
     block = _load("causal_block.mlir.in")
-    parts = [block.substitute(b=b, b1=b + 1, attn_props=props, attn_attrs=attrs, **f) for b in range(nb)]
+    parts = [block.substitute(b=b, b1=b + 1, attn_props=props, attn_attrs=attrs,
+                              normalize=_normalize(f, f"_{b}", "%GC"), **f) for b in range(nb)]
     rows = "  %o6_0 = tensor.cast %o6_e : {t} to {t}\n  %l5_0 = tensor.cast %l5_e : {u} to {u}".format(
         t=f"tensor<?x?x{f['G']}x?x{f['A']}x{f['DV']}x{f['T']}>", u=f"tensor<?x?x{f['G']}x?x{f['A']}xf32>")
     return _load("causal.mlir.in").substitute(func_name=func_name, NB=nb, row_blocks=rows + "".join(parts), **f)

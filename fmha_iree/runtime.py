@@ -41,8 +41,7 @@ def _element_type(dtype: str, typed_bf16: bool = True):
 
     if dtype == "bf16":
         return rt.HalElementType.BFLOAT_16 if typed_bf16 else rt.HalElementType.SINT_16
-    return {"f16": rt.HalElementType.FLOAT_16, "f32": rt.HalElementType.FLOAT_32,
-            "i32": rt.HalElementType.SINT_32}[dtype]
+    return {"f16": rt.HalElementType.FLOAT_16, "f32": rt.HalElementType.FLOAT_32}[dtype]
 
 
 class DeviceTensor:
