@@ -75,7 +75,8 @@ def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_sh
 def dense_kind(p: BatchProblem, dense: dict | None) -> str | None:
     """Whether a batch-mode problem can take a module's one-call dense path: ``"dense"`` (every
     row sees every key), ``"causal"`` (row i sees keys j <= i, Sq == Sk), or None (the plan).
-    Needs full lengths (no cu_seqlen padding) that are multiples of the module's alignment."""
+    Needs full lengths (no cu_seqlen padding) that are multiples of the module's alignment (for
+    causal: of ``align * causal_blocks``, or one of the module's compiled-in ``seqlens``)."""
     if not dense or p.sq == 0 or p.sk == 0:
         return None
     if (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
@@ -86,7 +87,8 @@ def dense_kind(p: BatchProblem, dense: dict | None) -> str | None:
     y, x = p.mask.coords(p.sq, p.sk)
     if y >= p.sq and x >= p.sk:
         return "dense"
-    if x == 1 and y >= p.sq and p.sq == p.sk and p.sq % (a * dense["causal_blocks"]) == 0:
+    if x == 1 and y >= p.sq and p.sq == p.sk and (p.sq % (a * dense["causal_blocks"]) == 0
+                                                  or p.sq in dense.get("seqlens", ())):
         return "causal"
     return None
 
@@ -107,7 +109,7 @@ def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str)
     kind = dense_kind(p, module.dense if module is not None else None)
     if kind:
         out, lse = module.run_dense(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.layout, kind == "causal",
-                                    keep_on_device=p.q.on_device)
+                                    keep_on_device=p.q.on_device, with_lse=return_lse)
     else:
         seqs = Sequences.batch(p.q_lens, p.k_lens)
         out, lse = _execute(p, seqs, out_shape, (p.batch, p.hq, p.sq), (p.batch, p.sq), (p.batch, p.sq), tiles,

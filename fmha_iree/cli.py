@@ -24,6 +24,16 @@ def _heads(text: str) -> tuple[int, int]:
     return hq_i, hk_i
 
 
+def _seqlens(text: str) -> tuple:
+    try:
+        vals = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seqlens {text!r}: expected comma-separated integers") from None
+    if not vals or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"--seqlens {text!r}: lengths must be positive")
+    return vals
+
+
 def compile_main(args) -> int:
     from .compile import build_artifact
     from .mask import Mask
@@ -38,11 +48,17 @@ def compile_main(args) -> int:
         mask = Mask.from_str(args.mask)
         tiles = parse_tiles(args.tiles) if args.tiles else None
         tiles = check_tiles(tiles, target, args.hdim, dv, args.dtype)
+        hq, hk = args.heads
+        spec = KernelSpec(args.dtype, args.layout, hq // hk, args.hdim, dv, tiles, target, tuple(args.seqlens))
+        if spec.seqlens:
+            from .compile import dense_params
+
+            if not dense_params(spec):  # also checks each length against the module's alignment
+                raise ValueError(f"--seqlens: target {target.arch} {args.dtype} d{args.hdim} has no one-call "
+                                 "entry points to specialize (IREE picks its config, or Dv is split)")
     except (ValueError, TypeError) as e:
         print(f"fmha-iree compile: {e}", file=sys.stderr)
         return 2
-    hq, hk = args.heads
-    spec = KernelSpec(args.dtype, args.layout, hq // hk, args.hdim, dv, tiles, target)
     problem = {"heads": hq, "kv_heads": hk, "mask": str(mask), "lse": args.lse} if args.heads_given else {
         "mask": str(mask), "lse": args.lse}
     manifest = build_artifact(spec, args.output, dump_dir=args.dump, problem=problem)
@@ -142,6 +158,9 @@ def main(argv=None) -> int:
     c.add_argument("--mask", default="0", help="default mask of the module (CK string)")
     c.add_argument("--lse", action="store_true", help="record that callers want LSE (every module can return it)")
     c.add_argument("--tiles", help="m0xn0xk0xn1xk1[:kv_chunk], CK's bm0xbn0xbk0xbn1xbk1")
+    c.add_argument("--seqlens", type=_seqlens, default=(),
+                   help="S1,S2,...: also compile causal entry points specialized on Sq == Sk == S "
+                        "(GPU; other lengths still run)")
     c.add_argument("--dump", help="also keep IREE's dumped executables (configured IR, ISA) here")
     c.add_argument("-o", "--output", required=True, help="output .vmfb (the manifest goes beside it as .json)")
     c.add_argument("-v", "--verbose", action="store_true")

@@ -78,9 +78,15 @@ def cache_dir() -> Path:
 _CPU_FLAGS = ["--iree-llvmcpu-reassociate-fp-reductions", "--iree-llvmcpu-use-fast-min-max-ops"]
 
 
+# GPU modules: every function takes a wait and a signal fence and returns at once
+# (runtime.FmhaModule chains them), so consecutive calls queue on the device without a host round
+# trip; on the H200 (2026-11-30) that took B=32 S=512 d128 from 1.57 to 0.57 ms per call.
+ASYNC_FLAGS = ["--iree-execution-model=async-external"]
+
+
 def compile_flags(spec: KernelSpec) -> list[str]:
     """Every iree-compile flag used for ``spec`` (target selection first)."""
-    extra = _CPU_FLAGS if spec.target.backend == "llvm-cpu" else []
+    extra = _CPU_FLAGS if spec.target.backend == "llvm-cpu" else ASYNC_FLAGS
     return spec.target.compile_flags() + ["--iree-input-type=auto"] + extra
 
 
@@ -132,7 +138,9 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
 
     ``align``: sequence lengths the dense path takes are multiples of this (the workgroup M and
     K2 tiles, so IREE sees whole tiles); ``causal_blocks``: row blocks of the causal entry point
-    (it computes (NB + 1) / (2 NB) of the unmasked work)."""
+    (it computes (NB + 1) / (2 NB) of the unmasked work); ``seqlens``: {S: diagonal block} of the
+    compiled-in lengths (``causal_s<S>``, and ``dense_o_s<S>``: unmasked without LSE);
+    ``causal_o``: the lengths that also get ``causal_o_s<S>`` (causal without LSE, masked)."""
     import math
 
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
@@ -142,14 +150,45 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     if low is None or int(low.get("workgroup_n", spec.dv)) != spec.dv:
         return None
     align = math.lcm(int(low["workgroup_m"]), int(low["reduction_k2"]))
-    return {"align": align, "causal_blocks": CAUSAL_BLOCKS, "lowering": low}
+    seqlens = {}
+    for s in spec.seqlens:
+        if int(s) <= 0 or int(s) % align:
+            raise ValueError(f"seqlens: {s} is not a positive multiple of this module's alignment {align}")
+        seqlens[int(s)] = causal_diag(int(s), align)
+    causal_o = [s for s in seqlens if s <= CAUSAL_MASKED_MAX and spec.group * s * s <= 1 << 28]
+    return {"align": align, "causal_blocks": CAUSAL_BLOCKS, "lowering": low, "seqlens": seqlens,
+            "causal_o": causal_o}
 
 
 def dense_abi(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
-    """What a runtime needs to call the dense entry points (``align``, ``causal_blocks``)."""
+    """What a runtime needs to call the dense entry points (``align``, ``causal_blocks``,
+    ``seqlens``, ``causal_o``)."""
     d = dense_params(spec, fused_step=fused_step)
-    return None if d is None else {"align": d["align"], "causal_blocks": d["causal_blocks"]}
+    if d is None:
+        return None
+    return {"align": d["align"], "causal_blocks": d["causal_blocks"], "seqlens": sorted(d["seqlens"]),
+            "causal_o": sorted(d["causal_o"])}
 
+
+def causal_diag(seqlen: int, align: int) -> int:
+    """Diagonal block C of the causal tree at length S (S / C a power of two, C a multiple of
+    ``align``). H200, B*S = 16k, H=16, d128 f16 (2026-11-30, docs/BENCHMARKS.md): the best C was
+    S/2 at S <= 4096 (2048: 4.44 ms vs 4.99 for C=512; 4096: 6.10 vs 6.51 for C=1024) and
+    2048 above (8192: 9.24 vs 10.29 for 1024; 16384: 15.2 vs 15.0 for 1024, 16.0 for 512):
+    each level is a dispatch with fixed costs, so fewer, larger blocks win until the masked
+    diagonal (S*C/2 of wasted work) dominates."""
+    for c in ((2048,) if seqlen > 4096 else ()) + (seqlen // 2, seqlen):
+        n = seqlen // c if c and seqlen % c == 0 else 0
+        if n and c % align == 0 and n & (n - 1) == 0:
+            return c
+    raise ValueError(f"seqlens: {seqlen} is not a multiple of the alignment {align}")
+
+
+# Causal without LSE at a compiled-in length S up to this: the whole problem as ONE fused
+# attention op with a [G*S, S] mask (every block computed, no partials, no merge) beat the tree
+# of dense blocks (which skips the masked half but pays for partials, copies and a merge) on the
+# H200 up to S = 8192 (2026-11-30, docs/BENCHMARKS.md); the mask costs G*S^2 bytes.
+CAUSAL_MASKED_MAX = 8192
 
 # Row blocks of the causal entry point: (NB + 1) / (2 NB) of the unmasked work; more blocks skip
 # more but make smaller dispatches.
@@ -175,7 +214,7 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None) -> str:
     text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
     if not fused:
         return text
-    from .mlir_templates import render_causal, render_dense, render_online_step
+    from .mlir_templates import render_causal, render_causal_tree, render_dense, render_dense_out, render_online_step
 
     t = spec.tiles
     funcs = [render_online_step(func_name="step", dtype=spec.dtype, layout=spec.layout, group=spec.group,
@@ -186,6 +225,11 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None) -> str:
                   align=dense["align"], lowering=dense["lowering"])
         funcs.append(render_dense(func_name="dense", **kw))
         funcs.append(render_causal(func_name="causal", blocks=dense["causal_blocks"], **kw))
+        for s, c in sorted(dense["seqlens"].items()):
+            funcs.append(render_dense_out(func_name=f"dense_o_s{s}", seqlen=s, **kw))
+            funcs.append(render_causal_tree(func_name=f"causal_s{s}", seqlen=s, diag=c, **kw))
+            if s in dense["causal_o"]:
+                funcs.append(render_dense_out(func_name=f"causal_o_s{s}", seqlen=s, causal=True, **kw))
     text = text.rstrip()
     assert text.endswith("}"), "unexpected exported module text"
     return text[:-1] + "\n".join(funcs) + "\n}\n"
@@ -283,6 +327,17 @@ def entry_points(spec: KernelSpec) -> dict:
                         "note": f"every row sees every key; Sq, Sk multiples of {a}"}
         out["causal"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
                          "note": f"row i sees keys j <= i; Sq == Sk, a multiple of {a * nb}"}
+        for s, c in sorted(dense["seqlens"].items()):
+            sio = {"q": [tiled(hq, spec.dq), tt], "k": [tiled("Hk", spec.dq), tt], "v": [tiled("Hk", spec.dv), tt]}
+            sio = {n: [[s // a if str(x).startswith("S/") else x for x in shp], t] for n, (shp, t) in sio.items()}
+            sres = {n: [[s // a if str(x).startswith("S/") else x for x in shp], t] for n, (shp, t) in res.items()}
+            out[f"causal_s{s}"] = {"args": {**sio, "scale": [[1], "f32"]}, "results": sres,
+                                   "note": f"row i sees keys j <= i; Sq == Sk == {s} (tree of dense blocks, diagonal {c})"}
+            out[f"dense_o_s{s}"] = {"args": {**sio, "scale": [[1], "f32"]}, "results": {"out": sres["out"]},
+                                    "note": f"every row sees every key, no lse (IREE's fused attention op); Sq == Sk == {s}"}
+            if s in dense["causal_o"]:
+                out[f"causal_o_s{s}"] = {"args": {**sio, "scale": [[1], "f32"]}, "results": {"out": sres["out"]},
+                                         "note": f"row i sees keys j <= i, no lse (fused attention op, masked); Sq == Sk == {s}"}
     return out
 
 

@@ -247,7 +247,8 @@ def default_lowering(target: str, *, dtype: str = "f16", r: int = 128, group: in
     return None
 
 
-def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: int) -> dict:
+def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
+                  seqlen: int | None = None) -> dict:
     """Fields shared by the dense and causal templates.
 
     The sequence axis crosses the ABI split as (S / A, A) with A = `align` (the host reshapes, for
@@ -255,7 +256,11 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
     multiples of its tiles, and a product with a static factor is such a proof.
     `prologue` defines the constants, `%scale_t`, the inputs as bhsd (`%qb`, `%kb`, `%vb`:
     [B, H, S/A, A, D], a transpose each for bshd) and their dims; `from_bhsd` turns `%o4`
-    [B, Hq, S/A, A, Dv] into `%out` in `layout`."""
+    [B, Hq, S/A, A, Dv] into `%out` in `layout`, `epilogue` casts it and `%lse` to the result types.
+
+    `seqlen` (a multiple of A) makes S static in the function's types (a shape-specialized entry
+    point; the runtime refuses other lengths): the arguments are cast to the dynamic types the
+    templates use and IREE propagates the static sizes into every dispatch."""
     t = _DTYPES.get(str(dtype))
     if t is None:
         raise ValueError(f"dtype {dtype!r} not in f16/bf16/f32")
@@ -265,6 +270,9 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
         if int(val) <= 0:
             raise ValueError(f"{name} must be positive, got {val}")
     a = int(align)
+    if seqlen is not None and (int(seqlen) <= 0 or int(seqlen) % a):
+        raise ValueError(f"seqlen must be a positive multiple of align={a}, got {seqlen}")
+    st = "?" if seqlen is None else str(int(seqlen) // a)
     ty = {x: f"tensor<?x?x?x{a}x{d}x{t}>" for x, d in (("q", dq), ("k", dq), ("v", dv))}
     lines = [
         "  %c0 = arith.constant 0 : index", "  %c1 = arith.constant 1 : index",
@@ -276,12 +284,16 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
         "  %scale_t = arith.addf %scale_f32, %zero : f32" if t == "f32"
         else f"  %scale_t = arith.truncf %scale_f32 : f32 to {t}",
     ]
+    arg_ty = {}
     for x in ("q", "k", "v"):
+        d = dq if x != "v" else dv
         if layout == "bhsd":
-            lines.append(f"  %{x}b = tensor.cast %{x} : {ty[x]} to {ty[x]}")
+            arg_ty[x] = f"tensor<?x?x{st}x{a}x{d}x{t}>"
+            lines.append(f"  %{x}b = tensor.cast %{x}_arg : {arg_ty[x]} to {ty[x]}")
         else:  # [B, S/A, A, H, D] -> [B, H, S/A, A, D]
-            d = dq if x != "v" else dv
+            arg_ty[x] = f"tensor<?x{st}x{a}x?x{d}x{t}>"
             src = f"tensor<?x?x{a}x?x{d}x{t}>"
+            lines.append(f"  %{x} = tensor.cast %{x}_arg : {arg_ty[x]} to {src}")
             lines += [
                 f"  %{x}_B = tensor.dim %{x}, %c0 : {src}", f"  %{x}_S = tensor.dim %{x}, %c1 : {src}",
                 f"  %{x}_H = tensor.dim %{x}, %c3 : {src}",
@@ -296,23 +308,25 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
     oty = f"tensor<?x?x?x{a}x{dv}x{t}>"
     if layout == "bhsd":
         from_bhsd = f"  %out = tensor.cast %o4 : {oty} to {oty}"
-        args = f"%q: {ty['q']}, %k: {ty['k']}, %v: {ty['v']}"
-        res = oty
+        res_dyn, res = oty, f"tensor<?x?x{st}x{a}x{dv}x{t}>"
     else:
-        res = f"tensor<?x?x{a}x?x{dv}x{t}>"
+        res_dyn, res = f"tensor<?x?x{a}x?x{dv}x{t}>", f"tensor<?x{st}x{a}x?x{dv}x{t}>"
         from_bhsd = "\n".join([
             f"  %o_B = tensor.dim %o4, %c0 : {oty}", f"  %o_H = tensor.dim %o4, %c1 : {oty}",
-            f"  %o_S = tensor.dim %o4, %c2 : {oty}", f"  %o_e = tensor.empty(%o_B, %o_S, %o_H) : {res}",
-            f"  %out = linalg.transpose ins(%o4 : {oty}) outs(%o_e : {res}) permutation = [0, 2, 3, 1, 4]",
+            f"  %o_S = tensor.dim %o4, %c2 : {oty}", f"  %o_e = tensor.empty(%o_B, %o_S, %o_H) : {res_dyn}",
+            f"  %out = linalg.transpose ins(%o4 : {oty}) outs(%o_e : {res_dyn}) permutation = [0, 2, 3, 1, 4]",
         ])
-        args = ", ".join(f"%{x}: tensor<?x?x{a}x?x{dq if x != 'v' else dv}x{t}>" for x in ("q", "k", "v"))
+    args = ", ".join(f"%{x}_arg: {arg_ty[x]}" for x in ("q", "k", "v"))
+    lse_dyn, lse_ty = f"tensor<?x?x?x{a}xf32>", f"tensor<?x?x{st}x{a}xf32>"
+    epilogue_out = "\n".join([from_bhsd, f"  %out_r = tensor.cast %out : {res_dyn} to {res}"])
+    epilogue = epilogue_out + f"\n  %lse_r = tensor.cast %lse : {lse_dyn} to {lse_ty}"
     out_cast = ("    linalg.yield %y : f32" if t == "f32"
                 else f"    %yt = arith.truncf %y : f32 to {t}\n    linalg.yield %yt : {t}")
     qd, kd, vd = (("[B,Hq,Sq/A,A,Dq]", "[B,Hk,Sk/A,A,Dq]", "[B,Hk,Sk/A,A,Dv]") if layout == "bhsd"
                   else ("[B,Sq/A,A,Hq,Dq]", "[B,Sk/A,A,Hk,Dq]", "[B,Sk/A,A,Hk,Dv]"))
     return dict(T=t, G=int(group), DQ=int(dq), DV=int(dv), A=a, layout=layout, prologue="\n".join(lines),
-                from_bhsd=from_bhsd, out_cast=out_cast, q_shape_doc=qd, k_shape_doc=kd, v_shape_doc=vd,
-                args=args, out_type=res)
+                epilogue=epilogue, epilogue_out=epilogue_out, out_cast=out_cast, q_shape_doc=qd, k_shape_doc=kd, v_shape_doc=vd,
+                args=args, out_type=res, lse_type=lse_ty, seqlen=seqlen)
 
 
 def _normalize(f: dict, suffix: str, rows: str) -> str:
@@ -331,28 +345,301 @@ def _lowering_for_whole_rows(lowering, dv: int):
 
 
 def render_dense(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
-                 lowering: Mapping[str, Any] | str | None = None) -> str:
+                 lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None) -> str:
     """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: attention where
-    every row sees every key, as one online_attention (template `mlir/dense.mlir.in`)."""
-    f = _dense_common(dtype, layout, group, dq, dv, align)
+    every row sees every key, as one online_attention (template `mlir/dense.mlir.in`). `seqlen`:
+    Sq = Sk fixed at compile time (see `_dense_common`)."""
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen)
     props, attrs = _lowering_for_whole_rows(lowering, dv)
     return _load("dense.mlir.in").substitute(func_name=func_name, attn_props=props, attn_attrs=attrs,
                                              normalize=_normalize(f, "", "%M"), **f)
 
 
+def _pin(f: dict, b: int) -> str:
+    """`%q3p_b`, `%k3p_b`, `%v3p_b`: a row block's operands. With static lengths IREE would fold the
+    surrounding reshapes into the op (two batch dims, which its GPU config cannot tile); an
+    optimization barrier keeps the batch dims collapsed."""
+    lines = []
+    for x, d, rows in (("q", f["DQ"], "%GC"), ("k", f["DQ"], f"%K_{b}"), ("v", f["DV"], f"%K_{b}")):
+        ty = f"tensor<?x?x{d}x{f['T']}>"
+        if f["seqlen"] is None:
+            lines.append(f"  %{x}3p_{b} = tensor.cast %{x}3_{b} : {ty} to {ty}")
+        else:
+            lines.append(_pin_batch(f"%{x}3p_{b}", f"%{x}3_{b}", ty, f"%BH, {rows}"))
+    return "\n".join(lines)
+
+
+def render_dense_out(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
+                     lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None,
+                     causal: bool = False) -> str:
+    """MLIR text of `util.func public @func_name(q, k, v, scale) -> out`: `render_dense` without
+    the LSE, as IREE's `attention` op, which normalizes inside the kernel and writes the output
+    type directly (no f32 accumulator in memory, no second dispatch; template
+    `mlir/dense_out.mlir.in`). `causal` (needs `seqlen`, Sq == Sk): row i sees keys j <= i
+    through a broadcast [G*S, S] i1 mask; every block is still computed (IREE does not skip
+    masked tiles)."""
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen)
+    props, attrs = _lowering_for_whole_rows(lowering, dv)
+    mask = dict(mask="", mask_map="", mask_in="", mask_ty="", mask_doc="Every row sees every key.")
+    if causal:
+        if seqlen is None:
+            raise ValueError("causal dense_out needs a static seqlen")
+        S, M = int(seqlen), int(group) * int(seqlen)
+        ty = f"tensor<{M}x{S}xi1>"
+        mask = dict(
+            mask_doc=f"Causal, Sq == Sk == {S}: row g*S + i sees key j iff j <= i (a broadcast [G*S, S] i1 mask).",
+            mask=(f"  %cme = tensor.empty() : {ty}\n"
+                  f"  %cmask = linalg.generic {{indexing_maps = [affine_map<(d0, d1) -> (d0, d1)>], "
+                  f"iterator_types = [\"parallel\", \"parallel\"]}} outs(%cme : {ty}) {{\n"
+                  f"  ^bb0(%o: i1):\n    %i0 = linalg.index 0 : index\n    %j = linalg.index 1 : index\n"
+                  f"    %cS = arith.constant {S} : index\n    %i = arith.remui %i0, %cS : index\n"
+                  f"    %vis = arith.cmpi ule, %j, %i : index\n    linalg.yield %vis : i1\n  }} -> {ty}"),
+            mask_map="\n        affine_map<(d0, d1, d2, d3, d4) -> (d1, d3)>,",
+            mask_in=", %cmask", mask_ty=f", {ty}")
+    return _load("dense_out.mlir.in").substitute(func_name=func_name, attn_props=props, attn_attrs=attrs,
+                                                 **mask, **f)
+
+
 def render_causal(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, blocks: int,
-                  align: int, lowering: Mapping[str, Any] | str | None = None) -> str:
+                  align: int, lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None) -> str:
     """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: causal attention
     (Sq == Sk, S a multiple of `blocks * align`) as `blocks` independent row blocks, each against
     the keys up to its diagonal (templates `mlir/causal.mlir.in`, `mlir/causal_block.mlir.in`)."""
-    f = _dense_common(dtype, layout, group, dq, dv, align)
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen)
     nb = int(blocks)
     if nb < 1:
         raise ValueError(f"blocks must be positive, got {blocks}")
     props, attrs = _lowering_for_whole_rows(lowering, dv)
     block = _load("causal_block.mlir.in")
-    parts = [block.substitute(b=b, b1=b + 1, attn_props=props, attn_attrs=attrs,
+    parts = [block.substitute(b=b, b1=b + 1, attn_props=props, attn_attrs=attrs, pin=_pin(f, b),
                               normalize=_normalize(f, f"_{b}", "%GC"), **f) for b in range(nb)]
     rows = "  %o6_0 = tensor.cast %o6_e : {t} to {t}\n  %l5_0 = tensor.cast %l5_e : {u} to {u}".format(
         t=f"tensor<?x?x{f['G']}x?x{f['A']}x{f['DV']}x{f['T']}>", u=f"tensor<?x?x{f['G']}x?x{f['A']}xf32>")
     return _load("causal.mlir.in").substitute(func_name=func_name, NB=nb, row_blocks=rows + "".join(parts), **f)
+
+
+def _attn_op(name: str, q: str, k: str, v: str, *, f: dict, n: int, rows: int, keys: int, props: str,
+             attrs: str, mask: str | None = None) -> str:
+    """A fresh-state online_attention `%name:3` over q [N, rows, Dq], k/v [N, keys, D] with
+    N = B * Hk * `n`, and an optional [rows, keys] i1 mask broadcast over N."""
+    T, DQ, DV = f["T"], f["DQ"], f["DV"]
+    m = "affine_map<(d0, d1, d2, d3, d4) -> "
+    maps = [m + "(d0, d1, d2)>", m + "(d0, d3, d2)>", m + "(d0, d3, d4)>", m + "()>"]
+    ins, tys = f"{q}, {k}, {v}, %scale_t", f"tensor<?x{rows}x{DQ}x{T}>, tensor<?x{keys}x{DQ}x{T}>, tensor<?x{keys}x{DV}x{T}>, {T}"
+    if mask:
+        maps.append(m + "(d1, d3)>")
+        ins, tys = ins + f", {mask}", tys + f", tensor<{rows}x{keys}xi1>"
+    maps += [m + "(d0, d1, d4)>", m + "(d0, d1)>", m + "(d0, d1)>"]
+    acc, ml = f"tensor<?x{rows}x{DV}xf32>", f"tensor<?x{rows}xf32>"
+    return f"""  %{name}_c = arith.constant {int(n)} : index
+  %{name}_n = arith.muli %BH, %{name}_c : index
+  %{name}_ae = tensor.empty(%{name}_n) : {acc}
+  %{name}_a0 = linalg.fill ins(%zero : f32) outs(%{name}_ae : {acc}) -> {acc}
+  %{name}_me = tensor.empty(%{name}_n) : {ml}
+  %{name}_m0 = linalg.fill ins(%fmin : f32) outs(%{name}_me : {ml}) -> {ml}
+  %{name}_l0 = linalg.fill ins(%zero : f32) outs(%{name}_me : {ml}) -> {ml}
+  %{name}:3 = iree_linalg_ext.online_attention <{{{props}
+      indexing_maps = [{", ".join(maps)}]}}>{attrs}
+      ins({ins} : {tys})
+      outs(%{name}_a0, %{name}_m0, %{name}_l0 : {acc}, {ml}, {ml}) {{
+  ^bb0(%score: f32):
+    iree_linalg_ext.yield %score : f32
+  }} -> {acc}, {ml}, {ml}
+"""
+
+
+def _copy(name: str, src: str, src_ty: str, dst_ty: str, rank: int, perm: list[int]) -> str:
+    """`%name` = elementwise copy of `src` into a fresh `dst_ty` (first two dims dynamic: %B, %Hk),
+    dst dim i taken from src dim perm[i]. IREE's own copy of a strided slice is a slow_memcpy
+    dispatch; an explicit generic is a fast one."""
+    dims = ", ".join(f"d{i}" for i in range(rank))
+    src_map = ", ".join(f"d{perm.index(i)}" for i in range(rank))
+    par = ", ".join(['"parallel"'] * rank)
+    return f"""  %{name}_e = tensor.empty(%B, %Hk) : {dst_ty}
+  %{name} = linalg.generic {{indexing_maps = [affine_map<({dims}) -> ({src_map})>, affine_map<({dims}) -> ({dims})>],
+      iterator_types = [{par}]}} ins({src} : {src_ty}) outs(%{name}_e : {dst_ty}) {{
+  ^bb0(%x: {src_ty.rsplit("x", 1)[1][:-1]}, %o: {dst_ty.rsplit("x", 1)[1][:-1]}):
+    linalg.yield %x : {src_ty.rsplit("x", 1)[1][:-1]}
+  }} -> {dst_ty}
+"""
+
+
+def _pin_batch(name: str, src: str, ty: str, n: str) -> str:
+    """`name` = `src` behind an optimization barrier (so IREE does not fold the reshapes around it
+    into the attention op, which would give it several batch dims its GPU config cannot tile), with
+    its dynamic batch size re-tied for IREE's shape resolution."""
+    return (f"  {name}_x = util.optimization_barrier {src} : {ty}\n"
+            f"  {name} = flow.tensor.tie_shape {name}_x : {ty}{{{n}}}")
+
+
+def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
+                       seqlen: int, diag: int, lowering: Mapping[str, Any] | str | None = None) -> str:
+    """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: causal attention
+    (Sq == Sk == `seqlen`, fixed at compile time) that computes only the lower triangle, as a
+    binary tree of dense blocks. With C = `diag` and S = C * 2^n:
+
+    - the S/C diagonal C x C blocks: ONE masked online_attention (row i sees key j iff j <= i);
+    - level j = 0..n-1 (L = C * 2^j): the odd L-row blocks against the even L-key block before
+      them, all unmasked, ONE online_attention per level (copied into contiguous batches);
+    - one merge of the partial (acc, max, sum) of every row, normalized into out / lse.
+
+    Work: S*C/2-ish masked plus S^2/2 - S*C/2 unmasked, about (1 + C/S) / 2 of the unmasked problem,
+    in n + 1 attention dispatches."""
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen)
+    S, C, A, G = int(seqlen), int(diag), f["A"], f["G"]
+    T, DQ, DV = f["T"], f["DQ"], f["DV"]
+    nd = S // C
+    if C <= 0 or S % C or nd & (nd - 1) or C % A:
+        raise ValueError(f"diag={diag}: seqlen {S} must be diag times a power of two and diag a multiple of {A}")
+    nl = nd.bit_length() - 1
+    props, attrs = _lowering_for_whole_rows(lowering, dv)
+    ST = S // A
+    body = [f["prologue"], "  %Hq = arith.muli %Hk, %cG : index"]
+    # static-S views [B, Hk, G, S, Dq] of q and [B, Hk, S, D] of k, v
+    body.append(f"""  %qS5 = tensor.cast %qb : tensor<?x?x?x{A}x{DQ}x{T}> to tensor<?x?x{ST}x{A}x{DQ}x{T}>
+  %qS6 = tensor.expand_shape %qS5 [[0], [1, 2], [3], [4], [5]] output_shape [%B, %Hk, {G}, {ST}, {A}, {DQ}]
+      : tensor<?x?x{ST}x{A}x{DQ}x{T}> into tensor<?x?x{G}x{ST}x{A}x{DQ}x{T}>
+  %qS = tensor.collapse_shape %qS6 [[0], [1], [2], [3, 4], [5]] : tensor<?x?x{G}x{ST}x{A}x{DQ}x{T}> into tensor<?x?x{G}x{S}x{DQ}x{T}>""")
+    for x, d in (("k", DQ), ("v", DV)):
+        body.append(f"""  %{x}S5 = tensor.cast %{x}b : tensor<?x?x?x{A}x{d}x{T}> to tensor<?x?x{ST}x{A}x{d}x{T}>
+  %{x}S = tensor.collapse_shape %{x}S5 [[0], [1], [2, 3], [4]] : tensor<?x?x{ST}x{A}x{d}x{T}> into tensor<?x?x{S}x{d}x{T}>""")
+
+    # diagonal blocks: q [B*Hk*nd, G*C, Dq] (rows g-major), k/v [B*Hk*nd, C, D]
+    body.append(f"""  %qD6 = tensor.expand_shape %qS [[0], [1], [2], [3, 4], [5]] output_shape [%B, %Hk, {G}, {nd}, {C}, {DQ}]
+      : tensor<?x?x{G}x{S}x{DQ}x{T}> into tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>""")
+    if G == 1:
+        body.append(f"  %qDc = tensor.collapse_shape %qD6 [[0, 1, 2, 3], [4], [5]] : tensor<?x?x1x{nd}x{C}x{DQ}x{T}> into tensor<?x{C}x{DQ}x{T}>")
+    else:
+        body.append(_copy("qDt", "%qD6", f"tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", 6, [0, 1, 3, 2, 4, 5]))
+        body.append(f"  %qDc = tensor.collapse_shape %qDt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
+    for x, d in (("k", DQ), ("v", DV)):
+        body.append(f"""  %{x}D5 = tensor.expand_shape %{x}S [[0], [1], [2, 3], [4]] output_shape [%B, %Hk, {nd}, {C}, {d}]
+      : tensor<?x?x{S}x{d}x{T}> into tensor<?x?x{nd}x{C}x{d}x{T}>
+  %{x}Dc = tensor.collapse_shape %{x}D5 [[0, 1, 2], [3], [4]] : tensor<?x?x{nd}x{C}x{d}x{T}> into tensor<?x{C}x{d}x{T}>""")
+    body.append(f"  %cnd = arith.constant {nd} : index\n  %nD = arith.muli %BH, %cnd : index")
+    for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
+        body.append(_pin_batch(f"%{x}Dp", f"%{x}Dc", f"tensor<?x{r}x{d}x{T}>", "%nD"))
+    body.append(f"""  %dmask_e = tensor.empty() : tensor<{G * C}x{C}xi1>
+  %dmask = linalg.generic {{indexing_maps = [affine_map<(d0, d1) -> (d0, d1)>], iterator_types = ["parallel", "parallel"]}}
+      outs(%dmask_e : tensor<{G * C}x{C}xi1>) {{
+  ^bb0(%o: i1):
+    %i0 = linalg.index 0 : index
+    %j = linalg.index 1 : index
+    %cC = arith.constant {C} : index
+    %i = arith.remui %i0, %cC : index
+    %vis = arith.cmpi ule, %j, %i : index
+    linalg.yield %vis : i1
+  }} -> tensor<{G * C}x{C}xi1>""")
+    body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=props, attrs=attrs, mask="%dmask"))
+
+    # level j: odd L-blocks of rows against the even L-block of keys before each
+    for j in range(nl):
+        L, nb = C << j, nd >> (j + 1)
+        body.append(f"""  %qE{j} = tensor.expand_shape %qS [[0], [1], [2], [3, 4, 5], [6]] output_shape [%B, %Hk, {G}, {nb}, 2, {L}, {DQ}]
+      : tensor<?x?x{G}x{S}x{DQ}x{T}> into tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}>
+  %qO{j} = tensor.extract_slice %qE{j}[0, 0, 0, 0, 1, 0, 0] [%B, %Hk, {G}, {nb}, 1, {L}, {DQ}] [1, 1, 1, 1, 1, 1, 1]
+      : tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}> to tensor<?x?x{G}x{nb}x{L}x{DQ}x{T}>""")
+        body.append(_copy(f"qT{j}", f"%qO{j}", f"tensor<?x?x{G}x{nb}x{L}x{DQ}x{T}>", f"tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}>", 6, [0, 1, 3, 2, 4, 5]))
+        body.append(f"  %qC{j} = tensor.collapse_shape %qT{j} [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}> into tensor<?x{G * L}x{DQ}x{T}>")
+        for x, d in (("k", DQ), ("v", DV)):
+            body.append(f"""  %{x}E{j} = tensor.expand_shape %{x}S [[0], [1], [2, 3, 4], [5]] output_shape [%B, %Hk, {nb}, 2, {L}, {d}]
+      : tensor<?x?x{S}x{d}x{T}> into tensor<?x?x{nb}x2x{L}x{d}x{T}>
+  %{x}O{j} = tensor.extract_slice %{x}E{j}[0, 0, 0, 0, 0, 0] [%B, %Hk, {nb}, 1, {L}, {d}] [1, 1, 1, 1, 1, 1]
+      : tensor<?x?x{nb}x2x{L}x{d}x{T}> to tensor<?x?x{nb}x{L}x{d}x{T}>""")
+            body.append(_copy(f"{x}T{j}", f"%{x}O{j}", f"tensor<?x?x{nb}x{L}x{d}x{T}>", f"tensor<?x?x{nb}x{L}x{d}x{T}>", 5, [0, 1, 2, 3, 4]))
+            body.append(f"  %{x}C{j} = tensor.collapse_shape %{x}T{j} [[0, 1, 2], [3], [4]] : tensor<?x?x{nb}x{L}x{d}x{T}> into tensor<?x{L}x{d}x{T}>")
+        body.append(f"  %cnb{j} = arith.constant {nb} : index\n  %nL{j} = arith.muli %BH, %cnb{j} : index")
+        for x, r, d in (("q", G * L, DQ), ("k", L, DQ), ("v", L, DV)):
+            body.append(_pin_batch(f"%{x}P{j}", f"%{x}C{j}", f"tensor<?x{r}x{d}x{T}>", f"%nL{j}"))
+        body.append(_attn_op(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vP{j}", f=f, n=nb, rows=G * L, keys=L, props=props, attrs=attrs))
+
+    # merge: iteration space (b, hk, g, t_{n-1} .. t_0, r[, d]) with s = (t_{n-1} .. t_0) * C + r
+    bits = [2] * nl
+    it = ["d0", "d1", "d2"] + [f"d{3 + i}" for i in range(nl)] + [f"d{3 + nl}"]
+    dd = f"d{4 + nl}"
+
+    def view(src: str, rows: int, hi: int, lo: int, with_d: bool) -> tuple[str, str, str]:
+        """Expand a partial [B*Hk*2^hi, G*2^lo*C(, Dv)] into [B, Hk, 2^hi bits, G, 2^lo bits, C(, Dv)]:
+        (text, type, map from the merge's iteration space)."""
+        shape = ["?", "?"] + [2] * hi + [G] + [2] * lo + [C] + ([DV] if with_d else [])
+        ty = "tensor<" + "x".join(map(str, shape)) + "xf32>"
+        sty = f"tensor<?x{rows}x{DV}xf32>" if with_d else f"tensor<?x{rows}xf32>"
+        re = [list(range(0, 2 + hi)), list(range(2 + hi, 2 + hi + 1 + lo + 1))] + ([[3 + hi + lo + 1]] if with_d else [])
+        os_ = ", ".join(["%B", "%Hk"] + [str(v) for v in shape[2:]])
+        name = src.replace("#", "_") + ("_a" if with_d else "") + "_v"
+        txt = (f"  {name} = tensor.expand_shape {src} {re} output_shape [{os_}] : {sty} into {ty}")
+        hi_dims = it[3:3 + hi]
+        lo_dims = it[3 + nl - lo:3 + nl]
+        mp = ", ".join(["d0", "d1"] + hi_dims + ["d2"] + lo_dims + [it[-1]] + ([dd] if with_d else []))
+        return txt, name, ty, mp
+
+    parts = [("%dg", nl, 0, G * C)] + [(f"%lv{j}", nl - 1 - j, j, G * (C << j)) for j in range(nl)]
+    dims_d = ", ".join(it + [dd])
+    dims = ", ".join(it)
+    out_shape = ["?", "?", G] + bits + [C]
+    oty = "tensor<" + "x".join(map(str, out_shape + [DV])) + f"x{T}>"
+    lty = "tensor<" + "x".join(map(str, out_shape)) + "xf32>"
+    for with_d in (True, False):
+        ins, tys, maps, args = [], [], [], []
+        for i, (src, hi, lo, rows) in enumerate(parts):
+            for kind, idx in ((("a", 0),) if with_d else ()) + (("m", 1), ("l", 2)):
+                txt, name, ty, mp = view(f"{src}#{idx}", rows, hi, lo, with_d and kind == "a")
+                if not (with_d and kind == "a"):
+                    # max / sum views carry no Dv dim; the map projects d away
+                    pass
+                body.append(txt.replace(f"{name}", f"{name}{'d' if with_d else ''}", 1))
+                ins.append(f"{name}{'d' if with_d else ''}")
+                tys.append(ty)
+                maps.append(f"affine_map<({dims_d if with_d else dims}) -> ({mp})>")
+                args.append(f"%{kind}{i}: f32")
+        res_ty = oty if with_d else lty
+        maps.append(f"affine_map<({dims_d if with_d else dims}) -> ({dims_d if with_d else dims})>")
+        rank = len(it) + (1 if with_d else 0)
+        calc = ["    %mx0 = arith.addf %m0, %zero : f32"]
+        for i in range(1, len(parts)):
+            j = i - 1
+            calc += [f"    %t{i} = linalg.index {3 + (nl - 1 - j)} : index",
+                     f"    %ok{i} = arith.cmpi eq, %t{i}, %c1 : index",
+                     f"    %ms{i} = arith.select %ok{i}, %m{i}, %fmin : f32",
+                     f"    %mx{i} = arith.maximumf %mx{i - 1}, %ms{i} : f32"]
+        mx = f"%mx{len(parts) - 1}"
+        for i in range(len(parts)):
+            calc += [f"    %dm{i} = arith.subf {'%m0' if i == 0 else f'%ms{i}'}, {mx} : f32",
+                     f"    %fx{i} = math.exp2 %dm{i} : f32"]
+            calc.append(f"    %f{i} = arith.select %ok{i}, %fx{i}, %zero : f32" if i else f"    %f{i} = arith.addf %fx{i}, %zero : f32")
+            calc += [f"    %fl{i} = arith.mulf %f{i}, %l{i} : f32",
+                     f"    %sl{i} = arith.addf {'%zero' if i == 0 else f'%sl{i - 1}'}, %fl{i} : f32"]
+            if with_d:
+                calc += [f"    %fa{i} = arith.mulf %f{i}, %a{i} : f32",
+                         f"    %sa{i} = arith.addf {'%zero' if i == 0 else f'%sa{i - 1}'}, %fa{i} : f32"]
+        n = len(parts) - 1
+        if with_d:
+            calc.append(f"    %y = arith.divf %sa{n}, %sl{n} : f32")
+            calc.append(f["out_cast"])
+        else:
+            calc += [f"    %lg = math.log2 %sl{n} : f32", f"    %tt = arith.addf {mx}, %lg : f32",
+                     "    %e = arith.mulf %tt, %ln2 : f32", "    linalg.yield %e : f32"]
+        nm = "mo" if with_d else "ml"
+        body.append(f"""  %{nm}_e = tensor.empty(%B, %Hk) : {res_ty}
+  %{nm} = linalg.generic {{indexing_maps = [{", ".join(maps)}],
+      iterator_types = [{", ".join(['"parallel"'] * rank)}]}}
+      ins({", ".join(ins)} : {", ".join(tys)}) outs(%{nm}_e : {res_ty}) {{
+  ^bb0({", ".join(args)}, %o: {T if with_d else "f32"}):
+{chr(10).join(calc)}
+  }} -> {res_ty}""")
+    grp = list(range(3, 4 + nl))
+    body.append(f"""  %o4s = tensor.collapse_shape %mo [[0], [1, 2], {grp}, [{4 + nl}]] : {oty} into tensor<?x?x{S}x{DV}x{T}>
+  %o4x = tensor.expand_shape %o4s [[0], [1], [2, 3], [4]] output_shape [%B, %Hq, {ST}, {A}, {DV}]
+      : tensor<?x?x{S}x{DV}x{T}> into tensor<?x?x{ST}x{A}x{DV}x{T}>
+  %o4 = tensor.cast %o4x : tensor<?x?x{ST}x{A}x{DV}x{T}> to tensor<?x?x?x{A}x{DV}x{T}>
+  %lse3 = tensor.collapse_shape %ml [[0], [1, 2], {grp}] : {lty} into tensor<?x?x{S}xf32>
+  %lsex = tensor.expand_shape %lse3 [[0], [1], [2, 3]] output_shape [%B, %Hq, {ST}, {A}]
+      : tensor<?x?x{S}xf32> into tensor<?x?x{ST}x{A}xf32>
+  %lse = tensor.cast %lsex : tensor<?x?x{ST}x{A}xf32> to tensor<?x?x?x{A}xf32>""")
+    body.append(f["epilogue"])
+    body.append(f"  util.return %out_r, %lse_r : {f['out_type']}, {f['lse_type']}")
+    head = (f"// causal attention as a binary tree of dense blocks (mlir_templates.render_causal_tree):\n"
+            f"// S={S}, diagonal blocks C={C}, {nl} levels, G={G}, {T}, Dq={DQ}, Dv={DV}, {layout}\n"
+            f"util.func public @{func_name}({f['args']}, %scale: tensor<1xf32>)\n"
+            f"    -> ({f['out_type']}, {f['lse_type']}) {{")
+    return head + "\n" + "\n".join(body) + "\n}\n"

@@ -52,11 +52,14 @@ class DeviceTensor:
     typed bf16 on the device; numpy sees its bits as int16.
     """
 
-    def __init__(self, device_uri: str, buffer, shape, dtype: str):
+    def __init__(self, device_uri: str, buffer, shape, dtype: str, ready=None):
         self.device_uri = device_uri
         self._buffer = buffer  # HalBuffer, shared by reshaped views
         self.shape = tuple(int(x) for x in shape)
         self.dtype = dtype
+        # HalFence reached once the contents are written (results of asynchronous calls; None:
+        # ready now). Calls that read this tensor wait on it on the device, not on the host.
+        self.ready = ready
 
     @classmethod
     def from_host(cls, array: np.ndarray, dtype: str, device_uri: str) -> "DeviceTensor":
@@ -70,10 +73,9 @@ class DeviceTensor:
         return cls(device_uri, bv.get_buffer(), a.shape, dtype)
 
     @classmethod
-    def from_result(cls, result, dtype: str, device_uri: str) -> "DeviceTensor":
-        """Wrap a function result (an iree DeviceArray)."""
-        bv = result._buffer_view
-        return cls(device_uri, bv.get_buffer(), bv.shape, dtype)
+    def from_result(cls, bv, dtype: str, device_uri: str, ready=None) -> "DeviceTensor":
+        """Wrap a function result (a HalBufferView), ready at the fence ``ready``."""
+        return cls(device_uri, bv.get_buffer(), bv.shape, dtype, ready)
 
     @property
     def ndim(self) -> int:
@@ -83,16 +85,24 @@ class DeviceTensor:
         shape = tuple(int(x) for x in shape)
         if int(np.prod(shape)) != int(np.prod(self.shape)):
             raise ValueError(f"cannot reshape {list(self.shape)} to {list(shape)}")
-        return DeviceTensor(self.device_uri, self._buffer, shape, self.dtype)
+        return DeviceTensor(self.device_uri, self._buffer, shape, self.dtype, self.ready)
 
     def buffer_view(self, typed_bf16: bool = True):
         import iree.runtime as rt
 
         return rt.HalBufferView(self._buffer, list(self.shape), _element_type(self.dtype, typed_bf16))
 
+    def wait(self) -> "DeviceTensor":
+        """Block until the contents are written (results of asynchronous calls); returns self."""
+        if self.ready is not None:
+            self.ready.wait()
+        return self
+
     def to_numpy(self) -> np.ndarray:
         import iree.runtime as rt
 
+        if self.ready is not None:
+            self.ready.wait()
         arr = rt.DeviceArray(get_device(self.device_uri), self.buffer_view(typed_bf16=False))
         return np.array(arr.to_host(), copy=True).view(_HOST_DTYPES[self.dtype]).reshape(self.shape)
 
@@ -109,11 +119,18 @@ class DeviceTensor:
 class FmhaModule:
     """A compiled FMHA module on a device: ``init`` / ``step`` / ``finalize`` (the plan's entry
     points, see ``graph.py``) and, in GPU modules, ``dense`` / ``causal`` (one call for a whole
-    unmasked or causal batch, see ``mlir/dense.mlir.in`` and ``mlir/causal.mlir.in``).
+    unmasked or causal batch, see ``mlir/dense.mlir.in`` and ``mlir/causal.mlir.in``) and, per
+    compiled-in length S, ``causal_s<S>`` (``mlir_templates.render_causal_tree``) and
+    ``dense_o_s<S>`` (``mlir/dense_out.mlir.in``).
 
-    ``dense`` is ``{"align": A, "causal_blocks": NB}`` when the module has the dense entries;
-    ``typed_bf16`` says whether its q/k/v arguments are typed bf16 (MLIR templates) rather than
-    int16 (torch graphs)."""
+    ``dense`` is the manifest's ``dense`` record (``align``, ``causal_blocks``, ``seqlens``) when
+    the module has those entries; ``typed_bf16`` says whether its q/k/v
+    arguments are typed bf16 (MLIR templates) rather than int16 (torch graphs).
+
+    Functions compiled with ``--iree-execution-model=async-external`` (GPU modules) are invoked
+    with a wait and a signal fence: a call returns at once, its results are DeviceTensors that
+    are ready at its signal fence, and back-to-back calls queue on the device with no host round
+    trip in between (on the H200 that removed ~1 ms of idle GPU per call, docs/BENCHMARKS.md)."""
 
     def __init__(self, vmfb: bytes, device_uri: str, name: str, *, dense: dict | None = None,
                  typed_bf16: bool = False):
@@ -122,48 +139,129 @@ class FmhaModule:
         self.device_uri = device_uri
         self.device = get_device(device_uri)
         self._ctx = rt.SystemContext(config=rt.Config(device=self.device))
-        self._ctx.add_vm_module(rt.VmModule.copy_buffer(self._ctx.instance, vmfb))
-        mod = self._ctx.modules[name]
-        self._init, self._step, self._finalize = mod["init"], mod["step"], mod["finalize"]
+        vm = rt.VmModule.copy_buffer(self._ctx.instance, vmfb)
+        self._ctx.add_vm_module(vm)
+        self._fns = {n: vm.lookup_function(n) for n in vm.function_names}
+        missing = {"init", "finalize"} - set(self._fns)
+        if missing:
+            raise ValueError(f"module {name!r} lacks the entry points {sorted(missing)}")
         self.dense = dense
-        if dense:
-            self._dense, self._causal = mod["dense"], mod["causal"]
         self.typed_bf16 = typed_bf16
+        self._sem = None
+        self._timepoint = 0
+        self._last = None  # signal fence of this module's latest asynchronous call
+        self._scales: dict[float, object] = {}
         self._lock = threading.Lock()
 
+    def has(self, fn: str) -> bool:
+        return fn in self._fns
+
     def _put(self, a, dtype: str):
-        """A buffer view of an input: uploaded from the host, or a DeviceTensor's own buffer."""
+        """(buffer view, fence or None) of an input: uploaded from the host, or a DeviceTensor's
+        own buffer."""
         if isinstance(a, DeviceTensor):
             if a.device_uri != self.device_uri:
                 raise ValueError(f"input lives on {a.device_uri!r}, the module on {self.device_uri!r}")
-            return a.buffer_view(self.typed_bf16)
-        return DeviceTensor.from_host(a, dtype, self.device_uri).buffer_view(self.typed_bf16)
+            return a.buffer_view(self.typed_bf16), a.ready
+        return DeviceTensor.from_host(a, dtype, self.device_uri).buffer_view(self.typed_bf16), None
 
-    def _result(self, r, dtype: str, keep: bool):
-        t = DeviceTensor.from_result(r, dtype, self.device_uri)
+    def _scale(self, scale: float):
+        """The scale as a device buffer, uploaded once per value (a host array would be copied
+        from pageable memory on every call: ~0.45 ms on the H200)."""
+        bv = self._scales.get(scale)
+        if bv is None:
+            bv = DeviceTensor.from_host(np.array([scale], np.float32), "f32", self.device_uri).buffer_view()
+            if len(self._scales) < 64:
+                self._scales[scale] = bv
+        return bv
+
+    def _call(self, fn: str, args: list, n_results: int) -> tuple[list, object]:
+        """Invoke ``fn`` on (buffer view, fence) args; returns (result buffer views, fence)."""
+        import iree.runtime as rt
+
+        # torch-exported functions (`init`, `finalize`) come in both forms; their `$async` form
+        # records dispatches on inputs that must already exist, so the sync form is used after a
+        # host wait on the inputs' fences. Template functions are asynchronous only.
+        f = self._fns[fn]
+        lst = rt.VmVariantList(len(args) + 2)
+        for bv, _ in args:
+            lst.push_ref(bv)
+        fence = None
+        if f.reflection.get("iree.abi.model") == "coarse-fences":
+            waits = [w for _, w in args if w is not None] + ([self._last] if self._last is not None else [])
+            wait = rt.HalFence(max(1, len(waits)))
+            for w in waits:
+                wait.extend(w)
+            if self._sem is None:
+                self._sem = self.device.create_semaphore(0)
+            self._timepoint += 1
+            fence = rt.HalFence.create_at(self._sem, self._timepoint)
+            lst.push_ref(wait)
+            lst.push_ref(fence)
+            self._last = fence
+        else:
+            for _, w in args:
+                if w is not None:
+                    w.wait()
+        rets = rt.VmVariantList(n_results)
+        self._ctx.vm_context.invoke(f, lst, rets)
+        return [rets.get_as_object(i, rt.HalBufferView) for i in range(n_results)], fence
+
+    def _result(self, bv, fence, dtype: str, keep: bool):
+        # Results are copied out (to_numpy): CPU drivers may map the device buffer itself, which
+        # the allocator reuses in later calls.
+        t = DeviceTensor.from_result(bv, dtype, self.device_uri, fence)
         return t if keep else t.to_numpy()
 
     def run(self, q, k, v, dtype: str, scale: float, hk: int, plan: Plan, *, keep_on_device: bool = False):
         """Execute ``plan``; q/k/v are ABI numpy arrays or DeviceTensors. Returns (out, lse) as numpy
         arrays, or as DeviceTensors with ``keep_on_device``."""
+        i32 = lambda a: (_upload_i32(a, self.device_uri), None)  # noqa: E731
         with self._lock:
-            acc, m, l = self._init(np.zeros((plan.n_tiles, hk), np.int32))
+            (acc, m, l), fence = self._call("init", [i32(np.zeros((plan.n_tiles, hk), np.int32))], 3)
             if plan.calls:
-                qd, kd, vd = self._put(q, dtype), self._put(k, dtype), self._put(v, dtype)
-                sd = np.array([scale], np.float32)
+                qkv = [self._put(x, dtype) for x in (q, k, v)]
+                sd = (self._scale(float(scale)), None)
             for desc in plan.calls:
-                acc, m, l = self._step(qd, kd, vd, sd, acc, m, l, desc)
-            out, lse = self._finalize(acc, m, l, plan.out_map, plan.lse_map)
-            # Results are copied out (to_numpy): CPU drivers may map the device buffer itself,
-            # which the allocator reuses in later calls.
-            return self._result(out, dtype, keep_on_device), self._result(lse, "f32", keep_on_device)
+                (acc, m, l), fence = self._call("step", qkv + [sd, (acc, fence), (m, fence), (l, fence), i32(desc)], 3)
+            (out, lse), fence = self._call("finalize", [(acc, fence), (m, fence), (l, fence), i32(plan.out_map),
+                                                        i32(plan.lse_map)], 2)
+            return self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
+
+    def dense_entry(self, sq: int, sk: int, causal: bool, with_lse: bool) -> str | None:
+        """The one-call entry point for this problem, or None (the plan then runs it).
+
+        Unmasked: ``dense_o_s<S>`` (IREE's fused attention op, no LSE) when LSE is not wanted and
+        Sq == Sk == S is a compiled-in length, else ``dense`` for multiples of ``align``. Causal
+        (Sq == Sk) at a compiled-in length: ``causal_o_s<S>`` (masked fused op) without LSE where
+        the module has it, else ``causal_s<S>``; other lengths: ``causal`` for multiples of
+        ``align * causal_blocks``."""
+        d = self.dense
+        if not d:
+            return None
+        a = d["align"]
+        fixed = sq == sk and sq in d.get("seqlens", ())
+        if not causal:
+            if sq % a or sk % a or sk < 1:
+                return None
+            return f"dense_o_s{sq}" if fixed and not with_lse else "dense"
+        if sq != sk:
+            return None
+        if fixed:
+            return f"causal_o_s{sq}" if not with_lse and sq in d.get("causal_o", ()) else f"causal_s{sq}"
+        return "causal" if sq % (a * d["causal_blocks"]) == 0 else None
 
     def run_dense(self, q, k, v, dtype: str, scale: float, layout: str, causal: bool, *,
-                  keep_on_device: bool = False):
+                  keep_on_device: bool = False, with_lse: bool = True):
         """One call for a whole batch where every row sees every key (``causal=False``) or row i
-        sees keys j <= i (``causal=True``, Sq == Sk); lengths multiples of ``dense["align"]``
-        (times ``dense["causal_blocks"]`` for causal). q/k/v are 4-D in ``layout``."""
+        sees keys j <= i (``causal=True``, Sq == Sk); the caller checked ``dense_entry``. q/k/v
+        are 4-D in ``layout``. Returns (out, lse); lse is None when ``with_lse`` is False and the
+        module has an entry point without it."""
         a = self.dense["align"]
+        b, s1, s2, _ = q.shape
+        sq, hq = (s2, s1) if layout == "bhsd" else (s1, s2)
+        sk = k.shape[2] if layout == "bhsd" else k.shape[1]
+        fn = self.dense_entry(sq, sk, causal, with_lse)
 
         def tiled(x):
             b, s1, s2, d = x.shape
@@ -171,13 +269,24 @@ class FmhaModule:
             return x.reshape(shape)
 
         with self._lock:
-            qd, kd, vd = (self._put(tiled(x), dtype) for x in (q, k, v))
-            sd = np.array([scale], np.float32)
-            out, lse = (self._causal if causal else self._dense)(qd, kd, vd, sd)
-            out, lse = self._result(out, dtype, keep_on_device), self._result(lse, "f32", keep_on_device)
-        b, s1, s2, _ = q.shape
-        sq, hq = (s2, s1) if layout == "bhsd" else (s1, s2)
+            args = [self._put(tiled(x), dtype) for x in (q, k, v)] + [(self._scale(float(scale)), None)]
+            if "_o_s" in fn:
+                (out,), fence = self._call(fn, args, 1)
+                out = self._result(out, fence, dtype, keep_on_device)
+                return out.reshape(q.shape[:3] + (out.shape[-1],)), None
+            (out, lse), fence = self._call(fn, args, 2)
+            out, lse = self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
         return out.reshape(q.shape[:3] + (out.shape[-1],)), lse.reshape((b, hq, sq))
+
+
+def _upload_i32(a: np.ndarray, device_uri: str):
+    import iree.runtime as rt
+
+    dev = get_device(device_uri)
+    bv = dev.allocator.allocate_buffer_copy(memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT,
+                                            device=dev, buffer=np.ascontiguousarray(a, np.int32),
+                                            element_type=rt.HalElementType.SINT_32)
+    return bv
 
 
 class DeployedFmha:

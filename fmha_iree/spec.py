@@ -30,7 +30,9 @@ class KernelSpec:
     """Everything a compiled module is specialized on (the compile key, with the toolchain).
 
     Batch size, sequence lengths, head counts (at a fixed ratio), masks, scale and the number of
-    work units are runtime values: changing them never compiles again.
+    work units are runtime values: changing them never compiles again. ``seqlens`` optionally
+    adds entry points specialized on those lengths (GPU modules: causal with Sq == Sk == S as a
+    tree of dense blocks, ``mlir_templates.render_causal_tree``); other lengths still run.
     """
 
     dtype: str  # f16, bf16, f32
@@ -40,19 +42,22 @@ class KernelSpec:
     dv: int
     tiles: TileConfig
     target: Target
+    seqlens: tuple = ()
 
     @property
     def module_name(self) -> str:
         t = self.tiles
+        s = ("_s" + "_".join(map(str, self.seqlens))) if self.seqlens else ""
         return (
             f"fmha_{self.dtype}_{self.layout}_g{self.group}_d{self.dq}x{self.dv}"
-            f"_t{t.ck_name}c{t.kv_chunk}_{self.target.arch}"
+            f"_t{t.ck_name}c{t.kv_chunk}_{self.target.arch}{s}"
         )
 
     def as_dict(self) -> dict:
         return {
             "dtype": self.dtype, "layout": self.layout, "group": self.group, "dq": self.dq,
             "dv": self.dv, "tiles": self.tiles.as_dict(), "target": dataclasses.asdict(self.target),
+            "seqlens": list(self.seqlens),
         }
 
 

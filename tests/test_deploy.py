@@ -122,6 +122,17 @@ def test_cli_refuses_impossible_tiles(tmp_path):
     assert not (tmp_path / "x.vmfb").exists()
 
 
+@pytest.mark.parametrize("target,seqlens,fragment", [("sm_80", "1000", "alignment 64"),
+                                                      ("host", "1024", "no one-call entry points")])
+def test_cli_refuses_bad_seqlens(tmp_path, target, seqlens, fragment):
+    """--seqlens a module cannot take is refused before IREE runs, naming the option."""
+    r = subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", target, "--dtype", "f16",
+                        "--hdim", "128", "--seqlens", seqlens, "-o", str(tmp_path / "x.vmfb")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "seqlens" in r.stderr and fragment in r.stderr, r.stderr
+    assert not (tmp_path / "x.vmfb").exists()
+
+
 def test_host_module_runs_with_runtime_only(tmp_path):
     """`fmha-iree compile --target host`, then `fmha_iree.runtime.load` in a process where
     importing torch or iree.compiler fails."""

@@ -9,7 +9,7 @@ import torch
 
 import fmha_iree
 from fmha_iree.api import dense_kind, run_batch
-from fmha_iree.compile import compile_flags, dense_abi, source_mlir
+from fmha_iree.compile import ASYNC_FLAGS, compile_flags, dense_abi, source_mlir
 from fmha_iree.runtime import DeviceTensor, FmhaModule
 from fmha_iree.spec import KernelSpec, check_batch
 from fmha_iree.targets import Target
@@ -27,11 +27,12 @@ def fused_module():
 
     mods = {}
 
-    def get(dtype, layout, group, d, dv=None):
-        key = (dtype, layout, group, d, dv)
+    def get(dtype, layout, group, d, dv=None, seqlens=()):
+        key = (dtype, layout, group, d, dv, seqlens)
         if key not in mods:
-            spec = KernelSpec(dtype, layout, group, d, dv or d, TILES, Target.from_name("host"))
-            vmfb = ict.compile_str(source_mlir(spec, fused_step=True), extra_args=compile_flags(spec))
+            spec = KernelSpec(dtype, layout, group, d, dv or d, TILES, Target.from_name("host"), seqlens)
+            # compiled as GPU modules are: asynchronous entry points, chained through fences
+            vmfb = ict.compile_str(source_mlir(spec, fused_step=True), extra_args=compile_flags(spec) + ASYNC_FLAGS)
             mods[key] = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True,
                                    dense=dense_abi(spec, fused_step=True))
         return mods[key]
@@ -122,3 +123,56 @@ def test_device_tensors_stay_on_device(fused_module, mask, sq):
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask)
     assert_close(out.to_torch(), ref_out, torch.bfloat16, what=f"device out {mask}")
     assert_close(lse.to_torch(), ref_lse, torch.bfloat16, kind="lse", what=f"device lse {mask}")
+
+
+# Lengths compiled into the module (`--seqlens`): causal as a tree of dense blocks (`causal_s<S>`,
+# diagonal blocks of S/2: 128 rows at S=256, 256 at 512), and without LSE IREE's fused attention
+# op, unmasked (`dense_o_s<S>`) or masked (`causal_o_s<S>`); other lengths keep the dynamic entry
+# points.
+SEQLEN_CASES = [
+    # (mask, S, return_lse, entry point)
+    ("b", 256, True, "causal_s256"),
+    ("t", 512, True, "causal_s512"),
+    ("b", 512, False, "causal_o_s512"),  # without LSE: one masked fused op
+    ("0", 256, False, "dense_o_s256"),
+    ("0", 512, True, "dense"),  # the LSE needs the online_attention form
+    ("b", 768, True, "causal"),  # not compiled in: the row-block causal
+    ("0", 768, False, "dense"),
+]
+
+
+@pytest.mark.parametrize("mask,s,with_lse,entry", SEQLEN_CASES, ids=[f"{m}-{s}-{'lse' if w else 'out'}" for m, s, w, _ in SEQLEN_CASES])
+@pytest.mark.parametrize("layout,group,dtype", [("bhsd", 2, torch.float32), ("bshd", 1, torch.float16)],
+                         ids=["bhsd-g2-f32", "bshd-g1-f16"])
+def test_compiled_in_lengths(fused_module, mask, s, with_lse, entry, layout, group, dtype):
+    mod = fused_module({torch.float32: "f32", torch.float16: "f16"}[dtype], layout, group, 64, seqlens=(256, 512))
+    assert mod.dense["seqlens"] == [256, 512]
+    q, k, v = make_qkv(seed_of("seqlens", mask, s, layout), B=2, Hq=2 * group, Hk=2, Sq=s, Sk=s, Dq=64,
+                       layout=layout, dtype=dtype)
+    p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=None, cu_seqlen_k=None)
+    assert mod.dense_entry(s, s, mask != "0", with_lse) == entry
+    res = run_batch(p, with_lse, TILES, lambda: mod, "gpu")
+    ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout)
+    out = res[0] if with_lse else res
+    assert_close(out, ref_out, dtype, what=f"{entry} out")
+    if with_lse:
+        assert_close(res[1], ref_lse, dtype, kind="lse", what=f"{entry} lse")
+
+
+def test_async_results_chain_on_device(fused_module):
+    """A DeviceTensor result of an asynchronous call feeds the next call before it is ready: the
+    second call waits on the first one's fence on the device, and the numbers are those of two
+    host-synchronized calls."""
+    mod = fused_module("f32", "bhsd", 2, 64, seqlens=(256, 512))
+    q, k, v = make_qkv(seed_of("chain"), B=1, Hq=4, Hk=2, Sq=256, Sk=256, Dq=64)
+    qd, kd, vd = (fmha_iree.to_device(x, "local-task") for x in (q, k, v))
+    p1 = check_batch(qd, kd, vd, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None)
+    out1 = run_batch(p1, False, TILES, lambda: mod, "gpu")
+    assert isinstance(out1, DeviceTensor) and out1.ready is not None
+    p2 = check_batch(out1, kd, vd, mask="0", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None)
+    out2 = run_batch(p2, False, TILES, lambda: mod, "gpu")
+    first = out1.to_torch()
+    ref1, _ = attention_ref(q, k, v, mask="b")
+    assert_close(first, ref1, torch.float32, what="first call")
+    ref2, _ = attention_ref(first, k, v, mask="0")
+    assert_close(out2.to_torch(), ref2, torch.float32, what="chained call")
