@@ -84,23 +84,50 @@ def dense_kind(p: BatchProblem, dense: dict | None) -> str | None:
     a = dense["align"]
     if p.sq % a or p.sk % a:
         return None
+    fixed = (p.sq == p.sk and p.sq in dense.get("seqlens", ())
+             and dense.get("batch", 0) in (0, p.batch) and dense.get("kv_heads", 0) in (0, p.hk))
+    if not dense.get("dynamic", True) and not fixed:
+        return None
     y, x = p.mask.coords(p.sq, p.sk)
     if y >= p.sq and x >= p.sk:
         return "dense"
-    if x == 1 and y >= p.sq and p.sq == p.sk and (p.sq % (a * dense["causal_blocks"]) == 0
-                                                  or p.sq in dense.get("seqlens", ())):
+    nb = dense["causal_blocks"]
+    if x == 1 and y >= p.sq and p.sq == p.sk and (fixed or (nb and p.sq % (a * nb) == 0)):
         return "causal"
     return None
 
 
-def _compiled(p: BatchProblem, tiles, device):
-    """(tiles, module getter, target family) for a problem on ``device``, compiling on first use."""
+def _compiled(p: BatchProblem, tiles, device, specialize: bool = False):
+    """(tiles, module getter, target family) for a problem on ``device``, compiling on first use.
+    ``specialize``: a module with entry points fixed to this problem's length (and, on the CPU,
+    batch and KV heads), when the problem is one they take (``_specialized``)."""
     device_uri, target = resolve_device(device)
     if p.q.on_device and p.q.array.device_uri != device_uri:
         raise ValueError(f"q lives on {p.q.array.device_uri!r} but device is {device_uri!r}")
     tiles = check_tiles(tiles, target, p.dq, p.dv, p.q.dtype)
     spec = p.kernel(tiles, target)
+    if specialize:
+        spec = _specialized(p, spec)
     return tiles, lambda: _module(spec, device_uri), target.family
+
+
+def _specialized(p: BatchProblem, spec: KernelSpec) -> KernelSpec:
+    """``spec`` with ``seqlens=(S,)`` (and on the CPU batch / kv_heads) when Sq == Sk == S, no
+    cu_seqlen padding and S a multiple of the target's alignment; else ``spec`` unchanged."""
+    import dataclasses
+
+    from .graph import CPU_ROWS
+
+    if p.sq != p.sk or p.sq == 0 or (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
+        return spec
+    if spec.target.backend == "llvm-cpu":
+        if p.sq % CPU_ROWS:
+            return spec
+        return dataclasses.replace(spec, seqlens=(p.sq,), batch=p.batch, kv_heads=p.hk)
+    d = _compile.dense_params(spec)
+    if not d or p.sq % d["align"]:
+        return spec
+    return dataclasses.replace(spec, seqlens=(p.sq,))
 
 
 def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str):
@@ -133,7 +160,7 @@ def to_device(x, device=None) -> DeviceTensor:
 
 def fmha_fwd(
     q, k, v, *, mask=None, scale=None, return_lse=False, layout="bhsd",
-    cu_seqlen_q=None, cu_seqlen_k=None, tiles=None, device=None,
+    cu_seqlen_q=None, cu_seqlen_k=None, tiles=None, device=None, specialize=False,
 ):
     """CK's FMHA forward (batch mode): ``softmax(scale * q @ k^T, masked) @ v``.
 
@@ -156,6 +183,11 @@ def fmha_fwd(
             read, and its output rows are 0 (lse -inf).
         tiles: a :class:`TileConfig` overriding the target's default.
         device: an IREE device URI: ``"local-task"`` (default), ``"hip://0"``, ``"cuda://0"``.
+        specialize: compile (once, then cached on disk) a module whose entry points are fixed to
+            this call's sequence length (Sq == Sk, no padding; on the CPU also the batch size and
+            KV heads): GPUs then get the causal tree and fused out-only kernels, the CPU row blocks
+            of plain matmul/softmax (2-3x faster there). Other calls still run, on the generic
+            entry points; the first call of each new shape pays a compile (tens of seconds).
 
     Rows that see no key give 0 and lse ``-inf``. Returns ``out`` (the input's type, dtype and
     layout, ``Dv`` wide) or ``(out, lse)``.
@@ -167,7 +199,9 @@ def fmha_fwd(
     p = check_batch(q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    tiles, get_module, family = _compiled(p, tiles, device)
+    if not isinstance(specialize, bool):
+        raise TypeError(f"specialize must be a bool, got {type(specialize).__name__}")
+    tiles, get_module, family = _compiled(p, tiles, device, specialize)
     return run_batch(p, return_lse, tiles, get_module, family)
 
 

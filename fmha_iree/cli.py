@@ -49,7 +49,13 @@ def compile_main(args) -> int:
         tiles = parse_tiles(args.tiles) if args.tiles else None
         tiles = check_tiles(tiles, target, args.hdim, dv, args.dtype)
         hq, hk = args.heads
-        spec = KernelSpec(args.dtype, args.layout, hq // hk, args.hdim, dv, tiles, target, tuple(args.seqlens))
+        pinned = (0, 0)
+        if target.backend == "llvm-cpu" and args.seqlens:
+            # the CPU's compiled-in entries are fast only with static batch and heads too
+            pinned = (args.batch or 0, hk if args.heads_given else 0)
+        elif args.batch:
+            raise ValueError("--batch: only the CPU's compiled-in (--seqlens) entries are specialized on the batch")
+        spec = KernelSpec(args.dtype, args.layout, hq // hk, args.hdim, dv, tiles, target, tuple(args.seqlens), *pinned)
         if spec.seqlens:
             from .compile import dense_params
 
@@ -159,8 +165,10 @@ def main(argv=None) -> int:
     c.add_argument("--lse", action="store_true", help="record that callers want LSE (every module can return it)")
     c.add_argument("--tiles", help="m0xn0xk0xn1xk1[:kv_chunk], CK's bm0xbn0xbk0xbn1xbk1")
     c.add_argument("--seqlens", type=_seqlens, default=(),
-                   help="S1,S2,...: also compile causal entry points specialized on Sq == Sk == S "
-                        "(GPU; other lengths still run)")
+                   help="S1,S2,...: also compile entry points specialized on Sq == Sk == S (GPU: causal "
+                        "tree and fused out-only ops; CPU: row blocks, also fixed to --batch and --heads "
+                        "when given); other shapes still run")
+    c.add_argument("--batch", type=int, default=0, help="with --seqlens on the CPU: the batch size they take")
     c.add_argument("--dump", help="also keep IREE's dumped executables (configured IR, ISA) here")
     c.add_argument("-o", "--output", required=True, help="output .vmfb (the manifest goes beside it as .json)")
     c.add_argument("-v", "--verbose", action="store_true")

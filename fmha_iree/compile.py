@@ -121,20 +121,25 @@ def gpu_lowering(spec: KernelSpec) -> dict | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _torch_module(dtype: str, layout: str, group: int, dq: int, dv: int, tiles, with_step: bool) -> tuple[str, str]:
+def _torch_module(dtype: str, layout: str, group: int, dq: int, dv: int, tiles, with_step: bool,
+                  seqlens: tuple = (), batch: int = 0, kv_heads: int = 0) -> tuple[str, str]:
     """Exported torch-graph MLIR (target independent, so exported once per process) and the
     module name it carries."""
     from .graph import export_module
     from .targets import Target
 
-    spec = KernelSpec(dtype, layout, group, dq, dv, tiles, Target("llvm-cpu", "host"))
+    fixed = (tuple(seqlens), batch, kv_heads) if with_step else ((), 0, 0)
+    spec = KernelSpec(dtype, layout, group, dq, dv, tiles, Target("llvm-cpu", "host"), *fixed)
     return export_module(spec, with_step=with_step), spec.module_name
 
 
 def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
     """The dense entry points' static parameters, or None when the module has none (CPU torch
-    modules; GPU lowerings IREE picks; lowerings that split Dv across workgroups, which were not
-    checked on a GPU).
+    modules without ``seqlens``; GPU lowerings IREE picks; lowerings that split Dv across
+    workgroups, which were not checked on a GPU).
+
+    CPU torch modules with ``seqlens`` get ``dense_s<S>`` / ``causal_s<S>`` (``graph.RowBlocks``)
+    only: ``tiled`` False (plain 4-D arguments), ``dynamic`` False (no entries for other lengths).
 
     ``align``: sequence lengths the dense path takes are multiples of this (the workgroup M and
     K2 tiles, so IREE sees whole tiles); ``causal_blocks``: row blocks of the causal entry point
@@ -145,7 +150,15 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
 
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
     if not fused:
-        return None
+        if not spec.seqlens:
+            return None
+        from .graph import CPU_ROWS
+
+        for s in spec.seqlens:
+            if int(s) <= 0 or int(s) % CPU_ROWS:
+                raise ValueError(f"seqlens: {s} is not a positive multiple of {CPU_ROWS} (the CPU row block)")
+        return {"align": CPU_ROWS, "causal_blocks": 0, "lowering": None, "seqlens": {int(s): None for s in spec.seqlens},
+                "causal_o": [], "tiled": False, "dynamic": False, "batch": spec.batch, "kv_heads": spec.kv_heads}
     low = _dense_lowering(spec)
     if low is None or int(low.get("workgroup_n", spec.dv)) != spec.dv:
         return None
@@ -157,17 +170,19 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
         seqlens[int(s)] = causal_diag(int(s), align)
     causal_o = [s for s in seqlens if s <= CAUSAL_MASKED_MAX and spec.group * s * s <= 1 << 28]
     return {"align": align, "causal_blocks": CAUSAL_BLOCKS, "lowering": low, "seqlens": seqlens,
-            "causal_o": causal_o}
+            "causal_o": causal_o, "tiled": True, "dynamic": True}
 
 
 def dense_abi(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
     """What a runtime needs to call the dense entry points (``align``, ``causal_blocks``,
-    ``seqlens``, ``causal_o``)."""
+    ``seqlens``, ``causal_o``, ``tiled``, ``dynamic``, ``batch``, ``kv_heads``: 0 or the fixed
+    value the compiled-in entries need)."""
     d = dense_params(spec, fused_step=fused_step)
     if d is None:
         return None
     return {"align": d["align"], "causal_blocks": d["causal_blocks"], "seqlens": sorted(d["seqlens"]),
-            "causal_o": sorted(d["causal_o"])}
+            "causal_o": sorted(d["causal_o"]), "tiled": d["tiled"], "dynamic": d["dynamic"],
+            "batch": d.get("batch", 0), "kv_heads": d.get("kv_heads", 0)}
 
 
 def causal_diag(seqlen: int, align: int) -> int:
@@ -185,10 +200,12 @@ def causal_diag(seqlen: int, align: int) -> int:
 
 
 # Causal without LSE at a compiled-in length S up to this: the whole problem as ONE fused
-# attention op with a [G*S, S] mask (every block computed, no partials, no merge) beat the tree
-# of dense blocks (which skips the masked half but pays for partials, copies and a merge) on the
-# H200 up to S = 8192 (2026-11-30, docs/BENCHMARKS.md); the mask costs G*S^2 bytes.
-CAUSAL_MASKED_MAX = 8192
+# attention op with a [G*S, S] mask (every block computed, no partials, no merge) against the tree
+# of dense blocks (which skips the masked half but pays for partials, copies and a merge). H200,
+# d128 f16, B*S = 16k (2026-11-30, docs/BENCHMARKS.md): masked op 1.38 / 1.94 / 3.14 / 5.75 ms at
+# S = 512 / 1024 / 2048 / 4096 against the tree's 2.78 / 3.08 / 3.98 / 5.82; at 8192 the tree
+# won (9.02 vs 10.58). The mask costs G*S^2 bytes.
+CAUSAL_MASKED_MAX = 4096
 
 # Row blocks of the causal entry point: (NB + 1) / (2 NB) of the unmasked work; more blocks skip
 # more but make smaller dispatches.
@@ -210,7 +227,8 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None) -> str:
     (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``). ``fused_step=True`` on the CPU builds the
     GPU formulation for llvm-cpu, so its numerics can be tested where CI runs."""
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
-    text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused)
+    text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused,
+                               spec.seqlens, spec.batch, spec.kv_heads)
     text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
     if not fused:
         return text
@@ -317,7 +335,21 @@ def entry_points(spec: KernelSpec) -> dict:
         },
     }
     dense = dense_params(spec)
-    if dense:
+    if dense and not dense["tiled"]:
+        for s in sorted(dense["seqlens"]):
+            io = {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t]}
+            io = {n: [[s if x == "?" and i == (2 if spec.layout == "bhsd" else 1) else x for i, x in enumerate(shp)], ty]
+                  for n, (shp, ty) in io.items()}
+            res = {"out": [[s if x == "?" and i == (2 if spec.layout == "bhsd" else 1) else x
+                            for i, x in enumerate(seq(hq, spec.dv))], t], "lse": [["?", hq, s], "f32"]}
+            out[f"dense_s{s}"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
+                                  "note": f"every row sees every key; Sq == Sk == {s} (row blocks of plain matmul/softmax)"}
+            out[f"causal_s{s}"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
+                                   "note": f"row i sees keys j <= i; Sq == Sk == {s} (row blocks, keys up to the diagonal)"}
+            for kind in ("dense", "causal"):
+                out[f"{kind}_o_s{s}"] = {"args": {**io, "scale": [[1], "f32"]}, "results": {"out": res["out"]},
+                                         "note": f"as {kind}_s{s}, without lse"}
+    elif dense:
         a, nb = dense["align"], dense["causal_blocks"]
         tiled = lambda h, d: ["?", h, f"S/{a}", a, d] if spec.layout == "bhsd" else ["?", f"S/{a}", a, h, d]  # noqa: E731
         tt = spec.dtype  # the templates take bf16 typed as bf16 (the torch entry points take i16 bits)

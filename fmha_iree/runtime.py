@@ -241,6 +241,8 @@ class FmhaModule:
             return None
         a = d["align"]
         fixed = sq == sk and sq in d.get("seqlens", ())
+        if not d.get("dynamic", True):  # CPU row-block entries: compiled-in lengths only
+            return f"{'causal' if causal else 'dense'}{'' if with_lse else '_o'}_s{sq}" if fixed else None
         if not causal:
             if sq % a or sk % a or sk < 1:
                 return None
@@ -264,6 +266,8 @@ class FmhaModule:
         fn = self.dense_entry(sq, sk, causal, with_lse)
 
         def tiled(x):
+            if not self.dense.get("tiled", True):
+                return x
             b, s1, s2, d = x.shape
             shape = (b, s1, s2 // a, a, d) if layout == "bhsd" else (b, s1 // a, a, s2, d)
             return x.reshape(shape)

@@ -31,8 +31,10 @@ class KernelSpec:
 
     Batch size, sequence lengths, head counts (at a fixed ratio), masks, scale and the number of
     work units are runtime values: changing them never compiles again. ``seqlens`` optionally
-    adds entry points specialized on those lengths (GPU modules: causal with Sq == Sk == S as a
-    tree of dense blocks, ``mlir_templates.render_causal_tree``); other lengths still run.
+    adds entry points specialized on those lengths (Sq == Sk == S): on GPUs causal as a tree of
+    dense blocks and out-only fused ops (``mlir_templates``), on the CPU row blocks of plain
+    matmul/softmax (``graph.RowBlocks``), which ``batch`` / ``kv_heads`` (0: any) also fix:
+    IREE's CPU code for them with a dynamic batch dim was ~3x slower. Other shapes still run.
     """
 
     dtype: str  # f16, bf16, f32
@@ -43,11 +45,15 @@ class KernelSpec:
     tiles: TileConfig
     target: Target
     seqlens: tuple = ()
+    batch: int = 0
+    kv_heads: int = 0
 
     @property
     def module_name(self) -> str:
         t = self.tiles
         s = ("_s" + "_".join(map(str, self.seqlens))) if self.seqlens else ""
+        s += f"_b{self.batch}" if self.batch else ""
+        s += f"_h{self.kv_heads}" if self.kv_heads else ""
         return (
             f"fmha_{self.dtype}_{self.layout}_g{self.group}_d{self.dq}x{self.dv}"
             f"_t{t.ck_name}c{t.kv_chunk}_{self.target.arch}{s}"
@@ -57,7 +63,7 @@ class KernelSpec:
         return {
             "dtype": self.dtype, "layout": self.layout, "group": self.group, "dq": self.dq,
             "dv": self.dv, "tiles": self.tiles.as_dict(), "target": dataclasses.asdict(self.target),
-            "seqlens": list(self.seqlens),
+            "seqlens": list(self.seqlens), "batch": self.batch, "kv_heads": self.kv_heads,
         }
 
 

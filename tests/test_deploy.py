@@ -122,14 +122,18 @@ def test_cli_refuses_impossible_tiles(tmp_path):
     assert not (tmp_path / "x.vmfb").exists()
 
 
-@pytest.mark.parametrize("target,seqlens,fragment", [("sm_80", "1000", "alignment 64"),
-                                                      ("host", "1024", "no one-call entry points")])
-def test_cli_refuses_bad_seqlens(tmp_path, target, seqlens, fragment):
-    """--seqlens a module cannot take is refused before IREE runs, naming the option."""
+@pytest.mark.parametrize("target,extra,fragment", [
+    ("sm_80", ["--seqlens", "1000"], "alignment 64"),
+    ("host", ["--seqlens", "100"], "multiple of 128"),
+    ("gfx1100", ["--seqlens", "1024"], "no one-call entry points"),  # d128 splits Dv there
+    ("sm_80", ["--seqlens", "1024", "--batch", "2"], "--batch"),
+])
+def test_cli_refuses_bad_seqlens(tmp_path, target, extra, fragment):
+    """--seqlens / --batch a module cannot take are refused before IREE runs, naming the option."""
     r = subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", target, "--dtype", "f16",
-                        "--hdim", "128", "--seqlens", seqlens, "-o", str(tmp_path / "x.vmfb")],
+                        "--hdim", "128", *extra, "-o", str(tmp_path / "x.vmfb")],
                        capture_output=True, text=True)
-    assert r.returncode == 2 and "seqlens" in r.stderr and fragment in r.stderr, r.stderr
+    assert r.returncode == 2 and fragment in r.stderr and ("seqlens" in r.stderr or "batch" in r.stderr), r.stderr
     assert not (tmp_path / "x.vmfb").exists()
 
 
