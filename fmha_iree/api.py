@@ -194,7 +194,8 @@ def fmha_fwd(
 
     On GPU targets, a call with no mask (or causal with Sq == Sk), no cu_seqlen padding and lengths
     that are multiples of the module's alignment runs as one fused kernel call (``dense_kind``);
-    every other call runs the tiled plan. Both give the same results.
+    with ``specialize``, the same on the CPU for the compiled-in shape; every other call runs the
+    tiled plan. All give the same results.
     """
     p = check_batch(q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
     if not isinstance(return_lse, bool):

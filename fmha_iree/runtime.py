@@ -129,8 +129,9 @@ class FmhaModule:
 
     Functions compiled with ``--iree-execution-model=async-external`` (GPU modules) are invoked
     with a wait and a signal fence: a call returns at once, its results are DeviceTensors that
-    are ready at its signal fence, and back-to-back calls queue on the device with no host round
-    trip in between (on the H200 that removed ~1 ms of idle GPU per call, docs/BENCHMARKS.md)."""
+    are ready at its signal fence, and back-to-back calls on ready inputs queue on the device with
+    no host round trip in between (on the H200 that removed ~1 ms of idle GPU per call,
+    docs/BENCHMARKS.md). A call given a result that is not ready yet waits for it on the host."""
 
     def __init__(self, vmfb: bytes, device_uri: str, name: str, *, dense: dict | None = None,
                  typed_bf16: bool = False):
@@ -149,7 +150,6 @@ class FmhaModule:
         self.typed_bf16 = typed_bf16
         self._sem = None
         self._timepoint = 0
-        self._last = None  # signal fence of this module's latest asynchronous call
         self._scales: dict[float, object] = {}
         self._lock = threading.Lock()
 
@@ -179,30 +179,26 @@ class FmhaModule:
         """Invoke ``fn`` on (buffer view, fence) args; returns (result buffer views, fence)."""
         import iree.runtime as rt
 
-        # torch-exported functions (`init`, `finalize`) come in both forms; their `$async` form
-        # records dispatches on inputs that must already exist, so the sync form is used after a
-        # host wait on the inputs' fences. Template functions are asynchronous only.
+        # Inputs must exist before a call records its dispatches: a result of an unfinished
+        # asynchronous call is a transient buffer not yet committed (IREE's local driver refuses
+        # it), so the host waits for those first. Calls on ready inputs (uploaded tensors, the
+        # usual case) return at once and queue on the device behind each other. torch-exported
+        # functions (`init`, `finalize`) are called in their synchronous form.
+        for _, w in args:
+            if w is not None:
+                w.wait()
         f = self._fns[fn]
         lst = rt.VmVariantList(len(args) + 2)
         for bv, _ in args:
             lst.push_ref(bv)
         fence = None
         if f.reflection.get("iree.abi.model") == "coarse-fences":
-            waits = [w for _, w in args if w is not None] + ([self._last] if self._last is not None else [])
-            wait = rt.HalFence(max(1, len(waits)))
-            for w in waits:
-                wait.extend(w)
             if self._sem is None:
                 self._sem = self.device.create_semaphore(0)
             self._timepoint += 1
             fence = rt.HalFence.create_at(self._sem, self._timepoint)
-            lst.push_ref(wait)
+            lst.push_ref(rt.HalFence(1))  # nothing to wait for: the inputs are ready
             lst.push_ref(fence)
-            self._last = fence
-        else:
-            for _, w in args:
-                if w is not None:
-                    w.wait()
         rets = rt.VmVariantList(n_results)
         self._ctx.vm_context.invoke(f, lst, rets)
         return [rets.get_as_object(i, rt.HalBufferView) for i in range(n_results)], fence

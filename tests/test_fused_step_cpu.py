@@ -160,9 +160,9 @@ def test_compiled_in_lengths(fused_module, mask, s, with_lse, entry, layout, gro
 
 
 def test_async_results_chain_on_device(fused_module):
-    """A DeviceTensor result of an asynchronous call feeds the next call before it is ready: the
-    second call waits on the first one's fence on the device, and the numbers are those of two
-    host-synchronized calls."""
+    """A DeviceTensor result of an asynchronous call feeds the next call before it is ready (the
+    runtime waits for its fence first: IREE's local driver refuses an uncommitted buffer), and the
+    numbers are those of two host-synchronized calls."""
     mod = fused_module("f32", "bhsd", 2, 64, seqlens=(256, 512))
     q, k, v = make_qkv(seed_of("chain"), B=1, Hq=4, Hk=2, Sq=256, Sk=256, Dq=64)
     qd, kd, vd = (fmha_iree.to_device(x, "local-task") for x in (q, k, v))
