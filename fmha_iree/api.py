@@ -8,7 +8,7 @@ import numpy as np
 
 from . import compile as _compile
 from .plan import Plan, Sequences, build_plan, units_budget
-from .runtime import DeviceTensor, FmhaModule
+from .runtime import DeviceTensor, FmhaModule, dense_entry
 from .spec import BatchProblem, KernelSpec, Operand, check_batch, check_tiles, check_varlen
 from .targets import resolve_device
 
@@ -75,26 +75,21 @@ def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_sh
 def dense_kind(p: BatchProblem, dense: dict | None) -> str | None:
     """Whether a batch-mode problem can take a module's one-call dense path: ``"dense"`` (every
     row sees every key), ``"causal"`` (row i sees keys j <= i, Sq == Sk), or None (the plan).
-    Needs full lengths (no cu_seqlen padding) that are multiples of the module's alignment (for
-    causal: of ``align * causal_blocks``, or one of the module's compiled-in ``seqlens``)."""
+    Needs full lengths (no cu_seqlen padding) that the module's entry points take
+    (``runtime.dense_entry``: multiples of its alignment, for causal of ``align * causal_blocks``
+    or one of its compiled-in ``seqlens``)."""
     if not dense or p.sq == 0 or p.sk == 0:
         return None
     if (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
         return None
-    a = dense["align"]
-    if p.sq % a or p.sk % a:
-        return None
-    fixed = (p.sq == p.sk and p.sq in dense.get("seqlens", ())
-             and dense.get("batch", 0) in (0, p.batch) and dense.get("kv_heads", 0) in (0, p.hk))
-    if not dense.get("dynamic", True) and not fixed:
-        return None
     y, x = p.mask.coords(p.sq, p.sk)
     if y >= p.sq and x >= p.sk:
-        return "dense"
-    nb = dense["causal_blocks"]
-    if x == 1 and y >= p.sq and p.sq == p.sk and (fixed or (nb and p.sq % (a * nb) == 0)):
-        return "causal"
-    return None
+        kind = "dense"
+    elif x == 1 and y >= p.sq:
+        kind = "causal"
+    else:
+        return None
+    return kind if dense_entry(dense, p.sq, p.sk, kind == "causal", True, p.batch, p.hk) else None
 
 
 def _compiled(p: BatchProblem, tiles, device, specialize: bool = False):

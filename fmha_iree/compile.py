@@ -318,7 +318,7 @@ def entry_points(spec: KernelSpec) -> dict:
 
     t = "i16(bf16 bits)" if spec.dtype == "bf16" else spec.dtype
     gr = spec.group * spec.tiles.m0
-    seq = lambda h, d: ["?", h, "?", d] if spec.layout == "bhsd" else ["?", "?", h, d]  # noqa: E731
+    seq = lambda h, d, s="?": ["?", h, s, d] if spec.layout == "bhsd" else ["?", s, h, d]  # noqa: E731
     hq = "?" if spec.group == 1 else f"{spec.group}*Hk"
     state = {"acc": [["?", "Hk", gr, spec.dv], "f32"], "m": [["?", "Hk", gr], "f32"], "l": [["?", "Hk", gr], "f32"]}
     out = {
@@ -337,11 +337,8 @@ def entry_points(spec: KernelSpec) -> dict:
     dense = dense_params(spec)
     if dense and not dense["tiled"]:
         for s in sorted(dense["seqlens"]):
-            io = {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t]}
-            io = {n: [[s if x == "?" and i == (2 if spec.layout == "bhsd" else 1) else x for i, x in enumerate(shp)], ty]
-                  for n, (shp, ty) in io.items()}
-            res = {"out": [[s if x == "?" and i == (2 if spec.layout == "bhsd" else 1) else x
-                            for i, x in enumerate(seq(hq, spec.dv))], t], "lse": [["?", hq, s], "f32"]}
+            io = {"q": [seq(hq, spec.dq, s), t], "k": [seq("Hk", spec.dq, s), t], "v": [seq("Hk", spec.dv, s), t]}
+            res = {"out": [seq(hq, spec.dv, s), t], "lse": [["?", hq, s], "f32"]}
             out[f"dense_s{s}"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
                                   "note": f"every row sees every key; Sq == Sk == {s} (row blocks of plain matmul/softmax)"}
             out[f"causal_s{s}"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
@@ -360,9 +357,9 @@ def entry_points(spec: KernelSpec) -> dict:
         out["causal"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
                          "note": f"row i sees keys j <= i; Sq == Sk, a multiple of {a * nb}"}
         for s, c in sorted(dense["seqlens"].items()):
-            sio = {"q": [tiled(hq, spec.dq), tt], "k": [tiled("Hk", spec.dq), tt], "v": [tiled("Hk", spec.dv), tt]}
-            sio = {n: [[s // a if str(x).startswith("S/") else x for x in shp], t] for n, (shp, t) in sio.items()}
-            sres = {n: [[s // a if str(x).startswith("S/") else x for x in shp], t] for n, (shp, t) in res.items()}
+            fix = lambda shp: [s // a if x == f"S/{a}" else x for x in shp]  # noqa: E731
+            sio = {n: [fix(shp), ty] for n, (shp, ty) in io.items()}
+            sres = {n: [fix(shp), ty] for n, (shp, ty) in res.items()}
             out[f"causal_s{s}"] = {"args": {**sio, "scale": [[1], "f32"]}, "results": sres,
                                    "note": f"row i sees keys j <= i; Sq == Sk == {s} (tree of dense blocks, diagonal {c})"}
             out[f"dense_o_s{s}"] = {"args": {**sio, "scale": [[1], "f32"]}, "results": {"out": sres["out"]},

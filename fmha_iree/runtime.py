@@ -33,7 +33,7 @@ def get_device(uri: str):
         return dev
 
 
-_HOST_DTYPES = {"f16": np.float16, "bf16": np.int16, "f32": np.float32}
+_HOST_DTYPES = {"f16": np.float16, "bf16": np.int16, "f32": np.float32, "i32": np.int32}
 
 
 def _element_type(dtype: str, typed_bf16: bool = True):
@@ -41,7 +41,8 @@ def _element_type(dtype: str, typed_bf16: bool = True):
 
     if dtype == "bf16":
         return rt.HalElementType.BFLOAT_16 if typed_bf16 else rt.HalElementType.SINT_16
-    return {"f16": rt.HalElementType.FLOAT_16, "f32": rt.HalElementType.FLOAT_32}[dtype]
+    return {"f16": rt.HalElementType.FLOAT_16, "f32": rt.HalElementType.FLOAT_32,
+            "i32": rt.HalElementType.SINT_32}[dtype]
 
 
 class DeviceTensor:
@@ -58,7 +59,7 @@ class DeviceTensor:
         self.shape = tuple(int(x) for x in shape)
         self.dtype = dtype
         # HalFence reached once the contents are written (results of asynchronous calls; None:
-        # ready now). Calls that read this tensor wait on it on the device, not on the host.
+        # ready now). Reading it (to_numpy, or as the input of another call) waits for it first.
         self.ready = ready
 
     @classmethod
@@ -101,8 +102,7 @@ class DeviceTensor:
     def to_numpy(self) -> np.ndarray:
         import iree.runtime as rt
 
-        if self.ready is not None:
-            self.ready.wait()
+        self.wait()
         arr = rt.DeviceArray(get_device(self.device_uri), self.buffer_view(typed_bf16=False))
         return np.array(arr.to_host(), copy=True).view(_HOST_DTYPES[self.dtype]).reshape(self.shape)
 
@@ -152,9 +152,6 @@ class FmhaModule:
         self._timepoint = 0
         self._scales: dict[float, object] = {}
         self._lock = threading.Lock()
-
-    def has(self, fn: str) -> bool:
-        return fn in self._fns
 
     def _put(self, a, dtype: str):
         """(buffer view, fence or None) of an input: uploaded from the host, or a DeviceTensor's
@@ -212,7 +209,7 @@ class FmhaModule:
     def run(self, q, k, v, dtype: str, scale: float, hk: int, plan: Plan, *, keep_on_device: bool = False):
         """Execute ``plan``; q/k/v are ABI numpy arrays or DeviceTensors. Returns (out, lse) as numpy
         arrays, or as DeviceTensors with ``keep_on_device``."""
-        i32 = lambda a: (_upload_i32(a, self.device_uri), None)  # noqa: E731
+        i32 = lambda a: (DeviceTensor.from_host(a, "i32", self.device_uri).buffer_view(), None)  # noqa: E731
         with self._lock:
             (acc, m, l), fence = self._call("init", [i32(np.zeros((plan.n_tiles, hk), np.int32))], 3)
             if plan.calls:
@@ -224,30 +221,10 @@ class FmhaModule:
                                                         i32(plan.lse_map)], 2)
             return self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
 
-    def dense_entry(self, sq: int, sk: int, causal: bool, with_lse: bool) -> str | None:
-        """The one-call entry point for this problem, or None (the plan then runs it).
-
-        Unmasked: ``dense_o_s<S>`` (IREE's fused attention op, no LSE) when LSE is not wanted and
-        Sq == Sk == S is a compiled-in length, else ``dense`` for multiples of ``align``. Causal
-        (Sq == Sk) at a compiled-in length: ``causal_o_s<S>`` (masked fused op) without LSE where
-        the module has it, else ``causal_s<S>``; other lengths: ``causal`` for multiples of
-        ``align * causal_blocks``."""
-        d = self.dense
-        if not d:
-            return None
-        a = d["align"]
-        fixed = sq == sk and sq in d.get("seqlens", ())
-        if not d.get("dynamic", True):  # CPU row-block entries: compiled-in lengths only
-            return f"{'causal' if causal else 'dense'}{'' if with_lse else '_o'}_s{sq}" if fixed else None
-        if not causal:
-            if sq % a or sk % a or sk < 1:
-                return None
-            return f"dense_o_s{sq}" if fixed and not with_lse else "dense"
-        if sq != sk:
-            return None
-        if fixed:
-            return f"causal_o_s{sq}" if not with_lse and sq in d.get("causal_o", ()) else f"causal_s{sq}"
-        return "causal" if sq % (a * d["causal_blocks"]) == 0 else None
+    def dense_entry(self, sq: int, sk: int, causal: bool, with_lse: bool, batch: int | None = None,
+                    kv_heads: int | None = None) -> str | None:
+        """The one-call entry point of this module for the problem (see :func:`dense_entry`)."""
+        return dense_entry(self.dense, sq, sk, causal, with_lse, batch, kv_heads)
 
     def run_dense(self, q, k, v, dtype: str, scale: float, layout: str, causal: bool, *,
                   keep_on_device: bool = False, with_lse: bool = True):
@@ -258,8 +235,8 @@ class FmhaModule:
         a = self.dense["align"]
         b, s1, s2, _ = q.shape
         sq, hq = (s2, s1) if layout == "bhsd" else (s1, s2)
-        sk = k.shape[2] if layout == "bhsd" else k.shape[1]
-        fn = self.dense_entry(sq, sk, causal, with_lse)
+        sk, hk = (k.shape[2], k.shape[1]) if layout == "bhsd" else (k.shape[1], k.shape[2])
+        fn = self.dense_entry(sq, sk, causal, with_lse, b, hk)
 
         def tiled(x):
             if not self.dense.get("tiled", True):
@@ -279,14 +256,36 @@ class FmhaModule:
         return out.reshape(q.shape[:3] + (out.shape[-1],)), lse.reshape((b, hq, sq))
 
 
-def _upload_i32(a: np.ndarray, device_uri: str):
-    import iree.runtime as rt
+def dense_entry(dense: dict | None, sq: int, sk: int, causal: bool, with_lse: bool, batch: int | None = None,
+                kv_heads: int | None = None) -> str | None:
+    """The one-call entry point a module with the manifest record ``dense`` has for a full-length
+    (no padding) batch, or None (the plan then runs it). ``batch`` / ``kv_heads``: the problem's,
+    checked against what compiled-in entries were fixed to (None: not checked).
 
-    dev = get_device(device_uri)
-    bv = dev.allocator.allocate_buffer_copy(memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT,
-                                            device=dev, buffer=np.ascontiguousarray(a, np.int32),
-                                            element_type=rt.HalElementType.SINT_32)
-    return bv
+    Lengths must be multiples of ``align``. Unmasked: ``dense_o_s<S>`` (IREE's fused attention op,
+    no LSE) when LSE is not wanted and Sq == Sk == S is a compiled-in length, else ``dense``.
+    Causal (Sq == Sk) at a compiled-in length: ``causal_o_s<S>`` (masked fused op) without LSE
+    where the module has it, else ``causal_s<S>``; other lengths: ``causal`` for multiples of
+    ``align * causal_blocks``. CPU records (``dynamic`` False) have only the compiled-in entries
+    (``dense_s``, ``causal_s``, ``dense_o_s``, ``causal_o_s``)."""
+    if not dense or sq < 1 or sk < 1:
+        return None
+    a = dense["align"]
+    if sq % a or sk % a:
+        return None
+    pinned_ok = all(not dense.get(key) or have is None or have == dense[key]
+                    for key, have in (("batch", batch), ("kv_heads", kv_heads)))
+    fixed = sq == sk and sq in dense.get("seqlens", ()) and pinned_ok
+    if not dense.get("dynamic", True):
+        return f"{'causal' if causal else 'dense'}{'' if with_lse else '_o'}_s{sq}" if fixed else None
+    if not causal:
+        return f"dense_o_s{sq}" if fixed and not with_lse else "dense"
+    if sq != sk:
+        return None
+    if fixed:
+        return f"causal_o_s{sq}" if not with_lse and sq in dense.get("causal_o", ()) else f"causal_s{sq}"
+    nb = dense["causal_blocks"]
+    return "causal" if nb and sq % (a * nb) == 0 else None
 
 
 class DeployedFmha:
