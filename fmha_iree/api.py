@@ -181,8 +181,9 @@ def fmha_fwd(
         specialize: compile (once, then cached on disk) a module whose entry points are fixed to
             this call's sequence length (Sq == Sk, no padding; on the CPU also the batch size and
             KV heads): GPUs then get the causal tree and fused out-only kernels, the CPU row blocks
-            of plain matmul/softmax (2-3x faster there). Other calls still run, on the generic
-            entry points; the first call of each new shape pays a compile (tens of seconds).
+            of plain matmul/softmax (about 2x faster on the dev CPU, docs/BENCHMARKS.md). Other
+            calls still run, on the generic entry points; the first call of each new shape pays a
+            compile (tens of seconds).
 
     Rows that see no key give 0 and lse ``-inf``. Returns ``out`` (the input's type, dtype and
     layout, ``Dv`` wide) or ``(out, lse)``.
