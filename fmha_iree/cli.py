@@ -67,7 +67,8 @@ def compile_main(args) -> int:
         return 2
     problem = {"heads": hq, "kv_heads": hk, "mask": str(mask), "lse": args.lse} if args.heads_given else {
         "mask": str(mask), "lse": args.lse}
-    manifest = build_artifact(spec, args.output, dump_dir=args.dump, problem=problem)
+    manifest = build_artifact(spec, args.output, dump_dir=args.dump, problem=problem,
+                              native_exp2=False if args.iree_exp2 else None)
     isa = manifest["isa"] or []
     spills = sum(k["vgpr_spill_count"] + k["sgpr_spill_count"] for k in isa)
     print(f"{args.output}: {spec.module_name} ({target.backend} {target.arch}), tiles {tiles.ck_name}"
@@ -169,6 +170,8 @@ def main(argv=None) -> int:
                         "tree and fused out-only ops; CPU: row blocks, also fixed to --batch and --heads "
                         "when given); other shapes still run")
     c.add_argument("--batch", type=int, default=0, help="with --seqlens on the CPU: the batch size they take")
+    c.add_argument("--iree-exp2", action="store_true",
+                   help="CUDA: keep IREE's polynomial exp2 (default: ex2.approx, see fmha_iree/ptx.py)")
     c.add_argument("--dump", help="also keep IREE's dumped executables (configured IR, ISA) here")
     c.add_argument("-o", "--output", required=True, help="output .vmfb (the manifest goes beside it as .json)")
     c.add_argument("-v", "--verbose", action="store_true")

@@ -91,7 +91,7 @@ def compile_flags(spec: KernelSpec) -> list[str]:
 
 
 def _cache_key(spec: KernelSpec, flags: list[str]) -> str:
-    blob = json.dumps({"spec": spec.as_dict(), "flags": flags}, sort_keys=True)
+    blob = json.dumps({"spec": spec.as_dict(), "flags": flags, "native_exp2": native_exp2_default(spec)}, sort_keys=True)
     if spec.target.arch == "host":
         blob += _host_cpu()
     return spec.module_name + "-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -102,7 +102,7 @@ def gpu_lowering(spec: KernelSpec) -> dict | None:
     kN0 -> reduction over keys (K2); intrinsic and subgroups from the target family. ``None`` for
     the CPU, and for combinations IREE is left to choose (f32; RDNA with Dv >= 256)."""
     from .mlir_templates import default_lowering
-    from .tiles import iree_picks_config
+    from .tiles import iree_picks_config, tuned_lowering
 
     if spec.target.backend == "llvm-cpu" or iree_picks_config(spec.target.family, spec.dtype, spec.dv, spec.target.arch, spec.dq):
         return None
@@ -115,9 +115,10 @@ def gpu_lowering(spec: KernelSpec) -> dict | None:
         return None
     n1 = t.n1 if spec.dv % t.n1 == 0 else spec.dv
     # One subgroup per 16 rows of kM0: at most 4 waves on AMD (the default tables), 8 warps on
-    # CUDA (M128 with 8 warps won at d256 on the H200, tuned_cuda.json).
+    # CUDA; the tuned CUDA tiles bring their own warp layout (tiles.tuned_lowering).
     most = 8 if spec.target.family == "cuda" else 4
-    return {**base, "workgroup_m": t.m0, "workgroup_n": n1, "reduction_k2": t.n0, "subgroups_m": min(most, t.m0 // 16)}
+    low = {**base, "workgroup_m": t.m0, "workgroup_n": n1, "reduction_k2": t.n0, "subgroups_m": min(most, t.m0 // 16)}
+    return {**low, **tuned_lowering(spec.target.family, t, spec.dv)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -202,10 +203,10 @@ def causal_diag(seqlen: int, align: int) -> int:
 # Causal without LSE at a compiled-in length S up to this: the whole problem as ONE fused
 # attention op with a [G*S, S] mask (every block computed, no partials, no merge) against the tree
 # of dense blocks (which skips the masked half but pays for partials, copies and a merge). H200,
-# d128 f16, B*S = 16k (2026-11-30, docs/BENCHMARKS.md): masked op 1.38 / 1.94 / 3.14 / 5.75 ms at
-# S = 512 / 1024 / 2048 / 4096 against the tree's 2.78 / 3.08 / 3.98 / 5.82; at 8192 the tree
-# won (9.02 vs 10.58). The mask costs G*S^2 bytes.
-CAUSAL_MASKED_MAX = 4096
+# d128 f16, B*S = 16k, bench.py (2026-11-30, session 4, after the tree lost its host waits and
+# slow copies): masked op 1.38 / 1.62 / 2.56 / 4.35 ms at S = 512 / 1024 / 2048 / 4096 against the
+# tree's 1.69 / 1.72 / 2.34 / 3.48 (timed with the LSE). The mask costs G*S^2 bytes.
+CAUSAL_MASKED_MAX = 1024
 
 # Row blocks of the causal entry point: (NB + 1) / (2 NB) of the unmasked work; more blocks skip
 # more but make smaller dispatches.
@@ -253,15 +254,28 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None) -> str:
     return text[:-1] + "\n".join(funcs) + "\n}\n"
 
 
-def compile_spec(spec: KernelSpec, *, extra_flags: list[str] | None = None) -> tuple[bytes, dict]:
-    """Compile ``spec`` now (no cache). Returns the vmfb and a record of how it was built."""
+def native_exp2_default(spec: KernelSpec) -> bool:
+    """CUDA modules get their exp2 as ``ex2.approx`` (``ptx.py``) unless asked otherwise: on the
+    H200 (2026-11-30) that took the d128 attention kernel from 4.07 to 3.56 ms at M64 and made the
+    32-rows-per-warp tiles pay (2.62 ms; tuned_cuda.json)."""
+    return spec.target.backend == "cuda"
+
+
+def compile_spec(spec: KernelSpec, *, extra_flags: list[str] | None = None,
+                 native_exp2: bool | None = None) -> tuple[bytes, dict]:
+    """Compile ``spec`` now (no cache). Returns the vmfb and a record of how it was built.
+
+    ``native_exp2`` (CUDA only; default ``native_exp2_default``): compile once with every
+    executable's PTX dumped, replace IREE's polynomial exp2 with ``ex2.approx.ftz.f32``
+    (``ptx.native_exp2``), and compile again with the patched PTX substituted
+    (``--iree-hal-substitute-executable-objects-from``)."""
     import iree.compiler.tools as ict
 
     flags = compile_flags(spec) + list(extra_flags or [])
     mlir = source_mlir(spec)
-    vmfb = ict.compile_str(mlir, extra_args=flags)
-    with _lock:
-        _stats["compiles"] += 1
+    exp2 = native_exp2_default(spec) if native_exp2 is None else bool(native_exp2)
+    if exp2 and spec.target.backend != "cuda":
+        raise ValueError("native_exp2 applies to CUDA targets only")
     record = {
         "module": spec.module_name,
         "spec": spec.as_dict(),
@@ -269,7 +283,58 @@ def compile_spec(spec: KernelSpec, *, extra_flags: list[str] | None = None) -> t
         "command": ["iree-compile", "<module>.mlir", *flags, "-o", "<module>.vmfb"],
         "flags": flags,
     }
+    if exp2:
+        vmfb, record["native_exp2"] = _compile_native_exp2(mlir, flags)
+        record["command"] = ["iree-compile", "<module>.mlir", *flags, "--iree-hal-link-executables=false",
+                             "--iree-hal-dump-executable-binaries-to=<ptx>", "-o", "/dev/null", "&&",
+                             "python", "-m", "fmha_iree.ptx", "<ptx>", "<patched>", "&&",
+                             *record["command"][:-2], "--iree-hal-substitute-executable-objects-from=<patched>",
+                             "-o", "<module>.vmfb"]
+    else:
+        vmfb = ict.compile_str(mlir, extra_args=flags)
+    with _lock:
+        _stats["compiles"] += 1
     return vmfb, record
+
+
+def _compile_quiet(mlir: str, flags: list[str], out: Path) -> bytes:
+    """iree-compile without echoing its per-executable "NOTE: ... substituted" lines (one per
+    patched executable); anything else it prints still reaches stderr."""
+    import subprocess
+    import sys
+
+    from iree.compiler.tools.binaries import find_tool
+
+    r = subprocess.run([find_tool("iree-compile"), "-", *flags, "-o", str(out)], input=mlir.encode(),
+                       capture_output=True)
+    rest = "\n".join(ln for ln in r.stderr.decode(errors="replace").splitlines()
+                      if not ln.startswith("NOTE: hal.executable"))
+    if r.returncode:
+        raise RuntimeError(f"iree-compile failed ({r.returncode}):\n{rest[-4000:]}")
+    if rest.strip():
+        print(rest, file=sys.stderr)
+    return out.read_bytes()
+
+
+def _compile_native_exp2(mlir: str, flags: list[str]) -> tuple[bytes, dict]:
+    import tempfile
+
+    import iree.compiler.tools as ict
+
+    from .ptx import patch_dir
+
+    with tempfile.TemporaryDirectory(prefix="fmha_iree_ptx_") as tmp:
+        raw, patched = Path(tmp) / "ptx", Path(tmp) / "patched"
+        ict.compile_str(mlir, extra_args=flags + ["--iree-hal-link-executables=false",
+                                                   f"--iree-hal-dump-executable-binaries-to={raw}"])
+        report = patch_dir(raw, patched)
+        extra = [f"--iree-hal-substitute-executable-objects-from={patched}"] if report["executables_patched"] else []
+        vmfb = _compile_quiet(mlir, flags + extra, Path(tmp) / "out.vmfb")
+    found = vmfb.count(b"ex2.approx.ftz.f32")
+    if found < report["replaced"]:
+        raise RuntimeError(f"native_exp2: {report['replaced']} exp2 patched but {found} in the module "
+                           "(IREE did not substitute the patched PTX)")
+    return vmfb, report
 
 
 def _atomic_write(path: Path, data: bytes):
@@ -388,7 +453,7 @@ def _iree_tiles(spec: KernelSpec) -> dict:
 
 
 def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Path | None = None,
-                   problem: dict | None = None) -> dict:
+                   problem: dict | None = None, native_exp2: bool | None = None) -> dict:
     """Compile ``spec`` to ``out_path`` (.vmfb) with a JSON manifest beside it; return the manifest.
 
     For gfx targets the executables are dumped (to ``dump_dir`` or a temp dir) and the manifest gets
@@ -404,7 +469,8 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
     with tempfile.TemporaryDirectory() as tmp:
         dump = Path(dump_dir) if dump_dir else Path(tmp)
         dump.mkdir(parents=True, exist_ok=True)
-        vmfb, record = compile_spec(spec, extra_flags=[f"--iree-hal-dump-executable-files-to={dump}"])
+        vmfb, record = compile_spec(spec, extra_flags=[f"--iree-hal-dump-executable-files-to={dump}"],
+                                    native_exp2=native_exp2)
         isa = isa_report(dump, spec.target.arch) if spec.target.backend == "rocm" else None
     t = spec.tiles
     manifest = {
@@ -421,6 +487,7 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
         "toolchain": record["toolchain"],
         "flags": record["flags"],
         "command": record["command"],
+        "native_exp2": record.get("native_exp2"),
         "isa": isa,
     }
     _atomic_write(out_path, vmfb)

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     )
     err = (out.double() - ref).abs().max().item()
     _, target = resolve_device(args.device)
-    tiles = default_tiles(target.family, D, D, target.arch)
+    tiles = default_tiles(target.family, D, D, target.arch, args.dtype)
     print(f"fmha_iree {fmha_iree.__version__}: q {list(q.shape)} k/v {list(k.shape)} {args.dtype}, mask {args.mask!r} ({mask.kind})")
     print(f"target {target.arch} ({target.backend}), device {args.device}")
     print(f"tile config (CK names): kM0={tiles.m0} kN0={tiles.n0} kK0={tiles.k0} kN1={tiles.n1} kK1={tiles.k1}"

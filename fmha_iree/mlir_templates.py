@@ -400,7 +400,27 @@ def render_dense_out(*, func_name: str, dtype: str, layout: str, group: int, dq:
             mask_map="\n        affine_map<(d0, d1, d2, d3, d4) -> (d1, d3)>,",
             mask_in=", %cmask", mask_ty=f", {ty}")
     return _load("dense_out.mlir.in").substitute(func_name=func_name, attn_props=props, attn_attrs=attrs,
-                                                 **mask, **f)
+                                                 **mask, **_v_operand(f, lowering), **f)
+
+
+def _v_operand(f: dict, lowering) -> dict:
+    """V as the attention op reads it. `transpose_v` in the lowering stores V as [BH, Dv, Sk] first
+    (one transpose dispatch): the P@V operand's pairs along keys are then adjacent in shared memory,
+    read as 32-bit words instead of 16-bit halves (H200, d128 M256: 2.62 against 2.89 ms per
+    kernel, tuned_cuda.json). An optimization barrier keeps IREE from folding it back."""
+    DV, T = f["DV"], f["T"]
+    if not (isinstance(lowering, Mapping) and lowering.get("transpose_v")):
+        return dict(v_prep="", v_in="%v3p", v_ty=f"tensor<?x?x{DV}x{T}>", v_map="(d0, d3, d4)",
+                    v_doc="V is read as [BH, Sk, Dv].")
+    ty = f"tensor<?x{DV}x?x{T}>"
+    prep = "\n".join([
+        f"  %vte = tensor.empty(%BH, %Ska) : {ty}",
+        f"  %vt0 = linalg.transpose ins(%v3 : tensor<?x?x{DV}x{T}>) outs(%vte : {ty}) permutation = [0, 2, 1]",
+        f"  %vtx = util.optimization_barrier %vt0 : {ty}",
+        f"  %vtp = flow.tensor.tie_shape %vtx : {ty}{{%BH, %Ska}}",
+    ])
+    return dict(v_prep=prep, v_in="%vtp", v_ty=ty, v_map="(d0, d4, d3)",
+                v_doc="V is transposed to [BH, Dv, Sk] first (lowering transpose_v).")
 
 
 def render_causal(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, blocks: int,
@@ -451,28 +471,91 @@ def _attn_op(name: str, q: str, k: str, v: str, *, f: dict, n: int, rows: int, k
 """
 
 
-def _copy(name: str, src: str, src_ty: str, dst_ty: str, rank: int, perm: list[int]) -> str:
+def _copy(name: str, src: str, src_ty: str, dst_ty: str, rank: int, perm: list[int],
+          pick: dict[int, int] | None = None, subgroup: int | None = None) -> str:
     """`%name` = elementwise copy of `src` into a fresh `dst_ty` (first two dims dynamic: %B, %Hk),
-    dst dim i taken from src dim perm[i]: a contiguous batch for the next attention op. (IREE
-    still makes a plain copy a `slow_memcpy` dispatch: ~0.16 ms per 32 MiB on the H200.)"""
-    dims = ", ".join(f"d{i}" for i in range(rank))
-    src_map = ", ".join(f"d{perm.index(i)}" for i in range(rank))
-    par = ", ".join(['"parallel"'] * rank)
-    return f"""  %{name}_e = tensor.empty(%B, %Hk) : {dst_ty}
-  %{name} = linalg.generic {{indexing_maps = [affine_map<({dims}) -> ({src_map})>, affine_map<({dims}) -> ({dims})>],
-      iterator_types = [{par}]}} ins({src} : {src_ty}) outs(%{name}_e : {dst_ty}) {{
-  ^bb0(%x: {src_ty.rsplit("x", 1)[1][:-1]}, %o: {dst_ty.rsplit("x", 1)[1][:-1]}):
-    linalg.yield %x : {src_ty.rsplit("x", 1)[1][:-1]}
-  }} -> {dst_ty}
+    dst dim i taken from src dim perm[i]: a contiguous batch for the next attention op. `pick`
+    {src dim: index} reads one index of extra src dims (the src then has rank + len(pick) dims).
+
+    Each element gets `%rt_zero` added (a zero IREE cannot fold: scale - scale), so the copy stays
+    an elementwise kernel: a plain copy becomes IREE's `slow_memcpy` dispatch, one f16 per thread
+    in 64-thread workgroups (0.16 ms per 32 MiB on the H200, 2026-11-30). With `subgroup` (the
+    GPU's subgroup size) the copy gets its own tiles (`_copy_config`); it then iterates over the
+    non-unit dims of `dst_ty` only (IREE folds unit dims into a new op, dropping the tiles) and
+    expands back."""
+    pick = pick or {}
+    et = src_ty.rsplit("x", 1)[1][:-1]
+    dshape = dst_ty[len("tensor<"):-1].split("x")[:-1]
+    sshape = src_ty[len("tensor<"):-1].split("x")[:-1]
+    keep = [i for i, x in enumerate(dshape) if x != "1"] if subgroup else list(range(rank))
+    skeep = [i for i, x in enumerate(sshape) if x != "1" or i in pick] if subgroup else list(range(len(sshape)))
+    new_idx = {i: n for n, i in enumerate(keep)}
+    dims = ", ".join(f"d{n}" for n in range(len(keep)))
+    src_exprs, k = [], 0
+    for i in range(rank + len(pick)):
+        if i in pick:
+            src_exprs.append(str(pick[i]))
+            continue
+        di = perm.index(k)
+        k += 1
+        if i in skeep:
+            src_exprs.append(f"d{new_idx[di]}" if di in new_idx else "0")
+    pre = ""
+    if len(skeep) < len(sshape):  # fold the source's unit dims away first, for the same reason
+        sred = "tensor<" + "x".join([sshape[i] for i in skeep] + [et]) + ">"
+        pre = f"  %{name}_s = tensor.collapse_shape {src} {_unit_groups(skeep, len(sshape))} : {src_ty} into {sred}\n"
+        src, src_ty = f"%{name}_s", sred
+    red_ty = "tensor<" + "x".join([dshape[i] for i in keep] + [et]) + ">"
+    par = ", ".join(['"parallel"'] * len(keep))
+    cfg = _copy_config(red_ty, len(keep), subgroup) if subgroup else ""
+    out = f"%{name}_r" if red_ty != dst_ty else f"%{name}"
+    text = pre + f"""  %{name}_e = tensor.empty(%B, %Hk) : {red_ty}
+  {out} = linalg.generic {{indexing_maps = [affine_map<({dims}) -> ({", ".join(src_exprs)})>, affine_map<({dims}) -> ({dims})>],
+      iterator_types = [{par}]}} ins({src} : {src_ty}) outs(%{name}_e : {red_ty}){cfg} {{
+  ^bb0(%x: {et}, %o: {et}):
+    %x0 = arith.addf %x, %rt_zero : {et}
+    linalg.yield %x0 : {et}
+  }} -> {red_ty}
 """
+    if red_ty != dst_ty:
+        dyn = ["%B", "%Hk"]
+        shape = ", ".join(dyn.pop(0) if x == "?" else x for x in dshape)
+        text += (f"  %{name} = tensor.expand_shape {out} {_unit_groups(keep, rank)} output_shape [{shape}]"
+                 f" : {red_ty} into {dst_ty}\n")
+    return text
+
+
+def _unit_groups(keep: list[int], rank: int) -> list[list[int]]:
+    """Reassociation that folds the dims not in `keep` (unit dims) into a neighbouring kept dim:
+    the one before, or the first for leading ones."""
+    groups = [[i] for i in keep]
+    for i in range(rank):
+        if i not in keep:
+            before = [g for g in groups if g[0] < i]
+            (before[-1] if before else groups[0]).append(i)
+    return [sorted(g) for g in groups]
+
+
+def _copy_config(dst_ty: str, rank: int, subgroup: int) -> str:
+    """GPU tiles for a `_copy` (IREE's own for these dynamic-batch copies are one element per
+    thread): 16 rows x the innermost dim per workgroup, 8 elements (16 bytes of f16) per thread.
+    Empty when the innermost dim is not a multiple of 8."""
+    inner = int(dst_ty.split("x")[-2])
+    if inner % 8 or (16 * inner // 8) > 1024:
+        return ""
+    wg = [1] * (rank - 2) + [16, inner]
+    th = [1] * (rank - 1) + [8]
+    return (" attrs = {compilation_info = #iree_codegen.compilation_info<"
+            f"lowering_config = #iree_gpu.lowering_config<{{workgroup = {_ilist(wg)}, thread = {_ilist(th)}}}>, "
+            "translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<TileAndFuse> "
+            f"workgroup_size = [{16 * inner // 8}, 1, 1] subgroup_size = {int(subgroup)}>>}}")
 
 
 def _pin_batch(name: str, src: str, ty: str, n: str) -> str:
     """`name` = `src` behind an optimization barrier (so IREE does not fold the reshapes around it
     into the attention op, which would give it several batch dims its GPU config cannot tile), with
     its dynamic batch size re-tied for IREE's shape resolution."""
-    return (f"  {name}_x = util.optimization_barrier {src} : {ty}\n"
-            f"  {name} = flow.tensor.tie_shape {name}_x : {ty}{{{n}}}")
+    return f"  {name} = flow.tensor.reshape {src} : {ty}{{{n}}} -> {ty}{{{n}}}"
 
 
 def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
@@ -496,8 +579,12 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
         raise ValueError(f"diag={diag}: seqlen {S} must be diag times a power of two and diag a multiple of {A}")
     nl = nd.bit_length() - 1
     props, attrs = _lowering_for_whole_rows(lowering, dv)
+    sg = lowering.get("subgroup_size") if isinstance(lowering, Mapping) and lowering.get("backend") != "cpu" else None
     ST = S // A
-    body = [f["prologue"], "  %Hq = arith.muli %Hk, %cG : index"]
+    body = [f["prologue"], "  %Hq = arith.muli %Hk, %cG : index",
+            "  %rt_zero_f = arith.subf %scale_f32, %scale_f32 : f32",  # see _copy
+            "  %rt_zero = arith.addf %rt_zero_f, %zero : f32" if T == "f32"
+            else f"  %rt_zero = arith.truncf %rt_zero_f : f32 to {T}"]
     # static-S views [B, Hk, G, S, Dq] of q and [B, Hk, S, D] of k, v
     body.append(f"""  %qS5 = tensor.cast %qb : tensor<?x?x?x{A}x{DQ}x{T}> to tensor<?x?x{ST}x{A}x{DQ}x{T}>
   %qS6 = tensor.expand_shape %qS5 [[0], [1, 2], [3], [4], [5]] output_shape [%B, %Hk, {G}, {ST}, {A}, {DQ}]
@@ -513,7 +600,8 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
     if G == 1:
         body.append(f"  %qDc = tensor.collapse_shape %qD6 [[0, 1, 2, 3], [4], [5]] : tensor<?x?x1x{nd}x{C}x{DQ}x{T}> into tensor<?x{C}x{DQ}x{T}>")
     else:
-        body.append(_copy("qDt", "%qD6", f"tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", 6, [0, 1, 3, 2, 4, 5]))
+        body.append(_copy("qDt", "%qD6", f"tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", 6, [0, 1, 3, 2, 4, 5],
+                          subgroup=sg))
         body.append(f"  %qDc = tensor.collapse_shape %qDt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
     for x, d in (("k", DQ), ("v", DV)):
         body.append(f"""  %{x}D5 = tensor.expand_shape %{x}S [[0], [1], [2, 3], [4]] output_shape [%B, %Hk, {nd}, {C}, {d}]
@@ -540,16 +628,16 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
         L, nb = C << j, nd >> (j + 1)
         body.append(f"""  %qE{j} = tensor.expand_shape %qS [[0], [1], [2], [3, 4, 5], [6]] output_shape [%B, %Hk, {G}, {nb}, 2, {L}, {DQ}]
       : tensor<?x?x{G}x{S}x{DQ}x{T}> into tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}>
-  %qO{j} = tensor.extract_slice %qE{j}[0, 0, 0, 0, 1, 0, 0] [%B, %Hk, {G}, {nb}, 1, {L}, {DQ}] [1, 1, 1, 1, 1, 1, 1]
-      : tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}> to tensor<?x?x{G}x{nb}x{L}x{DQ}x{T}>""")
-        body.append(_copy(f"qT{j}", f"%qO{j}", f"tensor<?x?x{G}x{nb}x{L}x{DQ}x{T}>", f"tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}>", 6, [0, 1, 3, 2, 4, 5]))
+""")
+        body.append(_copy(f"qT{j}", f"%qE{j}", f"tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}>", f"tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}>", 6,
+                          [0, 1, 3, 2, 4, 5], pick={4: 1}, subgroup=sg))
         body.append(f"  %qC{j} = tensor.collapse_shape %qT{j} [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}> into tensor<?x{G * L}x{DQ}x{T}>")
         for x, d in (("k", DQ), ("v", DV)):
             body.append(f"""  %{x}E{j} = tensor.expand_shape %{x}S [[0], [1], [2, 3, 4], [5]] output_shape [%B, %Hk, {nb}, 2, {L}, {d}]
       : tensor<?x?x{S}x{d}x{T}> into tensor<?x?x{nb}x2x{L}x{d}x{T}>
-  %{x}O{j} = tensor.extract_slice %{x}E{j}[0, 0, 0, 0, 0, 0] [%B, %Hk, {nb}, 1, {L}, {d}] [1, 1, 1, 1, 1, 1]
-      : tensor<?x?x{nb}x2x{L}x{d}x{T}> to tensor<?x?x{nb}x{L}x{d}x{T}>""")
-            body.append(_copy(f"{x}T{j}", f"%{x}O{j}", f"tensor<?x?x{nb}x{L}x{d}x{T}>", f"tensor<?x?x{nb}x{L}x{d}x{T}>", 5, [0, 1, 2, 3, 4]))
+""")
+            body.append(_copy(f"{x}T{j}", f"%{x}E{j}", f"tensor<?x?x{nb}x2x{L}x{d}x{T}>", f"tensor<?x?x{nb}x{L}x{d}x{T}>", 5,
+                              [0, 1, 2, 3, 4], pick={3: 0}, subgroup=sg))
             body.append(f"  %{x}C{j} = tensor.collapse_shape %{x}T{j} [[0, 1, 2], [3], [4]] : tensor<?x?x{nb}x{L}x{d}x{T}> into tensor<?x{L}x{d}x{T}>")
         body.append(f"  %cnb{j} = arith.constant {nb} : index\n  %nL{j} = arith.muli %BH, %cnb{j} : index")
         for x, r, d in (("q", G * L, DQ), ("k", L, DQ), ("v", L, DV)):

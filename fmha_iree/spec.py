@@ -151,7 +151,7 @@ def check_tiles(tiles, target: Target, dq: int, dv: int, dtype: str) -> TileConf
     """The tile config to use: ``tiles`` if it can work on ``target`` (else ``ValueError`` with the
     reasons), or the target's default."""
     if tiles is None:
-        tiles = default_tiles(target.family, dq, dv, target.arch)
+        tiles = default_tiles(target.family, dq, dv, target.arch, dtype)
     elif not isinstance(tiles, TileConfig):
         raise TypeError(f"tiles must be a fmha_iree.TileConfig or None, got {type(tiles).__name__}")
     return check_tiles_for(tiles, target.family, target.arch, dq, dv, dtype)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["TileConfig", "default_tiles", "parse_tiles"]
+__all__ = ["TileConfig", "default_tiles", "parse_tiles", "tuned_lowering"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +103,8 @@ _GPU = _gpu({32: 64, 64: 64, 96: 64, 128: 64, 192: 32, 256: 32})
 
 
 def _tuned(name: str) -> dict:
-    """Winners of ``scripts/tune.py`` (written there with the figures that chose them), per head
-    dim. Both dtypes got the same winners on the H200 (2026-11-29), so the f16 entry serves."""
+    """Winners of the H200 kernel sweeps (written with the figures that chose them):
+    ``{(hdim, dtype): entry}``."""
     import json
     from pathlib import Path
 
@@ -112,15 +112,36 @@ def _tuned(name: str) -> dict:
         entries = json.loads((Path(__file__).resolve().parent / name).read_text())
     except OSError:
         return {}
-    return {e["hdim"]: TileConfig(e["lowering"]["workgroup_m"], e["lowering"]["reduction_k2"], 16, e["hdim"], 16,
-                                  kv_chunk=256)
-            for e in entries if e["dtype"] == "f16"}
+    return {(e["hdim"], e["dtype"]): e for e in entries}
 
 
-# CUDA: tuned on the H200 (sm_80 module; one online_attention over B*H=64 x S=4096 at d128, see
-# tuned_cuda.json): M64/K2=32 at d64 and d128 (111 TFLOP/s at d128 f16, ten configs within 4%),
-# M128/K2=32 with 8 warps at d256 (108 TFLOP/s against 86 for M64).
-_CUDA = {**_GPU, **_tuned("tuned_cuda.json")}
+def _tile_of(e: dict) -> "TileConfig":
+    low = e["lowering"]
+    return TileConfig(low["workgroup_m"], low["reduction_k2"], 16, e["hdim"], 16, kv_chunk=256)
+
+
+_TUNED_CUDA = _tuned("tuned_cuda.json")
+
+# CUDA: the H200 sweep of 2026-11-30 (tuned_cuda.json; kernel times of one fused attention op over
+# B*H x 4096 x D, with exp2 as ex2.approx): 32 query rows per warp won where it fits the registers.
+# d64 M128/K2=64 with 4 warps (245 TFLOP/s, 0.80x flash's kernel); d128 f16 M256/K2=32 with 8
+# warps (190, 0.53x), d128 bf16 M128/K2=64 with 4 warps (194, 0.55x; M256 ran 172 in bf16); M64/K2=32,
+# the 2026-11-29 winner without native exp2, 154); d256 M128/K2=32 with 8 warps (157, 0.49x). The
+# f16 entry is the head dim's default; other dtypes override it where they have an entry.
+_CUDA = {**_GPU, **{d: _tile_of(e) for (d, dt), e in _TUNED_CUDA.items() if dt == "f16"}}
+_CUDA_DTYPE = {(d, dt): _tile_of(e) for (d, dt), e in _TUNED_CUDA.items() if dt != "f16"}
+
+
+def tuned_lowering(family: str, tiles: "TileConfig", dv: int) -> dict:
+    """The warp layout (``subgroups_m``) and ``transpose_v`` the sweep chose with these tiles, or {}
+    when ``tiles`` are not tuned ones (the caller then derives its own)."""
+    if family != "cuda":
+        return {}
+    for (d, _), e in _TUNED_CUDA.items():
+        if d == dv and (e["lowering"]["workgroup_m"], e["lowering"]["reduction_k2"]) == (tiles.m0, tiles.n0):
+            return {k: e["lowering"][k] for k in ("subgroups_m", "transpose_v") if k in e["lowering"]}
+    return {}
+
 
 _TABLES = {"cpu": _CPU, "cdna": _GPU, "rdna": _GPU, "cuda": _CUDA}
 
@@ -132,13 +153,15 @@ _ARCH_OVERRIDES = {
 }
 
 
-def default_tiles(family: str, dq: int, dv: int, arch: str = "") -> TileConfig:
-    """The default tile for a target family (``cpu``, ``cdna``, ``rdna``, ``cuda``), chip and head
-    dims."""
+def default_tiles(family: str, dq: int, dv: int, arch: str = "", dtype: str = "") -> TileConfig:
+    """The default tile for a target family (``cpu``, ``cdna``, ``rdna``, ``cuda``), chip, head
+    dims and (where a table has per-dtype entries) dtype."""
     d = max(dq, dv)
     over = _ARCH_OVERRIDES.get(arch, {})
     if d in over:
         return over[d]
+    if family == "cuda" and (d, dtype) in _CUDA_DTYPE and dv == d:
+        return _CUDA_DTYPE[(d, dtype)]
     table = _TABLES[family]
     key = min((k for k in table if k >= d), default=max(table))
     tiles = table[key]

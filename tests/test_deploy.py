@@ -22,7 +22,7 @@ ALL_TARGETS = list(GFX_TARGETS) + ["sm_80", "host"]
 HDIMS = [32, 64, 96, 128, 192, 256]
 DTYPES = ["f16", "bf16", "f32"]
 MANIFEST_KEYS = {"format", "abi_version", "module", "problem", "target", "tiles", "entry_points", "toolchain",
-                 "flags", "command", "isa", "dense"}
+                 "flags", "command", "isa", "dense", "native_exp2"}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_matrix_compiles_every_default(matrix):
         t = Target.from_name(r["target"])
         from fmha_iree.tiles import default_tiles
 
-        why = not_supported_reasons(default_tiles(t.family, r["hdim"], r["hdim"], t.arch), t.family, t.arch,
+        why = not_supported_reasons(default_tiles(t.family, r["hdim"], r["hdim"], t.arch, r["dtype"]), t.family, t.arch,
                                     r["hdim"], r["hdim"], r["dtype"])
         assert why and all(w in r["refused"] for w in why), r
     refused = [r for r in rows if "refused" in r]
@@ -83,6 +83,12 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
                 assert matrix_ops > 0, f"{r['module']}: no MFMA/WMMA instructions"
         else:
             assert man["isa"] is None
+        if man["target"]["backend"] == "cuda":  # every exp2 expansion became ex2.approx (fmha_iree/ptx.py)
+            ex = man["native_exp2"]
+            assert ex["replaced"] > 0 and ex["floors_left"] == 0, (r["module"], ex)
+            assert (out / f"{r['module']}.vmfb").read_bytes().count(b"ex2.approx.ftz.f32") >= ex["replaced"]
+        else:
+            assert man["native_exp2"] is None
 
 
 @pytest.mark.parametrize("target", ["gfx90a", "gfx950", "gfx1201", "sm_80"])
@@ -95,6 +101,18 @@ def test_nondefault_tiles_reach_configured_ir(tmp_path, target):
     man = build_artifact(spec, tmp_path / "m.vmfb", dump_dir=tmp_path / "dump")
     assert ([1, 32, 0, 0, 64], [0, 0, 0, 32, 0]) in configured_attention_tiles(tmp_path / "dump")
     assert man["tiles"]["iree"]["workgroup"] == [1, 32, 0, 0, 64]
+
+
+def test_iree_exp2_keeps_iree_ptx(tmp_path):
+    """`fmha-iree compile --iree-exp2`: IREE's own PTX (its exp2 polynomial, no ex2.approx)."""
+    out = tmp_path / "m.vmfb"
+    r = subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "sm_80", "--dtype", "f16",
+                        "--hdim", "64", "--iree-exp2", "-o", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    man = json.loads(out.with_suffix(".json").read_text())
+    assert man["native_exp2"] is None
+    data = out.read_bytes()
+    assert b"ex2.approx.ftz.f32" not in data and b"cvt.rmi.f32.f32" in data
 
 
 @pytest.mark.parametrize(
@@ -123,7 +141,7 @@ def test_cli_refuses_impossible_tiles(tmp_path):
 
 
 @pytest.mark.parametrize("target,extra,fragment", [
-    ("sm_80", ["--seqlens", "1000"], "alignment 64"),
+    ("sm_80", ["--seqlens", "1000"], "alignment 256"),
     ("host", ["--seqlens", "100"], "multiple of 128"),
     ("gfx1100", ["--seqlens", "1024"], "no one-call entry points"),  # d128 splits Dv there
     ("sm_80", ["--seqlens", "1024", "--batch", "2"], "--batch"),

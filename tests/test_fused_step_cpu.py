@@ -176,3 +176,32 @@ def test_async_results_chain_on_device(fused_module):
     assert_close(first, ref1, torch.float32, what="first call")
     ref2, _ = attention_ref(first, k, v, mask="0")
     assert_close(out2.to_torch(), ref2, torch.float32, what="chained call")
+
+
+@pytest.mark.parametrize("layout,group,dtype", [("bhsd", 2, torch.float32), ("bshd", 1, torch.float16)],
+                         ids=["bhsd-g2-f32", "bshd-g1-f16"])
+def test_dense_out_transposed_v(layout, group, dtype):
+    """The out-only template with V transposed first (the CUDA tiles' ``transpose_v``), built for
+    llvm-cpu: same numbers as the float64 reference."""
+    import iree.compiler.tools as ict
+    import iree.runtime as rt
+
+    from fmha_iree.mlir_templates import render_dense_out
+
+    S, A, D, B, Hk = 256, 64, 64, 2, 2
+    dt = {torch.float32: "f32", torch.float16: "f16"}[dtype]
+    low = {"backend": "cpu", "workgroup_m": 64, "reduction_k2": 32, "workgroup_n": D, "transpose_v": True}
+    text = render_dense_out(func_name="f", dtype=dt, layout=layout, group=group, dq=D, dv=D, align=A,
+                            lowering=low, seqlen=S)
+    assert "permutation = [0, 2, 1]" in text
+    spec_flags = Target.from_name("host").compile_flags() + ["--iree-input-type=auto"]
+    vmfb = ict.compile_str("module @tv {\n" + text + "\n}\n", extra_args=spec_flags)
+    q, k, v = make_qkv(seed_of("transpose_v", layout, group), B=B, Hq=Hk * group, Hk=Hk, Sq=S, Sk=S, Dq=D,
+                       layout=layout, dtype=dtype)
+    # the ABI's (S/A, A) split of the sequence axis
+    tile = (lambda x: x.reshape(x.shape[0], x.shape[1], S // A, A, D)) if layout == "bhsd" else (
+        lambda x: x.reshape(x.shape[0], S // A, A, x.shape[2], D))
+    mod = rt.load_vm_flatbuffer(vmfb, driver="local-task")
+    out = mod.f(*(tile(x).numpy() for x in (q, k, v)), np.array([D ** -0.5], np.float32)).to_host()
+    ref_out, _ = attention_ref(q, k, v, mask="0", layout=layout)
+    assert_close(torch.from_numpy(np.asarray(out)).reshape(ref_out.shape), ref_out, dtype, what="dense_out transpose_v")

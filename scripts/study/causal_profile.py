@@ -1,0 +1,33 @@
+"""H200: torch.profiler kernel breakdown of one causal call (and the unmasked one) through the
+package on gpu_modules/f16_d128.vmfb, B*S = 16k, H=16, D=128 f16. Usage: causal_profile.py [S...]"""
+import sys, time
+import torch
+from torch.profiler import profile, ProfilerActivity
+import fmha_iree
+from fmha_iree.runtime import load
+
+mod = load("gpu_modules/f16_d128.vmfb", device="cuda://0")
+for S in [int(s) for s in sys.argv[1:]] or [4096, 16384]:
+    B = 16384 // S
+    torch.manual_seed(0)
+    q, k, v = (fmha_iree.to_device(torch.randn(B, 16, S, 128, dtype=torch.float16), "cuda://0") for _ in range(3))
+    for mask, lse in (("0", False), ("b", False), ("b", True)):
+        call = lambda: mod(q, k, v, mask=mask, return_lse=lse)  # noqa
+        last = lambda r: (r[-1] if isinstance(r, tuple) else r).wait()  # noqa
+        last(call()); torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(5):
+                r = call()
+            last(r)
+            wall = (time.perf_counter() - t0) / 5 * 1e3
+        tot = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                t = getattr(e, "device_time_total", None) or e.cuda_time_total
+                c, s = tot.get(e.name[:90], (0, 0.0))
+                tot[e.name[:90]] = (c + 1, s + t / 1e3)
+        ks = sum(s for _, s in tot.values()) / 5
+        print(f"== S={S} B={B} mask={mask} lse={lse}: wall {wall:.3f} ms/call, kernels {ks:.3f} ms/call", flush=True)
+        for name, (c, s) in sorted(tot.items(), key=lambda kv: -kv[1][1]):
+            print(f"   {c // 5:3d}x {s / 5:8.3f} ms  {name}")
