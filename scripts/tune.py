@@ -8,6 +8,14 @@ Three verbs:
     python scripts/tune.py run tune_out --out DIR [--reps 20] [--only NAME,...]
     python scripts/tune.py write RESULTS.json [--out fmha_iree/tuned_cuda.json]
 
+Since 2026-11-30 (session 4) ``compile`` builds every module as the package builds CUDA modules,
+with IREE's polynomial exp2 replaced by ``ex2.approx`` (``fmha_iree/ptx.py``; ``--iree-exp2`` to
+keep IREE's). The current ``tuned_cuda.json`` entries were chosen by the sweep of IREE's fused
+``attention`` op in ``scripts/study/kernel_variants_*.py`` (each entry names its command); this
+script's ``online_attention`` grid is the 2026-11-29 instrument, and its ``write`` output has the
+same format (one entry per dtype and head dim; ``tiles.py`` reads ``workgroup_m``,
+``reduction_k2``, ``subgroups_m``).
+
 ``compile`` (CPU machine, needs iree-base-compiler and this package) renders, for a grid of
 lowering configs, a standalone module
 
@@ -257,14 +265,25 @@ def _compile_one(job: dict, outdir: Path) -> dict:
     flags += extra
     cmd = ["iree-compile", str(src), *flags, "-o", str(vmfb)]
     t0 = time.time()
+    exp2 = None
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=job.get("timeout", 300))
-        rc, err = r.returncode, r.stderr
+        if job.get("native_exp2", True):
+            # as the package compiles CUDA modules: IREE's polynomial exp2 replaced (fmha_iree/ptx.py)
+            from fmha_iree.compile import _compile_native_exp2
+
+            data, exp2 = _compile_native_exp2(job["mlir"], flags)
+            vmfb.write_bytes(data)
+            rc, err = 0, ""
+        else:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=job.get("timeout", 300))
+            rc, err = r.returncode, r.stderr
     except subprocess.TimeoutExpired:
         rc, err = -1, "timeout"
+    except Exception as e:  # noqa: BLE001 (a failed config is a row of the sweep, not a crash)
+        rc, err = 1, str(e)
     dt = time.time() - t0
     ent = {k: job[k] for k in ("name", "config", "lowering", "dtype", "d", "mode", "shape", "BH", "S")}
-    ent.update(flags=flags, compile_s=round(dt, 1), command=" ".join(cmd))
+    ent.update(flags=flags, compile_s=round(dt, 1), command=" ".join(cmd), native_exp2=exp2)
     if rc == 0:
         ent["file"] = vmfb.name
         ent["size"] = vmfb.stat().st_size
@@ -369,6 +388,8 @@ def cmd_compile(args):
                 jobs.append(make_job(top[0], "f16", 128, mode))
     seen = set()
     jobs = [j for j in jobs if not (j["name"] in seen or seen.add(j["name"]))]
+    for j in jobs:
+        j["native_exp2"] = not args.iree_exp2
     idx_path = outdir / "index.json"
     index = json.loads(idx_path.read_text()) if (idx_path.exists() and args.append) else []
     done = {e["name"] for e in index}
@@ -590,6 +611,8 @@ def main():
     c.add_argument("--top", type=int, default=3)
     c.add_argument("--jobs", type=int, default=2)
     c.add_argument("--append", action="store_true", help="add to an existing index.json")
+    c.add_argument("--iree-exp2", action="store_true",
+                   help="keep IREE's polynomial exp2 (default: ex2.approx, as the package's CUDA modules)")
     r = sub.add_parser("run")
     r.add_argument("modules")
     r.add_argument("--out", required=True)
