@@ -188,12 +188,15 @@ def dense_abi(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | Non
 
 def causal_diag(seqlen: int, align: int) -> int:
     """Diagonal block C of the causal tree at length S (S / C a power of two, C a multiple of
-    ``align``). H200, B*S = 16k, H=16, d128 f16 (2026-11-30, docs/BENCHMARKS.md): the best C was
-    S/2 at S <= 4096 (2048: 4.44 ms vs 4.99 for C=512; 4096: 6.10 vs 6.51 for C=1024) and
-    2048 above (8192: 9.24 vs 10.29 for 1024; 16384: 15.2 vs 15.0 for 1024, 16.0 for 512):
-    each level is a dispatch with fixed costs, so fewer, larger blocks win until the masked
-    diagonal (S*C/2 of wasted work) dominates."""
-    for c in ((2048,) if seqlen > 4096 else ()) + (seqlen // 2, seqlen):
+    ``align``): S/2 up to S=1024, else S/8 kept within [512, 1024]. H200, B*S = 16k, H=16, d128
+    f16, out-only, bench.py in one run (2026-11-30, session 4; docs/bench/h200_2026-11-30b_diag_*):
+    S=4096 C=512 / 1024 / 2048: 3.19 / 3.34 / 3.70 ms; S=8192 C=1024 / 2048: 5.01 / 5.25;
+    S=16384 C=1024 / 2048: 7.86 / 8.22; S=2048 C=512 / 1024: 2.30 / 2.29-2.42. The masked diagonal
+    is computed in full (S*C/2 of wasted work), each level adds a dispatch, a copy and merge inputs;
+    once the tree had no host waits and fast copies (same session) smaller C won. (Before them the
+    best C was S/2 up to 4096 and 2048 above.)"""
+    prefs = (seqlen // 2, seqlen) if seqlen <= 1024 else (min(1024, max(512, seqlen // 8)), seqlen // 2, seqlen)
+    for c in prefs:
         n = seqlen // c if c and seqlen % c == 0 else 0
         if n and c % align == 0 and n & (n - 1) == 0:
             return c

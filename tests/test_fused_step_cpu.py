@@ -205,3 +205,32 @@ def test_dense_out_transposed_v(layout, group, dtype):
     out = mod.f(*(tile(x).numpy() for x in (q, k, v)), np.array([D ** -0.5], np.float32)).to_host()
     ref_out, _ = attention_ref(q, k, v, mask="0", layout=layout)
     assert_close(torch.from_numpy(np.asarray(out)).reshape(ref_out.shape), ref_out, dtype, what="dense_out transpose_v")
+
+
+@pytest.mark.parametrize("layout,group,dtype", [("bhsd", 2, torch.float32), ("bshd", 1, torch.float16)],
+                         ids=["bhsd-g2-f32", "bshd-g1-f16"])
+def test_causal_tree_several_levels(layout, group, dtype):
+    """The causal tree with 8 diagonal blocks (3 levels of copies, partials and one merge), as
+    `causal_diag` gives long lengths on GPUs, built for llvm-cpu: out and LSE against float64."""
+    import iree.compiler.tools as ict
+    import iree.runtime as rt
+
+    from fmha_iree.mlir_templates import render_causal_tree
+
+    S, A, D, B, Hk, C = 512, 32, 64, 2, 2, 64
+    dt = {torch.float32: "f32", torch.float16: "f16"}[dtype]
+    text = render_causal_tree(func_name="c", dtype=dt, layout=layout, group=group, dq=D, dv=D, align=A,
+                              seqlen=S, diag=C, lowering={"backend": "cpu", "workgroup_m": 32, "reduction_k2": 32,
+                                                          "workgroup_n": D})
+    vmfb = ict.compile_str("module @tree {\n" + text + "\n}\n",
+                           extra_args=Target.from_name("host").compile_flags() + ["--iree-input-type=auto"])
+    q, k, v = make_qkv(seed_of("tree_levels", layout, group), B=B, Hq=Hk * group, Hk=Hk, Sq=S, Sk=S, Dq=D,
+                       layout=layout, dtype=dtype)
+    tile = (lambda x: x.reshape(x.shape[0], x.shape[1], S // A, A, D)) if layout == "bhsd" else (
+        lambda x: x.reshape(x.shape[0], S // A, A, x.shape[2], D))
+    mod = rt.load_vm_flatbuffer(vmfb, driver="local-task")
+    out, lse = mod.c(*(tile(x).numpy() for x in (q, k, v)), np.array([D ** -0.5], np.float32))
+    ref_out, ref_lse = attention_ref(q, k, v, mask="b", layout=layout)
+    assert_close(torch.from_numpy(np.asarray(out.to_host())).reshape(ref_out.shape), ref_out, dtype, what="tree out")
+    assert_close(torch.from_numpy(np.asarray(lse.to_host())).reshape(ref_lse.shape), ref_lse, dtype, kind="lse",
+                 what="tree lse")
