@@ -259,8 +259,8 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None) -> str:
 
 def native_exp2_default(spec: KernelSpec) -> bool:
     """CUDA modules get their exp2 as ``ex2.approx`` (``ptx.py``) unless asked otherwise: on the
-    H200 (2026-11-30) that took the d128 attention kernel from 4.07 to 3.56 ms at M64 and made the
-    32-rows-per-warp tiles pay (2.62 ms; tuned_cuda.json)."""
+    H200 (2026-11-30) that took the d128 f16 attention kernel from 4.07 to 3.56 ms at M64 and made
+    the 32-rows-per-warp tiles pay (2.89 ms at M256 / 8 warps; tuned_cuda.json)."""
     return spec.target.backend == "cuda"
 
 
