@@ -89,6 +89,23 @@ def _parse(lines: list[str], start: int, end: int) -> list[_Instr]:
     return out
 
 
+_REG = re.compile(r"%[A-Za-z_][\w]*")
+
+
+def _uses(lines: list[str], start: int, end: int, instrs: list[_Instr]) -> dict[str, set]:
+    """Lines that read each register: every register named on any line of the body (stores,
+    predicated and vector operands included), less the destination of the defining instructions."""
+    dst = {ins.line: ins.dst for ins in instrs}
+    uses: dict[str, set] = {}
+    for i in range(start, end):
+        regs = _REG.findall(lines[i].split("//", 1)[0])
+        if i in dst and regs and regs[0] == dst[i]:
+            regs = regs[1:]
+        for r in regs:
+            uses.setdefault(r, set()).add(i)
+    return uses
+
+
 def _orders(ins: _Instr):
     n = _COMMUTATIVE.get(ins.op, 0)
     yield ins.srcs
@@ -171,11 +188,7 @@ def find_exp2(ptx: str) -> list[Exp2Site]:
         for ins in instrs:
             ndef[ins.dst] = ndef.get(ins.dst, 0) + 1
         defs = {ins.dst: ins for ins in instrs if ndef[ins.dst] == 1}
-        uses: dict[str, set] = {}
-        for ins in instrs:
-            for src in ins.srcs:
-                if src.startswith("%"):
-                    uses.setdefault(src, set()).add(ins.line)
+        uses = _uses(lines, start, end, instrs)
         for ins in instrs:
             if ins.op != "mul.rn.f32" or ins.line in taken:
                 continue

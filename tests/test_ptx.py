@@ -135,3 +135,17 @@ def test_patched_ptx_assembles(cuda_ptx, tmp_path):
         r = subprocess.run(["ptxas", "-arch=sm_80", str(src), "-o", str(tmp_path / "out.cubin")],
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("reader", ["\tst.global.b32 \t[%rd1], {inner};", "\t@%p1 add.rn.f32 \t%fake0, {inner}, 0f00000000;",
+                                    "\tst.shared.v2.b32 \t[%rd1+8], {{{inner}, {inner}}};"])
+def test_expansion_read_by_a_store_or_predicated_op_is_kept(cuda_ptx, reader):
+    """Reads the tree matcher does not parse as instructions (stores, predicated, vector operands)
+    still keep the expansion."""
+    ptx = next(p for p in cuda_ptx.values() if find_exp2(p))
+    sites = find_exp2(ptx)
+    lines = ptx.split("\n")
+    s = sites[0]
+    inner = lines[s.lines[len(s.lines) // 2]].strip().split(None, 1)[1].split(",")[0].strip()
+    lines.insert(s.lines[-1] + 1, reader.format(inner=inner))
+    assert len(find_exp2("\n".join(lines))) == len(sites) - 1
