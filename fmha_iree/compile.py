@@ -194,7 +194,9 @@ def causal_diag(seqlen: int, align: int) -> int:
     S=16384 C=1024 / 2048: 7.86 / 8.22; S=2048 C=512 / 1024: 2.30 / 2.29-2.42. The masked diagonal
     is computed in full (S*C/2 of wasted work), each level adds a dispatch, a copy and merge inputs;
     once the tree had no host waits and fast copies (same session) smaller C won. (Before them the
-    best C was S/2 up to 4096 and 2048 above.)"""
+    best C was S/2 up to 4096 and 2048 above.) With the workspace (session 5, same bench): C=512
+    everywhere 1.58 / 2.46 / 4.01 / 6.85 ms at S=2048..16384 against this rule's 1.58 / 2.46 / 4.05
+    / 6.92, C=256 1.68 / 2.56 / 4.14 / 7.00 (docs/bench/h200_2026-11-30c_diag_*)."""
     prefs = (seqlen // 2, seqlen) if seqlen <= 1024 else (min(1024, max(512, seqlen // 8)), seqlen // 2, seqlen)
     for c in prefs:
         n = seqlen // c if c and seqlen % c == 0 else 0
@@ -228,8 +230,9 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None) -> str:
     """The module's input IR. CPU: the torch graph of ``graph.py``. GPU: its ``init``/``finalize``
     plus the ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the
     tile config) and, where ``dense_params`` allows, ``dense`` / ``causal``
-    (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``). ``fused_step=True`` on the CPU builds the
-    GPU formulation for llvm-cpu, so its numerics can be tested where CI runs."""
+    (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``); those one-call entry points take a caller-owned
+    workspace for their intermediates (``mlir_templates._dense_common``). ``fused_step=True`` on
+    the CPU builds the GPU formulation for llvm-cpu, so its numerics can be tested where CI runs."""
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
     text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused,
                                spec.seqlens, spec.batch, spec.kv_heads)
@@ -244,7 +247,7 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None) -> str:
     dense = dense_params(spec, fused_step=fused)
     if dense:
         kw = dict(dtype=spec.dtype, layout=spec.layout, group=spec.group, dq=spec.dq, dv=spec.dv,
-                  align=dense["align"], lowering=dense["lowering"])
+                  align=dense["align"], lowering=dense["lowering"], workspace=True)
         funcs.append(render_dense(func_name="dense", **kw))
         funcs.append(render_causal(func_name="causal", blocks=dense["causal_blocks"], **kw))
         for s, c in sorted(dense["seqlens"].items()):
@@ -420,20 +423,23 @@ def entry_points(spec: KernelSpec) -> dict:
         tt = spec.dtype  # the templates take bf16 typed as bf16 (the torch entry points take i16 bits)
         io = {"q": [tiled(hq, spec.dq), tt], "k": [tiled("Hk", spec.dq), tt], "v": [tiled("Hk", spec.dv), tt]}
         res = {"out": [tiled(hq, spec.dv), tt], "lse": [["?", hq, f"S/{a}", a], "f32"]}
-        out["dense"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
+        # caller-owned storage for the intermediates; its size in bytes is what the exported
+        # `<name>_transients_size` returns for the same arguments (mlir_templates._dense_common)
+        io_s = {**io, "scale": [[1], "f32"], "workspace": [["<name>_transients_size"], "hal.buffer"]}
+        out["dense"] = {"args": io_s, "results": res,
                         "note": f"every row sees every key; Sq, Sk multiples of {a}"}
-        out["causal"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
+        out["causal"] = {"args": io_s, "results": res,
                          "note": f"row i sees keys j <= i; Sq == Sk, a multiple of {a * nb}"}
         for s, c in sorted(dense["seqlens"].items()):
             fix = lambda shp: [s // a if x == f"S/{a}" else x for x in shp]  # noqa: E731
-            sio = {n: [fix(shp), ty] for n, (shp, ty) in io.items()}
+            sio = {n: [fix(shp), ty] for n, (shp, ty) in io_s.items()}
             sres = {n: [fix(shp), ty] for n, (shp, ty) in res.items()}
-            out[f"causal_s{s}"] = {"args": {**sio, "scale": [[1], "f32"]}, "results": sres,
+            out[f"causal_s{s}"] = {"args": sio, "results": sres,
                                    "note": f"row i sees keys j <= i; Sq == Sk == {s} (tree of dense blocks, diagonal {c})"}
-            out[f"dense_o_s{s}"] = {"args": {**sio, "scale": [[1], "f32"]}, "results": {"out": sres["out"]},
+            out[f"dense_o_s{s}"] = {"args": sio, "results": {"out": sres["out"]},
                                     "note": f"every row sees every key, no lse (IREE's fused attention op); Sq == Sk == {s}"}
             if s in dense["causal_o"]:
-                out[f"causal_o_s{s}"] = {"args": {**sio, "scale": [[1], "f32"]}, "results": {"out": sres["out"]},
+                out[f"causal_o_s{s}"] = {"args": sio, "results": {"out": sres["out"]},
                                          "note": f"row i sees keys j <= i, no lse (fused attention op, masked); Sq == Sk == {s}"}
     return out
 

@@ -251,7 +251,7 @@ def default_lowering(target: str, *, dtype: str = "f16", r: int = 128, group: in
 
 
 def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
-                  seqlen: int | None = None) -> dict:
+                  seqlen: int | None = None, workspace: bool = False) -> dict:
     """Fields shared by the dense and causal templates.
 
     The sequence axis crosses the ABI split as (S / A, A) with A = `align` (the host reshapes, for
@@ -263,7 +263,13 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
 
     `seqlen` (a multiple of A) makes S static in the function's types (a shape-specialized entry
     point; the runtime refuses other lengths): the arguments are cast to the dynamic types the
-    templates use and IREE propagates the static sizes into every dispatch."""
+    templates use and IREE propagates the static sizes into every dispatch.
+
+    `workspace` adds `%workspace: !hal.buffer {iree.abi.transients}` after the scale: the
+    caller's buffer holds the function's intermediates (partials, copies), sized by IREE's
+    generated `<func>_transients_size` query. Without it IREE allocates them per call, and its
+    CUDA HAL frees them with a host wait for the call's last kernel (`queue_dealloca`), which
+    serialized back-to-back calls."""
     t = _DTYPES.get(str(dtype))
     if t is None:
         raise ValueError(f"dtype {dtype!r} not in f16/bf16/f32")
@@ -319,7 +325,8 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
             f"  %o_S = tensor.dim %o4, %c2 : {oty}", f"  %o_e = tensor.empty(%o_B, %o_S, %o_H) : {res_dyn}",
             f"  %out = linalg.transpose ins(%o4 : {oty}) outs(%o_e : {res_dyn}) permutation = [0, 2, 3, 1, 4]",
         ])
-    args = ", ".join(f"%{x}_arg: {arg_ty[x]}" for x in ("q", "k", "v"))
+    args = ", ".join([f"%{x}_arg: {arg_ty[x]}" for x in ("q", "k", "v")] + ["%scale: tensor<1xf32>"]
+                     + (["%workspace: !hal.buffer {iree.abi.transients}"] if workspace else []))
     lse_dyn, lse_ty = f"tensor<?x?x?x{a}xf32>", f"tensor<?x?x{st}x{a}xf32>"
     epilogue_out = "\n".join([from_bhsd, f"  %out_r = tensor.cast %out : {res_dyn} to {res}"])
     epilogue = epilogue_out + f"\n  %lse_r = tensor.cast %lse : {lse_dyn} to {lse_ty}"
@@ -348,11 +355,12 @@ def _lowering_for_whole_rows(lowering, dv: int):
 
 
 def render_dense(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
-                 lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None) -> str:
+                 lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None,
+                 workspace: bool = False) -> str:
     """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: attention where
     every row sees every key, as one online_attention (template `mlir/dense.mlir.in`). `seqlen`:
-    Sq = Sk fixed at compile time (see `_dense_common`)."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen)
+    Sq = Sk fixed at compile time, `workspace` (see `_dense_common`)."""
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
     props, attrs = _lowering_for_whole_rows(lowering, dv)
     return _load("dense.mlir.in").substitute(func_name=func_name, attn_props=props, attn_attrs=attrs,
                                              normalize=_normalize(f, "", "%M"), **f)
@@ -374,14 +382,14 @@ def _pin(f: dict, b: int) -> str:
 
 def render_dense_out(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
                      lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None,
-                     causal: bool = False) -> str:
+                     causal: bool = False, workspace: bool = False) -> str:
     """MLIR text of `util.func public @func_name(q, k, v, scale) -> out`: `render_dense` without
     the LSE, as IREE's `attention` op, which normalizes inside the kernel and writes the output
     type directly (no f32 accumulator in memory, no second dispatch; template
     `mlir/dense_out.mlir.in`). `causal` (needs `seqlen`, Sq == Sk): row i sees keys j <= i
     through a broadcast [G*S, S] i1 mask; every block is still computed (IREE does not skip
-    masked tiles)."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen)
+    masked tiles). `workspace`: see `_dense_common`."""
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
     props, attrs = _lowering_for_whole_rows(lowering, dv)
     mask = dict(mask="", mask_map="", mask_in="", mask_ty="", mask_doc="Every row sees every key.")
     if causal:
@@ -403,32 +411,47 @@ def render_dense_out(*, func_name: str, dtype: str, layout: str, group: int, dq:
                                                  **mask, **_v_operand(f, lowering), **f)
 
 
+# `transpose_v` pays from this compiled-in length on. H200, B*S = 16k, bench.py, one run
+# (2026-11-30, session 5; docs/bench/h200_2026-11-30c_*): f16 d128 S = 512 / 1024 / 2048 / 4096 /
+# 16384 0.52 / 0.88 / 1.61 / 3.08 / 11.95 ms -> 0.66 / 0.93 / 1.57 / 2.93 / 10.88; bf16 d128
+# 0.51 / 0.89 / 1.61 / 3.05 / 11.67 -> 0.57 / 0.87 / 1.49 / 2.65 / 9.69 (the transpose itself
+# 0.12 ms at B*S = 16k, H=16).
+TRANSPOSE_V_MIN_SEQLEN = 2048
+
+
 def _v_operand(f: dict, lowering) -> dict:
-    """V as the attention op reads it. `transpose_v` in the lowering stores V as [BH, Dv, Sk] first
-    (one transpose dispatch): the P@V operand's pairs along keys are then adjacent in shared memory,
-    read as 32-bit words instead of 16-bit halves (H200, d128 M256: 2.62 against 2.89 ms per
-    kernel, tuned_cuda.json). An optimization barrier keeps IREE from folding it back."""
+    """V as the attention op reads it. `transpose_v` in the lowering (static S of at least
+    `TRANSPOSE_V_MIN_SEQLEN`) copies V to [BH, Dv, Sk] first (`_transpose_copy`): the P@V
+    operand's pairs along keys are then adjacent in shared memory, read as 32-bit words instead
+    of 16-bit halves (H200, d128 f16 M256: 2.75 against 3.01 ms per kernel at S=4096)."""
     DV, T = f["DV"], f["T"]
-    if not (isinstance(lowering, Mapping) and lowering.get("transpose_v")):
+    if (not (isinstance(lowering, Mapping) and lowering.get("transpose_v")) or f["seqlen"] is None
+            or int(f["seqlen"]) < TRANSPOSE_V_MIN_SEQLEN):
         return dict(v_prep="", v_in="%v3p", v_ty=f"tensor<?x?x{DV}x{T}>", v_map="(d0, d3, d4)",
                     v_doc="V is read as [BH, Sk, Dv].")
+    S = int(f["seqlen"])
+    sg = lowering.get("subgroup_size") if lowering.get("backend") != "cpu" else None
     ty = f"tensor<?x{DV}x?x{T}>"
     prep = "\n".join([
-        f"  %vte = tensor.empty(%BH, %Ska) : {ty}",
-        f"  %vt0 = linalg.transpose ins(%v3 : tensor<?x?x{DV}x{T}>) outs(%vte : {ty}) permutation = [0, 2, 1]",
-        f"  %vtx = util.optimization_barrier %vt0 : {ty}",
-        f"  %vtp = flow.tensor.tie_shape %vtx : {ty}{{%BH, %Ska}}",
+        "  %rt_zero_f = arith.subf %scale_f32, %scale_f32 : f32",  # see _copy
+        "  %rt_zero = arith.addf %rt_zero_f, %zero : f32" if T == "f32" else f"  %rt_zero = arith.truncf %rt_zero_f : f32 to {T}",
+        f"  %vS = tensor.cast %v3p : tensor<?x?x{DV}x{T}> to tensor<?x{S}x{DV}x{T}>",
+        _transpose_copy("vt3", "%vS", f"tensor<?x{S}x{DV}x{T}>", f"tensor<?x{DV}x{S}x{T}>", "%BH", sg),
+        _pin_batch("%vtp0", "%vt3", f"tensor<?x{DV}x{S}x{T}>", "%BH"),
+        f"  %vtp = tensor.cast %vtp0 : tensor<?x{DV}x{S}x{T}> to {ty}",
     ])
     return dict(v_prep=prep, v_in="%vtp", v_ty=ty, v_map="(d0, d4, d3)",
-                v_doc="V is transposed to [BH, Dv, Sk] first (lowering transpose_v).")
+                v_doc="V is copied to [BH, Dv, Sk] first (lowering transpose_v).")
 
 
 def render_causal(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, blocks: int,
-                  align: int, lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None) -> str:
+                  align: int, lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None,
+                  workspace: bool = False) -> str:
     """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: causal attention
     (Sq == Sk, S a multiple of `blocks * align`) as `blocks` independent row blocks, each against
-    the keys up to its diagonal (templates `mlir/causal.mlir.in`, `mlir/causal_block.mlir.in`)."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen)
+    the keys up to its diagonal (templates `mlir/causal.mlir.in`, `mlir/causal_block.mlir.in`).
+    `workspace`: see `_dense_common`."""
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
     nb = int(blocks)
     if nb < 1:
         raise ValueError(f"blocks must be positive, got {blocks}")
@@ -525,6 +548,30 @@ def _copy(name: str, src: str, src_ty: str, dst_ty: str, rank: int, perm: list[i
     return text
 
 
+def _transpose_copy(name: str, src: str, src_ty: str, dst_ty: str, n: str, subgroup: int | None) -> str:
+    """`%name` [N, b, a] = `src` [N, a, b] (N = `n`) plus `%rt_zero` (see `_copy`), iterated over
+    the source's dims (the form IREE turns a transpose into), with IREE's shared-memory transpose
+    tiles on GPUs, which it picks itself only for static shapes: 32 x 32 tiles staged through
+    shared memory (`promote_operands`), 4 elements along the output's fastest dim per thread,
+    8 x 32 threads."""
+    et = src_ty.rsplit("x", 1)[1][:-1]
+    a, b = (int(x) for x in src_ty[len("tensor<"):-1].split("x")[1:3])
+    cfg = ""
+    if subgroup and a % 32 == 0 and b % 32 == 0:
+        cfg = (" attrs = {compilation_info = #iree_codegen.compilation_info<"
+               "lowering_config = #iree_gpu.lowering_config<{workgroup = [1, 32, 32], thread = [1, 4, 1], "
+               "promote_operands = [0]}>, "
+               "translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<TileAndFuse> "
+               f"workgroup_size = [8, 32, 1] subgroup_size = {int(subgroup)}>>}}")
+    return f"""  %{name}_e = tensor.empty({n}) : {dst_ty}
+  %{name} = linalg.generic {{indexing_maps = [affine_map<(d0, d1, d2) -> (d0, d1, d2)>, affine_map<(d0, d1, d2) -> (d0, d2, d1)>],
+      iterator_types = ["parallel", "parallel", "parallel"]}} ins({src} : {src_ty}) outs(%{name}_e : {dst_ty}){cfg} {{
+  ^bb0(%x: {et}, %o: {et}):
+    %x0 = arith.addf %x, %rt_zero : {et}
+    linalg.yield %x0 : {et}
+  }} -> {dst_ty}"""
+
+
 def _unit_groups(keep: list[int], rank: int) -> list[list[int]]:
     """Reassociation that folds the dims not in `keep` (unit dims) into a neighbouring kept dim:
     the one before, or the first for leading ones."""
@@ -561,7 +608,8 @@ def _pin_batch(name: str, src: str, ty: str, n: str) -> str:
 
 
 def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
-                       seqlen: int, diag: int, lowering: Mapping[str, Any] | str | None = None) -> str:
+                       seqlen: int, diag: int, lowering: Mapping[str, Any] | str | None = None,
+                       workspace: bool = False) -> str:
     """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: causal attention
     (Sq == Sk == `seqlen`, fixed at compile time) that computes only the lower triangle, as a
     binary tree of dense blocks. With C = `diag` and S = C * 2^n:
@@ -572,8 +620,8 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
     - one merge of the partial (acc, max, sum) of every row, normalized into out / lse.
 
     Work: S*C/2-ish masked plus S^2/2 - S*C/2 unmasked, about (1 + C/S) / 2 of the unmasked problem,
-    in n + 1 attention dispatches."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen)
+    in n + 1 attention dispatches. `workspace`: see `_dense_common`."""
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
     S, C, A, G = int(seqlen), int(diag), f["A"], f["G"]
     T, DQ, DV = f["T"], f["DQ"], f["DV"]
     nd = S // C
@@ -732,6 +780,6 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
     body.append(f"  util.return %out_r, %lse_r : {f['out_type']}, {f['lse_type']}")
     head = (f"// causal attention as a binary tree of dense blocks (mlir_templates.render_causal_tree):\n"
             f"// S={S}, diagonal blocks C={C}, {nl} levels, G={G}, {T}, Dq={DQ}, Dv={DV}, {layout}\n"
-            f"util.func public @{func_name}({f['args']}, %scale: tensor<1xf32>)\n"
+            f"util.func public @{func_name}({f['args']})\n"
             f"    -> ({f['out_type']}, {f['lse_type']}) {{")
     return head + "\n" + "\n".join(body) + "\n}\n"

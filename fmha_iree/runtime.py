@@ -131,7 +131,15 @@ class FmhaModule:
     with a wait and a signal fence: a call returns at once, its results are DeviceTensors that
     are ready at its signal fence, and back-to-back calls on ready inputs queue on the device with
     no host round trip in between (on the H200 that removed ~1 ms of idle GPU per call,
-    docs/BENCHMARKS.md). A call given a result that is not ready yet waits for it on the host."""
+    docs/BENCHMARKS.md). A call given a result that is not ready yet waits for it on the host.
+
+    Entry points that take a workspace (``iree.abi.transients``: the one-call GPU entries) get one
+    of ``WORKSPACE_SLOTS`` device buffers, each grown to the largest size asked of it (IREE's
+    ``<fn>_transients_size`` query on the call's arguments). A slot is reused only after the
+    call that last used it has finished (the host waits for it if not), so at most that many
+    calls are in flight and none shares its intermediates with another."""
+
+    WORKSPACE_SLOTS = 2
 
     def __init__(self, vmfb: bytes, device_uri: str, name: str, *, dense: dict | None = None,
                  typed_bf16: bool = False):
@@ -152,6 +160,62 @@ class FmhaModule:
         self._timepoint = 0
         self._scales: dict[float, object] = {}
         self._lock = threading.Lock()
+        self._ws_sizes: dict[tuple, int] = {}
+        self._ws_slots = [[None, 0, None] for _ in range(self.WORKSPACE_SLOTS)]  # buffer, bytes, fence
+        self._ws_next = 0
+        self._ws_empty = None
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Device memory held for workspaces (see the class docstring)."""
+        return sum(n for _, n, _ in self._ws_slots)
+
+    def release_workspace(self):
+        """Drop the workspace buffers (after waiting for the calls that use them)."""
+        with self._lock:
+            for slot in self._ws_slots:
+                if slot[2] is not None:
+                    slot[2].wait()
+                slot[:] = [None, 0, None]
+
+    def _device_buffer(self, nbytes: int):
+        import iree.runtime as rt
+
+        return self.device.allocator.allocate_buffer(memory_type=rt.MemoryType.DEVICE_LOCAL,
+                                                     allowed_usage=rt.BufferUsage.DEFAULT,
+                                                     allocation_size=max(int(nbytes), 256))
+
+    def _workspace(self, fn: str, bvs: list, coarse: bool):
+        """(buffer, slot or None) for a call of ``fn`` on the buffer views ``bvs``."""
+        import iree.runtime as rt
+
+        if self._ws_empty is None:
+            self._ws_empty = self._device_buffer(0)
+        key = (fn,) + tuple(tuple(bv.shape) for bv in bvs)
+        need = self._ws_sizes.get(key)
+        if need is None:
+            lst = rt.VmVariantList(len(bvs) + 3)
+            for bv in bvs:
+                lst.push_ref(bv)
+            lst.push_ref(self._ws_empty)
+            if coarse:
+                lst.push_ref(rt.HalFence(1))
+                lst.push_ref(rt.HalFence(1))
+            rets = rt.VmVariantList(1)
+            self._ctx.vm_context.invoke(self._fns[self._fns[fn].reflection["iree.abi.transients.size"].lstrip("@")],
+                                        lst, rets)
+            need = self._ws_sizes[key] = int(rets.get_variant(0))
+        if need == 0:
+            return self._ws_empty, None
+        slot = self._ws_slots[self._ws_next]
+        self._ws_next = (self._ws_next + 1) % len(self._ws_slots)
+        if slot[2] is not None:
+            slot[2].wait()
+            slot[2] = None
+        if slot[1] < need:
+            slot[0], slot[1] = None, 0
+            slot[0], slot[1] = self._device_buffer(need), need
+        return slot[0], slot
 
     def _put(self, a, dtype: str):
         """(buffer view, fence or None) of an input: uploaded from the host, or a DeviceTensor's
@@ -185,11 +249,16 @@ class FmhaModule:
             if w is not None:
                 w.wait()
         f = self._fns[fn]
-        lst = rt.VmVariantList(len(args) + 2)
+        coarse = f.reflection.get("iree.abi.model") == "coarse-fences"
+        lst = rt.VmVariantList(len(args) + 3)
         for bv, _ in args:
             lst.push_ref(bv)
+        slot = None
+        if "iree.abi.transients.size" in f.reflection:
+            ws, slot = self._workspace(fn, [bv for bv, _ in args], coarse)
+            lst.push_ref(ws)
         fence = None
-        if f.reflection.get("iree.abi.model") == "coarse-fences":
+        if coarse:
             if self._sem is None:
                 self._sem = self.device.create_semaphore(0)
             self._timepoint += 1
@@ -198,6 +267,8 @@ class FmhaModule:
             lst.push_ref(fence)
         rets = rt.VmVariantList(n_results)
         self._ctx.vm_context.invoke(f, lst, rets)
+        if slot is not None:
+            slot[2] = fence
         return [rets.get_as_object(i, rt.HalBufferView) for i in range(n_results)], fence
 
     def _result(self, bv, fence, dtype: str, keep: bool):

@@ -178,33 +178,66 @@ def test_async_results_chain_on_device(fused_module):
     assert_close(out2.to_torch(), ref2, torch.float32, what="chained call")
 
 
-@pytest.mark.parametrize("layout,group,dtype", [("bhsd", 2, torch.float32), ("bshd", 1, torch.float16)],
-                         ids=["bhsd-g2-f32", "bshd-g1-f16"])
-def test_dense_out_transposed_v(layout, group, dtype):
-    """The out-only template with V transposed first (the CUDA tiles' ``transpose_v``), built for
-    llvm-cpu: same numbers as the float64 reference."""
+
+def test_workspace_slots_serve_calls_in_flight(fused_module):
+    """One-call entry points get their intermediates in the module's workspace slots: more
+    back-to-back asynchronous calls than slots (each with its own inputs, results left on the
+    device) each give their own numbers, and the slots are sized by IREE's transients query."""
+    mod = fused_module("f32", "bhsd", 2, 64, seqlens=(256, 512))
+    n = mod.WORKSPACE_SLOTS + 2
+    qkv = [make_qkv(seed_of("slots", i), B=1, Hq=4, Hk=2, Sq=512, Sk=512, Dq=64) for i in range(n)]
+    outs = []
+    for q, k, v in qkv:
+        dev = [fmha_iree.to_device(x, "local-task") for x in (q, k, v)]
+        p = check_batch(*dev, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None)
+        outs.append(run_batch(p, True, TILES, lambda: mod, "gpu"))
+    assert mod.dense_entry(512, 512, True, True) == "causal_s512"
+    sizes = [b for (fn, *_), b in mod._ws_sizes.items() if fn == "causal_s512"]
+    assert sizes and sizes[0] > 0 and mod.workspace_bytes >= sizes[0]
+    for (q, k, v), (out, lse) in zip(qkv, outs):
+        ref_out, ref_lse = attention_ref(q, k, v, mask="b")
+        assert_close(out.to_torch(), ref_out, torch.float32, what="causal_s512 out in flight")
+        assert_close(lse.to_torch(), ref_lse, torch.float32, kind="lse", what="causal_s512 lse in flight")
+    mod.release_workspace()
+    assert mod.workspace_bytes == 0
+
+def _template_on_host(text: str, S: int, A: int, layout: str, q, k, v):
+    """Compile one rendered template function (the module's only one) for llvm-cpu and call it on
+    q/k/v split along the sequence axis as the ABI wants it, (S/A, A); returns its results."""
     import iree.compiler.tools as ict
     import iree.runtime as rt
 
-    from fmha_iree.mlir_templates import render_dense_out
+    name = text.split("util.func public @", 1)[1].split("(", 1)[0]
+    vmfb = ict.compile_str("module @m {\n" + text + "\n}\n",
+                           extra_args=Target.from_name("host").compile_flags() + ["--iree-input-type=auto"])
+    tile = (lambda x: x.reshape(x.shape[0], x.shape[1], S // A, A, x.shape[-1])) if layout == "bhsd" else (
+        lambda x: x.reshape(x.shape[0], S // A, A, x.shape[2], x.shape[-1]))
+    mod = rt.load_vm_flatbuffer(vmfb, driver="local-task")
+    res = getattr(mod, name)(*(tile(x).numpy() for x in (q, k, v)), np.array([q.shape[-1] ** -0.5], np.float32))
+    return [torch.from_numpy(np.asarray(r.to_host())) for r in (res if isinstance(res, tuple) else (res,))]
 
-    S, A, D, B, Hk = 256, 64, 64, 2, 2
+
+@pytest.mark.parametrize("layout,group,dtype", [("bhsd", 2, torch.float32), ("bshd", 1, torch.float16)],
+                         ids=["bhsd-g2-f32", "bshd-g1-f16"])
+def test_dense_out_transposed_v(layout, group, dtype):
+    """The out-only template with V copied to [BH, Dv, S] first (the CUDA tiles' ``transpose_v``),
+    built for llvm-cpu: same numbers as the float64 reference."""
+    from fmha_iree.mlir_templates import TRANSPOSE_V_MIN_SEQLEN, render_dense_out
+
+    S, A, D, B, Hk = TRANSPOSE_V_MIN_SEQLEN, 64, 64, 1, 2
     dt = {torch.float32: "f32", torch.float16: "f16"}[dtype]
     low = {"backend": "cpu", "workgroup_m": 64, "reduction_k2": 32, "workgroup_n": D, "transpose_v": True}
     text = render_dense_out(func_name="f", dtype=dt, layout=layout, group=group, dq=D, dv=D, align=A,
                             lowering=low, seqlen=S)
-    assert "permutation = [0, 2, 1]" in text
-    spec_flags = Target.from_name("host").compile_flags() + ["--iree-input-type=auto"]
-    vmfb = ict.compile_str("module @tv {\n" + text + "\n}\n", extra_args=spec_flags)
+    assert "-> (d0, d4, d3)>" in text  # the op reads V transposed
+    short = render_dense_out(func_name="f", dtype=dt, layout=layout, group=group, dq=D, dv=D, align=A,
+                             lowering=low, seqlen=S // 2)
+    assert "-> (d0, d4, d3)>" not in short  # below TRANSPOSE_V_MIN_SEQLEN V is read in place
     q, k, v = make_qkv(seed_of("transpose_v", layout, group), B=B, Hq=Hk * group, Hk=Hk, Sq=S, Sk=S, Dq=D,
                        layout=layout, dtype=dtype)
-    # the ABI's (S/A, A) split of the sequence axis
-    tile = (lambda x: x.reshape(x.shape[0], x.shape[1], S // A, A, D)) if layout == "bhsd" else (
-        lambda x: x.reshape(x.shape[0], S // A, A, x.shape[2], D))
-    mod = rt.load_vm_flatbuffer(vmfb, driver="local-task")
-    out = mod.f(*(tile(x).numpy() for x in (q, k, v)), np.array([D ** -0.5], np.float32)).to_host()
+    (out,) = _template_on_host(text, S, A, layout, q, k, v)
     ref_out, _ = attention_ref(q, k, v, mask="0", layout=layout)
-    assert_close(torch.from_numpy(np.asarray(out)).reshape(ref_out.shape), ref_out, dtype, what="dense_out transpose_v")
+    assert_close(out.reshape(ref_out.shape), ref_out, dtype, what="dense_out transpose_v")
 
 
 @pytest.mark.parametrize("layout,group,dtype", [("bhsd", 2, torch.float32), ("bshd", 1, torch.float16)],
@@ -212,25 +245,16 @@ def test_dense_out_transposed_v(layout, group, dtype):
 def test_causal_tree_several_levels(layout, group, dtype):
     """The causal tree with 8 diagonal blocks (3 levels of copies, partials and one merge), as
     `causal_diag` gives long lengths on GPUs, built for llvm-cpu: out and LSE against float64."""
-    import iree.compiler.tools as ict
-    import iree.runtime as rt
-
     from fmha_iree.mlir_templates import render_causal_tree
 
     S, A, D, B, Hk, C = 512, 32, 64, 2, 2, 64
     dt = {torch.float32: "f32", torch.float16: "f16"}[dtype]
+    low = {"backend": "cpu", "workgroup_m": 32, "reduction_k2": 32, "workgroup_n": D}
     text = render_causal_tree(func_name="c", dtype=dt, layout=layout, group=group, dq=D, dv=D, align=A,
-                              seqlen=S, diag=C, lowering={"backend": "cpu", "workgroup_m": 32, "reduction_k2": 32,
-                                                          "workgroup_n": D})
-    vmfb = ict.compile_str("module @tree {\n" + text + "\n}\n",
-                           extra_args=Target.from_name("host").compile_flags() + ["--iree-input-type=auto"])
+                              seqlen=S, diag=C, lowering=low)
     q, k, v = make_qkv(seed_of("tree_levels", layout, group), B=B, Hq=Hk * group, Hk=Hk, Sq=S, Sk=S, Dq=D,
                        layout=layout, dtype=dtype)
-    tile = (lambda x: x.reshape(x.shape[0], x.shape[1], S // A, A, D)) if layout == "bhsd" else (
-        lambda x: x.reshape(x.shape[0], S // A, A, x.shape[2], D))
-    mod = rt.load_vm_flatbuffer(vmfb, driver="local-task")
-    out, lse = mod.c(*(tile(x).numpy() for x in (q, k, v)), np.array([D ** -0.5], np.float32))
+    out, lse = _template_on_host(text, S, A, layout, q, k, v)
     ref_out, ref_lse = attention_ref(q, k, v, mask="b", layout=layout)
-    assert_close(torch.from_numpy(np.asarray(out.to_host())).reshape(ref_out.shape), ref_out, dtype, what="tree out")
-    assert_close(torch.from_numpy(np.asarray(lse.to_host())).reshape(ref_lse.shape), ref_lse, dtype, kind="lse",
-                 what="tree lse")
+    assert_close(out.reshape(ref_out.shape), ref_out, dtype, what="tree out")
+    assert_close(lse.reshape(ref_lse.shape), ref_lse, dtype, kind="lse", what="tree lse")

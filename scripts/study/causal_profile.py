@@ -1,12 +1,13 @@
 """H200: torch.profiler kernel breakdown of one causal call (and the unmasked one) through the
-package on gpu_modules/f16_d128.vmfb, B*S = 16k, H=16, D=128 f16. Usage: causal_profile.py [S...]"""
-import sys, time
+package on gpu_modules/f16_d128.vmfb (or $FMHA_PROFILE_MODULE), B*S = 16k, H=16, D=128 f16.
+Usage: causal_profile.py [S...]"""
+import os, sys, time
 import torch
 from torch.profiler import profile, ProfilerActivity
 import fmha_iree
 from fmha_iree.runtime import load
 
-mod = load("gpu_modules/f16_d128.vmfb", device="cuda://0")
+mod = load(os.environ.get("FMHA_PROFILE_MODULE", "gpu_modules/f16_d128.vmfb"), device="cuda://0")
 for S in [int(s) for s in sys.argv[1:]] or [4096, 16384]:
     B = 16384 // S
     torch.manual_seed(0)
