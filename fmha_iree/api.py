@@ -72,24 +72,29 @@ def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_sh
     return out.reshape(out_shape), lse.reshape(lse_shape)
 
 
-def dense_kind(p: BatchProblem, dense: dict | None) -> str | None:
-    """Whether a batch-mode problem can take a module's one-call dense path: ``"dense"`` (every
-    row sees every key), ``"causal"`` (row i sees keys j <= i, Sq == Sk), or None (the plan).
+def dense_kind(p: BatchProblem, dense: dict | None) -> tuple[str, int | None] | None:
+    """Whether a batch-mode problem can take a module's one-call dense path: ``("dense", None)``
+    (every row sees every key), ``("causal", None)`` (row i sees keys j <= i, Sq == Sk),
+    ``("window", W)`` (keys i - W <= j <= i, Sq == Sk: CK's ``b:W,0``), or None (the plan).
     Needs full lengths (no cu_seqlen padding) that the module's entry points take
     (``runtime.dense_entry``: multiples of its alignment, for causal of ``align * causal_blocks``
-    or one of its compiled-in ``seqlens``)."""
+    or one of its compiled-in ``seqlens``, for a window a compiled-in length whose block holds W)."""
     if not dense or p.sq == 0 or p.sk == 0:
         return None
     if (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
         return None
     y, x = p.mask.coords(p.sq, p.sk)
+    window = None
     if y >= p.sq and x >= p.sk:
         kind = "dense"
     elif x == 1 and y >= p.sq:
         kind = "causal"
+    elif x == 1 and p.sq == p.sk and y >= 1:
+        kind, window = "window", y - 1
     else:
         return None
-    return kind if dense_entry(dense, p.sq, p.sk, kind == "causal", True, p.batch, p.hk) else None
+    ok = dense_entry(dense, p.sq, p.sk, kind == "causal", True, p.batch, p.hk, window)
+    return (kind, window) if ok else None
 
 
 def _compiled(p: BatchProblem, tiles, device, specialize: bool = False):
@@ -130,8 +135,8 @@ def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str)
     module = get_module() if p.sq and p.sk and p.batch else None
     kind = dense_kind(p, module.dense if module is not None else None)
     if kind:
-        out, lse = module.run_dense(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.layout, kind == "causal",
-                                    keep_on_device=p.q.on_device, with_lse=return_lse)
+        out, lse = module.run_dense(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.layout, kind[0] == "causal",
+                                    keep_on_device=p.q.on_device, with_lse=return_lse, window=kind[1])
     else:
         seqs = Sequences.batch(p.q_lens, p.k_lens)
         out, lse = _execute(p, seqs, out_shape, (p.batch, p.hq, p.sq), (p.batch, p.sq), (p.batch, p.sq), tiles,
@@ -189,9 +194,11 @@ def fmha_fwd(
     layout, ``Dv`` wide) or ``(out, lse)``.
 
     On GPU targets, a call with no mask (or causal with Sq == Sk), no cu_seqlen padding and lengths
-    that are multiples of the module's alignment runs as one fused kernel call (``dense_kind``);
-    with ``specialize``, the same on the CPU for the compiled-in shape; every other call runs the
-    tiled plan. All give the same results.
+    that are multiples of the module's alignment runs as one fused kernel call (``dense_kind``),
+    and with ``specialize`` also a sliding window ``b:W,0`` / ``t:W,0`` (Sq == Sk, W up to the
+    window block of ``mlir_templates.window_block``); with ``specialize``, the unmasked and causal
+    cases on the CPU too for the compiled-in shape; every other call runs the tiled plan. All give
+    the same results.
     """
     p = check_batch(q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
     if not isinstance(return_lse, bool):

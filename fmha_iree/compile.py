@@ -146,7 +146,9 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     K2 tiles, so IREE sees whole tiles); ``causal_blocks``: row blocks of the causal entry point
     (it computes (NB + 1) / (2 NB) of the unmasked work); ``seqlens``: {S: diagonal block} of the
     compiled-in lengths (``causal_s<S>``, and ``dense_o_s<S>``: unmasked without LSE);
-    ``causal_o``: the lengths that also get ``causal_o_s<S>`` (causal without LSE, masked)."""
+    ``causal_o``: the lengths that also get ``causal_o_s<S>`` (causal without LSE, masked);
+    ``window``: {S: C} of the lengths that get ``window_s<S>`` (sliding windows of up to C keys
+    before each row, ``mlir_templates.render_window``)."""
     import math
 
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
@@ -160,6 +162,8 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
                 raise ValueError(f"seqlens: {s} is not a positive multiple of {CPU_ROWS} (the CPU row block)")
         return {"align": CPU_ROWS, "causal_blocks": 0, "lowering": None, "seqlens": {int(s): None for s in spec.seqlens},
                 "causal_o": [], "tiled": False, "dynamic": False, "batch": spec.batch, "kv_heads": spec.kv_heads}
+    from .mlir_templates import window_block
+
     low = _dense_lowering(spec)
     if low is None or int(low.get("workgroup_n", spec.dv)) != spec.dv:
         return None
@@ -170,20 +174,21 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
             raise ValueError(f"seqlens: {s} is not a positive multiple of this module's alignment {align}")
         seqlens[int(s)] = causal_diag(int(s), align)
     causal_o = [s for s in seqlens if s <= CAUSAL_MASKED_MAX and spec.group * s * s <= 1 << 28]
+    window = {s: window_block(s, align) for s in seqlens if window_block(s, align)}
     return {"align": align, "causal_blocks": CAUSAL_BLOCKS, "lowering": low, "seqlens": seqlens,
-            "causal_o": causal_o, "tiled": True, "dynamic": True}
+            "causal_o": causal_o, "window": window, "tiled": True, "dynamic": True}
 
 
 def dense_abi(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
     """What a runtime needs to call the dense entry points (``align``, ``causal_blocks``,
-    ``seqlens``, ``causal_o``, ``tiled``, ``dynamic``, ``batch``, ``kv_heads``: 0 or the fixed
-    value the compiled-in entries need)."""
+    ``seqlens``, ``causal_o``, ``window`` ([S, C] pairs), ``tiled``, ``dynamic``, ``batch``,
+    ``kv_heads``: 0 or the fixed value the compiled-in entries need)."""
     d = dense_params(spec, fused_step=fused_step)
     if d is None:
         return None
     return {"align": d["align"], "causal_blocks": d["causal_blocks"], "seqlens": sorted(d["seqlens"]),
-            "causal_o": sorted(d["causal_o"]), "tiled": d["tiled"], "dynamic": d["dynamic"],
-            "batch": d.get("batch", 0), "kv_heads": d.get("kv_heads", 0)}
+            "causal_o": sorted(d["causal_o"]), "window": sorted(d.get("window", {}).items()),
+            "tiled": d["tiled"], "dynamic": d["dynamic"], "batch": d.get("batch", 0), "kv_heads": d.get("kv_heads", 0)}
 
 
 def causal_diag(seqlen: int, align: int) -> int:
@@ -239,7 +244,8 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None) -> str:
     text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
     if not fused:
         return text
-    from .mlir_templates import render_causal, render_causal_tree, render_dense, render_dense_out, render_online_step
+    from .mlir_templates import (render_causal, render_causal_tree, render_dense, render_dense_out, render_online_step,
+                                 render_window)
 
     t = spec.tiles
     funcs = [render_online_step(func_name="step", dtype=spec.dtype, layout=spec.layout, group=spec.group,
@@ -255,6 +261,8 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None) -> str:
             funcs.append(render_causal_tree(func_name=f"causal_s{s}", seqlen=s, diag=c, **kw))
             if s in dense["causal_o"]:
                 funcs.append(render_dense_out(func_name=f"causal_o_s{s}", seqlen=s, causal=True, **kw))
+            if s in dense["window"]:
+                funcs.append(render_window(func_name=f"window_s{s}", seqlen=s, block=dense["window"][s], **kw))
     text = text.rstrip()
     assert text.endswith("}"), "unexpected exported module text"
     return text[:-1] + "\n".join(funcs) + "\n}\n"
@@ -441,6 +449,12 @@ def entry_points(spec: KernelSpec) -> dict:
             if s in dense["causal_o"]:
                 out[f"causal_o_s{s}"] = {"args": sio, "results": {"out": sres["out"]},
                                          "note": f"row i sees keys j <= i, no lse (fused attention op, masked); Sq == Sk == {s}"}
+            if s in dense["window"]:
+                wio = {n: v for n, v in sio.items() if n != "workspace"}
+                wio.update({"win": [[1], "i32"], "workspace": sio["workspace"]})
+                out[f"window_s{s}"] = {"args": wio, "results": sres,
+                                       "note": f"row i sees keys i - win[0] <= j <= i, 0 <= win[0] <= {dense['window'][s]}; "
+                                               f"Sq == Sk == {s} (diagonal and previous blocks of {dense['window'][s]})"}
     return out
 
 

@@ -156,9 +156,7 @@ class FmhaModule:
             raise ValueError(f"module {name!r} lacks the entry points {sorted(missing)}")
         self.dense = dense
         self.typed_bf16 = typed_bf16
-        self._sem = None
-        self._timepoint = 0
-        self._scales: dict[float, object] = {}
+        self._scales: dict[tuple, object] = {}
         self._lock = threading.Lock()
         self._ws_sizes: dict[tuple, int] = {}
         self._ws_slots = [[None, 0, None] for _ in range(self.WORKSPACE_SLOTS)]  # buffer, bytes, fence
@@ -213,7 +211,7 @@ class FmhaModule:
             slot[2].wait()
             slot[2] = None
         if slot[1] < need:
-            slot[0], slot[1] = None, 0
+            slot[0], slot[1] = None, 0  # the smaller buffer goes before the larger one comes
             slot[0], slot[1] = self._device_buffer(need), need
         return slot[0], slot
 
@@ -229,11 +227,16 @@ class FmhaModule:
     def _scale(self, scale: float):
         """The scale as a device buffer, uploaded once per value (a host array would be copied
         from pageable memory on every call: ~0.45 ms on the H200)."""
-        bv = self._scales.get(scale)
+        return self._constant(np.array([scale], np.float32), "f32")
+
+    def _constant(self, a: np.ndarray, dtype: str):
+        """A small argument as a device buffer, uploaded once per value (see ``_scale``)."""
+        key = (dtype, a.tobytes())
+        bv = self._scales.get(key)
         if bv is None:
-            bv = DeviceTensor.from_host(np.array([scale], np.float32), "f32", self.device_uri).buffer_view()
+            bv = DeviceTensor.from_host(a, dtype, self.device_uri).buffer_view()
             if len(self._scales) < 64:
-                self._scales[scale] = bv
+                self._scales[key] = bv
         return bv
 
     def _call(self, fn: str, args: list, n_results: int) -> tuple[list, object]:
@@ -259,10 +262,9 @@ class FmhaModule:
             lst.push_ref(ws)
         fence = None
         if coarse:
-            if self._sem is None:
-                self._sem = self.device.create_semaphore(0)
-            self._timepoint += 1
-            fence = rt.HalFence.create_at(self._sem, self._timepoint)
+            # a semaphore per call: independent calls may finish out of order (local-task runs
+            # them concurrently), and a shared timeline cannot be signaled backwards
+            fence = rt.HalFence.create_at(self.device.create_semaphore(0), 1)
             lst.push_ref(rt.HalFence(1))  # nothing to wait for: the inputs are ready
             lst.push_ref(fence)
         rets = rt.VmVariantList(n_results)
@@ -293,21 +295,21 @@ class FmhaModule:
             return self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
 
     def dense_entry(self, sq: int, sk: int, causal: bool, with_lse: bool, batch: int | None = None,
-                    kv_heads: int | None = None) -> str | None:
+                    kv_heads: int | None = None, window: int | None = None) -> str | None:
         """The one-call entry point of this module for the problem (see :func:`dense_entry`)."""
-        return dense_entry(self.dense, sq, sk, causal, with_lse, batch, kv_heads)
+        return dense_entry(self.dense, sq, sk, causal, with_lse, batch, kv_heads, window)
 
     def run_dense(self, q, k, v, dtype: str, scale: float, layout: str, causal: bool, *,
-                  keep_on_device: bool = False, with_lse: bool = True):
-        """One call for a whole batch where every row sees every key (``causal=False``) or row i
-        sees keys j <= i (``causal=True``, Sq == Sk); the caller checked ``dense_entry``. q/k/v
-        are 4-D in ``layout``. Returns (out, lse); lse is None when ``with_lse`` is False and the
-        module has an entry point without it."""
+                  keep_on_device: bool = False, with_lse: bool = True, window: int | None = None):
+        """One call for a whole batch where every row sees every key (``causal=False``), row i
+        sees keys j <= i (``causal=True``, Sq == Sk) or, with ``window`` W, keys i - W <= j <= i;
+        the caller checked ``dense_entry``. q/k/v are 4-D in ``layout``. Returns (out, lse); lse
+        is None when ``with_lse`` is False and the module has an entry point without it."""
         a = self.dense["align"]
         b, s1, s2, _ = q.shape
         sq, hq = (s2, s1) if layout == "bhsd" else (s1, s2)
         sk, hk = (k.shape[2], k.shape[1]) if layout == "bhsd" else (k.shape[1], k.shape[2])
-        fn = self.dense_entry(sq, sk, causal, with_lse, b, hk)
+        fn = self.dense_entry(sq, sk, causal, with_lse, b, hk, window)
 
         def tiled(x):
             if not self.dense.get("tiled", True):
@@ -318,6 +320,8 @@ class FmhaModule:
 
         with self._lock:
             args = [self._put(tiled(x), dtype) for x in (q, k, v)] + [(self._scale(float(scale)), None)]
+            if window is not None:
+                args.append((self._constant(np.array([window], np.int32), "i32"), None))
             if "_o_s" in fn:
                 (out,), fence = self._call(fn, args, 1)
                 out = self._result(out, fence, dtype, keep_on_device)
@@ -328,7 +332,7 @@ class FmhaModule:
 
 
 def dense_entry(dense: dict | None, sq: int, sk: int, causal: bool, with_lse: bool, batch: int | None = None,
-                kv_heads: int | None = None) -> str | None:
+                kv_heads: int | None = None, window: int | None = None) -> str | None:
     """The one-call entry point a module with the manifest record ``dense`` has for a full-length
     (no padding) batch, or None (the plan then runs it). ``batch`` / ``kv_heads``: the problem's,
     checked against what compiled-in entries were fixed to (None: not checked).
@@ -337,8 +341,10 @@ def dense_entry(dense: dict | None, sq: int, sk: int, causal: bool, with_lse: bo
     no LSE) when LSE is not wanted and Sq == Sk == S is a compiled-in length, else ``dense``.
     Causal (Sq == Sk) at a compiled-in length: ``causal_o_s<S>`` (masked fused op) without LSE
     where the module has it, else ``causal_s<S>``; other lengths: ``causal`` for multiples of
-    ``align * causal_blocks``. CPU records (``dynamic`` False) have only the compiled-in entries
-    (``dense_s``, ``causal_s``, ``dense_o_s``, ``causal_o_s``)."""
+    ``align * causal_blocks``. A sliding window (``window`` W: row i sees keys i - W <= j <= i,
+    Sq == Sk): ``window_s<S>`` at a compiled-in length whose block holds W (``dense["window"]``).
+    CPU records (``dynamic`` False) have only the compiled-in entries (``dense_s``, ``causal_s``,
+    ``dense_o_s``, ``causal_o_s``)."""
     if not dense or sq < 1 or sk < 1:
         return None
     a = dense["align"]
@@ -347,6 +353,9 @@ def dense_entry(dense: dict | None, sq: int, sk: int, causal: bool, with_lse: bo
     pinned_ok = all(not dense.get(key) or have is None or have == dense[key]
                     for key, have in (("batch", batch), ("kv_heads", kv_heads)))
     fixed = sq == sk and sq in dense.get("seqlens", ()) and pinned_ok
+    if window is not None:
+        c = dict(dense.get("window", ())).get(sq, 0) if fixed else 0
+        return f"window_s{sq}" if 0 <= window <= c else None
     if not dense.get("dynamic", True):
         return f"{'causal' if causal else 'dense'}{'' if with_lse else '_o'}_s{sq}" if fixed else None
     if not causal:

@@ -39,7 +39,7 @@ def main():
         torch.manual_seed(0)
         cases = [(2, 77, 130, "b"), (1, 300, 300, "t"), (1, 1000, 1000, "0"), (1, 513, 700, "b:64,0"),
                  (2, 512, 1024, "0"), (2, 1024, 1024, "b"), (1, 2048, 2048, "t"), (1, 1024, 1024, "b:100,0"),
-                 (2, 1024, 1024, "0"), (1, 1536, 1536, "b")]
+                 (2, 1024, 1024, "0"), (1, 1536, 1536, "b"), (1, 2048, 2048, "b:1000,0"), (1, 2048, 2048, "t:0,0")]
         hq = pr.get("heads") or 16
         for B, sq, sk, mask in cases:
             hk = hq // g
@@ -47,8 +47,8 @@ def main():
             k = torch.randn(B, hk, sk, d, dtype=dt)
             v = torch.randn(B, hk, sk, d, dtype=dt)
             p = check_batch(q, k, v, mask=mask, scale=None, layout=pr["layout"], cu_seqlen_q=None, cu_seqlen_k=None)
-            path_kind = dense_kind(p, f.module.dense)
-            path_kind = f.module.dense_entry(sq, sk, path_kind == "causal", True) if path_kind else "plan"
+            kind = dense_kind(p, f.module.dense)
+            path_kind = f.module.dense_entry(sq, sk, kind[0] == "causal", True, window=kind[1]) if kind else "plan"
             vis = torch.from_numpy(Mask.from_str(mask).materialize(sq, sk))
             s = (q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)) / np.sqrt(d)
             s = s.masked_fill(~vis, float("-inf"))

@@ -91,7 +91,8 @@ def test_dense_entry_points(fused_module, mask, sq, sk, path, layout, group):
                        layout=layout)
     mod = fused_module("f32", layout, group, 64)
     p, (out, lse) = _run(mod, q, k, v, mask, layout=layout)
-    assert dense_kind(p, mod.dense) == path
+    kind = dense_kind(p, mod.dense)
+    assert (kind[0] if kind else None) == path
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout)
     assert_close(out, ref_out, torch.float32, what=f"dense out {mask} {sq}x{sk} {layout}")
     assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"dense lse {mask} {sq}x{sk} {layout}")
@@ -127,8 +128,8 @@ def test_device_tensors_stay_on_device(fused_module, mask, sq):
 
 # Lengths compiled into the module (`--seqlens`): causal as a tree of dense blocks (`causal_s<S>`,
 # diagonal blocks of S/2: 128 rows at S=256, 256 at 512), and without LSE IREE's fused attention
-# op, unmasked (`dense_o_s<S>`) or masked (`causal_o_s<S>`); other lengths keep the dynamic entry
-# points.
+# op, unmasked (`dense_o_s<S>`) or masked (`causal_o_s<S>`); sliding windows of up to S/2 keys
+# (`window_s<S>`); other lengths keep the dynamic entry points.
 SEQLEN_CASES = [
     # (mask, S, return_lse, entry point)
     ("b", 256, True, "causal_s256"),
@@ -138,6 +139,10 @@ SEQLEN_CASES = [
     ("0", 512, True, "dense"),  # the LSE needs the online_attention form
     ("b", 768, True, "causal"),  # not compiled in: the row-block causal
     ("0", 768, False, "dense"),
+    ("b:100,0", 512, True, "window_s512"),  # sliding windows up to the block (256 at S=512)
+    ("t:256,0", 512, False, "window_s512"),
+    ("b:0,0", 256, True, "window_s256"),
+    ("b:300,0", 512, True, None),  # wider than the block: the plan
 ]
 
 
@@ -150,7 +155,8 @@ def test_compiled_in_lengths(fused_module, mask, s, with_lse, entry, layout, gro
     q, k, v = make_qkv(seed_of("seqlens", mask, s, layout), B=2, Hq=2 * group, Hk=2, Sq=s, Sk=s, Dq=64,
                        layout=layout, dtype=dtype)
     p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=None, cu_seqlen_k=None)
-    assert mod.dense_entry(s, s, mask != "0", with_lse) == entry
+    kind = dense_kind(p, mod.dense)
+    assert (mod.dense_entry(s, s, kind[0] == "causal", with_lse, window=kind[1]) if kind else None) == entry
     res = run_batch(p, with_lse, TILES, lambda: mod, "gpu")
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout)
     out = res[0] if with_lse else res
@@ -178,13 +184,12 @@ def test_async_results_chain_on_device(fused_module):
     assert_close(out2.to_torch(), ref2, torch.float32, what="chained call")
 
 
-
 def test_workspace_slots_serve_calls_in_flight(fused_module):
     """One-call entry points get their intermediates in the module's workspace slots: more
     back-to-back asynchronous calls than slots (each with its own inputs, results left on the
     device) each give their own numbers, and the slots are sized by IREE's transients query."""
     mod = fused_module("f32", "bhsd", 2, 64, seqlens=(256, 512))
-    n = mod.WORKSPACE_SLOTS + 2
+    n = mod.WORKSPACE_SLOTS + 4
     qkv = [make_qkv(seed_of("slots", i), B=1, Hq=4, Hk=2, Sq=512, Sk=512, Dq=64) for i in range(n)]
     outs = []
     for q, k, v in qkv:
@@ -201,9 +206,11 @@ def test_workspace_slots_serve_calls_in_flight(fused_module):
     mod.release_workspace()
     assert mod.workspace_bytes == 0
 
-def _template_on_host(text: str, S: int, A: int, layout: str, q, k, v):
+
+def _template_on_host(text: str, S: int, A: int, layout: str, q, k, v, *extra):
     """Compile one rendered template function (the module's only one) for llvm-cpu and call it on
-    q/k/v split along the sequence axis as the ABI wants it, (S/A, A); returns its results."""
+    q/k/v split along the sequence axis as the ABI wants it, (S/A, A), the scale and ``extra``;
+    returns its results."""
     import iree.compiler.tools as ict
     import iree.runtime as rt
 
@@ -213,7 +220,7 @@ def _template_on_host(text: str, S: int, A: int, layout: str, q, k, v):
     tile = (lambda x: x.reshape(x.shape[0], x.shape[1], S // A, A, x.shape[-1])) if layout == "bhsd" else (
         lambda x: x.reshape(x.shape[0], S // A, A, x.shape[2], x.shape[-1]))
     mod = rt.load_vm_flatbuffer(vmfb, driver="local-task")
-    res = getattr(mod, name)(*(tile(x).numpy() for x in (q, k, v)), np.array([q.shape[-1] ** -0.5], np.float32))
+    res = getattr(mod, name)(*(tile(x).numpy() for x in (q, k, v)), np.array([q.shape[-1] ** -0.5], np.float32), *extra)
     return [torch.from_numpy(np.asarray(r.to_host())) for r in (res if isinstance(res, tuple) else (res,))]
 
 
@@ -258,3 +265,25 @@ def test_causal_tree_several_levels(layout, group, dtype):
     ref_out, ref_lse = attention_ref(q, k, v, mask="b", layout=layout)
     assert_close(out.reshape(ref_out.shape), ref_out, dtype, what="tree out")
     assert_close(lse.reshape(ref_lse.shape), ref_lse, dtype, kind="lse", what="tree lse")
+
+
+@pytest.mark.parametrize("layout,group,dtype,w", [("bhsd", 2, torch.float32, 100), ("bshd", 1, torch.float16, 128),
+                                                  ("bhsd", 1, torch.float32, 0), ("bhsd", 1, torch.float32, 37)],
+                         ids=["bhsd-g2-f32-w100", "bshd-g1-f16-w128", "bhsd-g1-f32-w0", "bhsd-g1-f32-w37"])
+def test_window_template(layout, group, dtype, w):
+    """The sliding-window entry (diagonal and previous C x C blocks, merged), built for llvm-cpu:
+    CK's ``b:w,0`` at Sq == Sk against float64, for windows from 0 (each row sees itself) to the
+    block size C (the previous block wholly visible to the last row)."""
+    from fmha_iree.mlir_templates import render_window
+
+    S, A, D, B, Hk, C = 512, 32, 64, 2, 2, 128
+    dt = {torch.float32: "f32", torch.float16: "f16"}[dtype]
+    low = {"backend": "cpu", "workgroup_m": 32, "reduction_k2": 32, "workgroup_n": D}
+    text = render_window(func_name="w", dtype=dt, layout=layout, group=group, dq=D, dv=D, align=A,
+                         seqlen=S, block=C, lowering=low)
+    q, k, v = make_qkv(seed_of("window", layout, group, w), B=B, Hq=Hk * group, Hk=Hk, Sq=S, Sk=S, Dq=D,
+                       layout=layout, dtype=dtype)
+    out, lse = _template_on_host(text, S, A, layout, q, k, v, np.array([w], np.int32))
+    ref_out, ref_lse = attention_ref(q, k, v, mask=f"b:{w},0", layout=layout)
+    assert_close(out.reshape(ref_out.shape), ref_out, dtype, what=f"window {w} out")
+    assert_close(lse.reshape(ref_lse.shape), ref_lse, dtype, kind="lse", what=f"window {w} lse")

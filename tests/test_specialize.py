@@ -29,9 +29,10 @@ def _entry(q, k, v, mask, layout, with_lse):
     p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=None, cu_seqlen_k=None)
     _, get_module, _ = _compiled(p, None, None, True)
     mod = get_module()
-    if not dense_kind(p, mod.dense):
+    kind = dense_kind(p, mod.dense)
+    if not kind:
         return None
-    return mod.dense_entry(p.sq, p.sk, mask != "0", with_lse)
+    return mod.dense_entry(p.sq, p.sk, kind[0] == "causal", with_lse, window=kind[1])
 
 
 @pytest.mark.parametrize("mask,with_lse,entry", CASES, ids=[f"{m}-{'lse' if w else 'out'}" for m, w, _ in CASES])
