@@ -354,8 +354,8 @@ def dense_entry(dense: dict | None, sq: int, sk: int, causal: bool, with_lse: bo
                     for key, have in (("batch", batch), ("kv_heads", kv_heads)))
     fixed = sq == sk and sq in dense.get("seqlens", ()) and pinned_ok
     if window is not None:
-        c = dict(dense.get("window", ())).get(sq, 0) if fixed else 0
-        return f"window_s{sq}" if 0 <= window <= c else None
+        c = dict(dense.get("window", ())).get(sq) if fixed else None  # None: no window_s<S> in the module
+        return f"window_s{sq}" if c is not None and 0 <= window <= c else None
     if not dense.get("dynamic", True):
         return f"{'causal' if causal else 'dense'}{'' if with_lse else '_o'}_s{sq}" if fixed else None
     if not causal:

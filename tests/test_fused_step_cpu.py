@@ -287,3 +287,17 @@ def test_window_template(layout, group, dtype, w):
     ref_out, ref_lse = attention_ref(q, k, v, mask=f"b:{w},0", layout=layout)
     assert_close(out.reshape(ref_out.shape), ref_out, dtype, what=f"window {w} out")
     assert_close(lse.reshape(ref_lse.shape), ref_lse, dtype, kind="lse", what=f"window {w} lse")
+
+
+def test_window_entry_needs_a_compiled_window():
+    """A window routes to `window_s<S>` only where the module's record has that S and the window
+    fits its block; a record without windows (an older manifest) sends every window to the plan."""
+    from fmha_iree.runtime import dense_entry
+
+    old = {"align": 32, "causal_blocks": 8, "seqlens": [256], "causal_o": [256], "tiled": True, "dynamic": True}
+    new = dict(old, window=[[256, 128]])
+    assert dense_entry(old, 256, 256, False, True, window=0) is None
+    assert dense_entry(new, 256, 256, False, True, window=0) == "window_s256"
+    assert dense_entry(new, 256, 256, False, True, window=128) == "window_s256"
+    assert dense_entry(new, 256, 256, False, True, window=129) is None
+    assert dense_entry(new, 512, 512, False, True, window=0) is None
