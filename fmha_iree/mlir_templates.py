@@ -606,9 +606,32 @@ def _pin_batch(name: str, src: str, ty: str, n: str) -> str:
     return f"  {name} = flow.tensor.reshape {src} : {ty}{{{n}}} -> {ty}{{{n}}}"
 
 
+def _pair_slice(name: str, src: str, rank: int, S: int, L: int, d: int, T: str, n: str, off: int) -> str:
+    """`name` [N, L, d] = rows off..off+L of every 2L-row block of `src` ([B, Hk, S, d], or
+    [B, Hk, 1, S, d] with `rank` 6), N = `n` = B * Hk * S / (2L): the blocks are a uniformly strided
+    batch, so the slice is read in place by the attention dispatch it feeds (IREE clones an
+    extract_slice into its consumer) instead of being copied. The [N, 2L, d] view is pinned
+    (`_pin_batch`) so IREE keeps one batch dim."""
+    nb, base = S // (2 * L), name.lstrip("%")
+    full = "x".join(["?", "?"] + (["1"] if rank == 6 else []) + [str(S), str(d), T])
+    blk = "x".join(["?", "?"] + (["1"] if rank == 6 else []) + [str(nb), str(2 * L), str(d), T])
+    lead = [[0], [1], [2]] if rank == 6 else [[0], [1]]
+    k = len(lead)
+    exp = lead + [[k, k + 1], [k + 2]]
+    col = [list(range(k + 1)), [k + 1], [k + 2]]
+    shape = ", ".join(["%B", "%Hk"] + (["1"] if rank == 6 else []) + [str(nb), str(2 * L), str(d)])
+    vty = f"tensor<?x{2 * L}x{d}x{T}>"
+    return "\n".join([
+        f"  %{base}_x = tensor.expand_shape {src} {exp} output_shape [{shape}] : tensor<{full}> into tensor<{blk}>",
+        f"  %{base}_c = tensor.collapse_shape %{base}_x {col} : tensor<{blk}> into {vty}",
+        _pin_batch(f"%{base}_p", f"%{base}_c", vty, n),
+        f"  {name} = tensor.extract_slice %{base}_p[0, {off}, 0] [{n}, {L}, {d}] [1, 1, 1] : {vty} to tensor<?x{L}x{d}x{T}>",
+    ])
+
+
 def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
                        seqlen: int, diag: int, lowering: Mapping[str, Any] | str | None = None,
-                       workspace: bool = False) -> str:
+                       workspace: bool = False, inplace: bool = True) -> str:
     """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: causal attention
     (Sq == Sk == `seqlen`, fixed at compile time) that computes only the lower triangle, as a
     binary tree of dense blocks. With C = `diag` and S = C * 2^n:
@@ -628,6 +651,7 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
         raise ValueError(f"diag={diag}: seqlen {S} must be diag times a power of two and diag a multiple of {A}")
     nl = nd.bit_length() - 1
     props, attrs, sg, body = _blocks_start(f, lowering)
+    pinned = set()
     ST = S // A
     # static-S views [B, Hk, G, S, Dq] of q and [B, Hk, S, D] of k, v
     body.append(f"""  %qS5 = tensor.cast %qb : tensor<?x?x?x{A}x{DQ}x{T}> to tensor<?x?x{ST}x{A}x{DQ}x{T}>
@@ -667,26 +691,42 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
   }} -> tensor<{G * C}x{C}xi1>""")
     body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=props, attrs=attrs, mask="%dmask"))
 
-    # level j: odd L-blocks of rows against the even L-block of keys before each
+    # level j: odd L-blocks of rows against the even L-block of keys before each. K and V (and Q
+    # when G = 1) are read in place (`_pair_slice`); a grouped Q interleaves G and the blocks, so
+    # it is copied into a contiguous batch.
     for j in range(nl):
         L, nb = C << j, nd >> (j + 1)
-        body.append(f"""  %qE{j} = tensor.expand_shape %qS [[0], [1], [2], [3, 4, 5], [6]] output_shape [%B, %Hk, {G}, {nb}, 2, {L}, {DQ}]
-      : tensor<?x?x{G}x{S}x{DQ}x{T}> into tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}>
-""")
-        body.append(_copy(f"qT{j}", f"%qE{j}", f"tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}>", f"tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}>", 6,
-                          [0, 1, 3, 2, 4, 5], pick={4: 1}, subgroup=sg))
-        body.append(f"  %qC{j} = tensor.collapse_shape %qT{j} [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}> into tensor<?x{G * L}x{DQ}x{T}>")
-        for x, d in (("k", DQ), ("v", DV)):
-            body.append(f"""  %{x}E{j} = tensor.expand_shape %{x}S [[0], [1], [2, 3, 4], [5]] output_shape [%B, %Hk, {nb}, 2, {L}, {d}]
-      : tensor<?x?x{S}x{d}x{T}> into tensor<?x?x{nb}x2x{L}x{d}x{T}>
-""")
-            body.append(_copy(f"{x}T{j}", f"%{x}E{j}", f"tensor<?x?x{nb}x2x{L}x{d}x{T}>", f"tensor<?x?x{nb}x{L}x{d}x{T}>", 5,
-                              [0, 1, 2, 3, 4], pick={3: 0}, subgroup=sg))
-            body.append(f"  %{x}C{j} = tensor.collapse_shape %{x}T{j} [[0, 1, 2], [3], [4]] : tensor<?x?x{nb}x{L}x{d}x{T}> into tensor<?x{L}x{d}x{T}>")
         body.append(f"  %cnb{j} = arith.constant {nb} : index\n  %nL{j} = arith.muli %BH, %cnb{j} : index")
-        for x, r, d in (("q", G * L, DQ), ("k", L, DQ), ("v", L, DV)):
-            body.append(_pin_batch(f"%{x}P{j}", f"%{x}C{j}", f"tensor<?x{r}x{d}x{T}>", f"%nL{j}"))
+        for x, src, d, off in (("k", "%kS", DQ, 0), ("v", "%vS", DV, 0)) + ((("q", "%qS", DQ, L),) if G == 1 and inplace else ()):
+            if not inplace:
+                body.append(f"""  %{x}E{j} = tensor.expand_shape %{x}S [[0], [1], [2, 3, 4], [5]] output_shape [%B, %Hk, {nb}, 2, {L}, {d}]
+      : tensor<?x?x{S}x{d}x{T}> into tensor<?x?x{nb}x2x{L}x{d}x{T}>""")
+                body.append(_copy(f"{x}T{j}", f"%{x}E{j}", f"tensor<?x?x{nb}x2x{L}x{d}x{T}>", f"tensor<?x?x{nb}x{L}x{d}x{T}>", 5,
+                                  [0, 1, 2, 3, 4], pick={3: 0}, subgroup=sg))
+                body.append(f"  %{x}C{j} = tensor.collapse_shape %{x}T{j} [[0, 1, 2], [3], [4]] : tensor<?x?x{nb}x{L}x{d}x{T}> into tensor<?x{L}x{d}x{T}>")
+                body.append(_pin_batch(f"%{x}P{j}", f"%{x}C{j}", f"tensor<?x{L}x{d}x{T}>", f"%nL{j}"))
+                continue
+            body.append(_pair_slice(f"%{x}P{j}", src, 6 if x == "q" else 5, S, L, d, T, f"%nL{j}", off))
+        if G > 1 or not inplace:
+            body.append(f"""  %qE{j} = tensor.expand_shape %qS [[0], [1], [2], [3, 4, 5], [6]] output_shape [%B, %Hk, {G}, {nb}, 2, {L}, {DQ}]
+      : tensor<?x?x{G}x{S}x{DQ}x{T}> into tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}>""")
+            body.append(_copy(f"qT{j}", f"%qE{j}", f"tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}>", f"tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}>", 6,
+                              [0, 1, 3, 2, 4, 5], pick={4: 1}, subgroup=sg))
+            body.append(f"  %qC{j} = tensor.collapse_shape %qT{j} [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}> into tensor<?x{G * L}x{DQ}x{T}>")
+            if inplace:
+                body.append(f"  %qP{j} = iree_tensor_ext.compute_barrier.start %qC{j} : tensor<?x{G * L}x{DQ}x{T}>{{%nL{j}}} -> tensor<?x{G * L}x{DQ}x{T}>")
+            else:
+                body.append(_pin_batch(f"%qP{j}", f"%qC{j}", f"tensor<?x{G * L}x{DQ}x{T}>", f"%nL{j}"))
         body.append(_attn_op(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vP{j}", f=f, n=nb, rows=G * L, keys=L, props=props, attrs=attrs))
+        if inplace:
+            # The merge's views of the partials would otherwise be propagated through the op into its
+            # operands, putting reshapes between the slices and the op (IREE clones a slice into
+            # its consumer's dispatch, not a reshape: each slice would become a copy dispatch).
+            # compute_barrier.end stops that propagation (IREE's own boundary marker, removed once
+            # the dispatches are formed).
+            for idx, ty in enumerate((f"tensor<?x{G * L}x{DV}xf32>", f"tensor<?x{G * L}xf32>", f"tensor<?x{G * L}xf32>")):
+                body.append(f"  %lv{j}_r{idx} = iree_tensor_ext.compute_barrier.end %lv{j}#{idx} : {ty}{{%nL{j}}} -> {ty}")
+            pinned.add(f"%lv{j}")
 
     # merge: iteration space (b, hk, g, t_{n-1} .. t_0, r[, d]) with s = (t_{n-1} .. t_0) * C + r
     bits = [2] * nl
@@ -720,7 +760,8 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
             for kind, idx in ((("a", 0),) if with_d else ()) + (("m", 1), ("l", 2)):
                 # max / sum views carry no Dv dim (in the output pass their maps project d away);
                 # each pass expands its own views, named apart by the "d" suffix
-                txt, name, ty, mp = view(f"{src}#{idx}", rows, hi, lo, with_d and kind == "a")
+                txt, name, ty, mp = view(f"{src}_r{idx}" if src in pinned else f"{src}#{idx}", rows, hi, lo,
+                                         with_d and kind == "a")
                 body.append(txt.replace(f"{name}", f"{name}{'d' if with_d else ''}", 1))
                 ins.append(f"{name}{'d' if with_d else ''}")
                 tys.append(ty)
