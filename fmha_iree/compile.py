@@ -193,16 +193,15 @@ def dense_abi(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | Non
 
 def causal_diag(seqlen: int, align: int) -> int:
     """Diagonal block C of the causal tree at length S (S / C a power of two, C a multiple of
-    ``align``): S/2 up to S=1024, else S/8 kept within [512, 1024]. H200, B*S = 16k, H=16, d128
-    f16, out-only, bench.py in one run (2026-11-30, session 4; docs/bench/h200_2026-11-30b_diag_*):
-    S=4096 C=512 / 1024 / 2048: 3.19 / 3.34 / 3.70 ms; S=8192 C=1024 / 2048: 5.01 / 5.25;
-    S=16384 C=1024 / 2048: 7.86 / 8.22; S=2048 C=512 / 1024: 2.30 / 2.29-2.42. The masked diagonal
-    is computed in full (S*C/2 of wasted work), each level adds a dispatch, a copy and merge inputs;
-    once the tree had no host waits and fast copies (same session) smaller C won. (Before them the
-    best C was S/2 up to 4096 and 2048 above.) With the workspace (session 5, same bench): C=512
-    everywhere 1.58 / 2.46 / 4.01 / 6.85 ms at S=2048..16384 against this rule's 1.58 / 2.46 / 4.05
-    / 6.92, C=256 1.68 / 2.56 / 4.14 / 7.00 (docs/bench/h200_2026-11-30c_diag_*)."""
-    prefs = (seqlen // 2, seqlen) if seqlen <= 1024 else (min(1024, max(512, seqlen // 8)), seqlen // 2, seqlen)
+    ``align``): S/2 up to S=1024, else 256. The masked diagonal is computed in full (S*C/2 of
+    wasted work); each level adds a dispatch and merge inputs, cheap since the levels read their
+    blocks in place (session 6). H200, B*S = 16k, H=16, d128 f16, out-only, bench.py, one run
+    each (2026-11-30, session 6; docs/bench/h200_2026-11-30d_*): blocks read in place,
+    C=256 1.28 / 2.07 / 3.63 / 6.70 ms at S=2048..16384 against C=512/1024 (the earlier rule)
+    1.37 / 2.17 / 3.92 / 6.93; with V^T blocks C=256 against C=512 1.67 / 2.40 / 3.81 / 6.37 vs
+    1.76 / 2.50 / 3.85 / 6.45. (Session 5, blocks copied: C=512 best, C=256 1.68 / 2.56 / 4.14 /
+    7.00; session 4, host waits and slow copies: S/2 up to 4096 and 2048 above.)"""
+    prefs = (seqlen // 2, seqlen) if seqlen <= 1024 else (256, seqlen // 2, seqlen)
     for c in prefs:
         n = seqlen // c if c and seqlen % c == 0 else 0
         if n and c % align == 0 and n & (n - 1) == 0:

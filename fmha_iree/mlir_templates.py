@@ -81,19 +81,21 @@ def _mma_attr(name: str, virtual: bool | None = None) -> str:
 
 
 def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: int, dv: int,
-                          c: int) -> tuple[str, str]:
+                          c: int, batch_dims: int = 1) -> tuple[str, str]:
     """(properties, attributes) text for the online_attention op; ("", "") for None.
 
     In IREE 3.13 the op prints as
       `online_attention <{decomposition_config = {...}, indexing_maps = [...]}> {compilation_info = ...}`
     i.e. decomposition_config is an inherent property (inside `<{...}>`) and compilation_info a
-    discardable attribute (in the `{...}` that follows).
+    discardable attribute (in the `{...}` that follows). `batch_dims`: the op's leading batch dims
+    (the tiles below are given for one, each further one gets the batch's).
     """
     if not lowering:
         return "", ""
     if isinstance(lowering, str):
         lowering = {"backend": lowering}
     lw = dict(lowering)
+    xb, x0 = [1] * (batch_dims - 1), [0] * (batch_dims - 1)
     if lw.get("backend") == "cpu":
         # llvm-cpu, N kept whole (IREE's default tiles N by 8; with the old state chained
         # through the op's outs that gave a sum Dv/8 times too large -- see module docstring).
@@ -102,9 +104,9 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
         return "", (
             " {compilation_info = #iree_codegen.compilation_info<\n"
             "        lowering_config = #iree_cpu.lowering_config<"
-            f"distribution = {_ilist([1, wm, 0, 0, 0])}, "
-            "vector_common_parallel = [1, 1, 0, 0, 0], "
-            f"vector_reduction = {_ilist([0, 0, 0, k2, 0])}>,\n"
+            f"distribution = {_ilist(xb + [1, wm, 0, 0, 0])}, "
+            f"vector_common_parallel = {_ilist(xb + [1, 1, 0, 0, 0])}, "
+            f"vector_reduction = {_ilist(x0 + [0, 0, 0, k2, 0])}>,\n"
             "        translation_info = #iree_codegen.translation_info<"
             "pipeline = #iree_cpu.pipeline<LinalgExtTileAndVectorize>>>}")
     wm = int(lw.get("workgroup_m", m_total))
@@ -127,7 +129,7 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
         raise ValueError(f"workgroup_size {wg} != subgroup_size {sg} * {sgm} * {sgn}")
     promote = lw.get("promote_operands", [1, 2])
 
-    lc = f"workgroup = {_ilist([1, wm, 0, 0, wn])}, reduction = {_ilist([0, 0, 0, k2, 0])}"
+    lc = f"workgroup = {_ilist(xb + [1, wm, 0, 0, wn])}, reduction = {_ilist(x0 + [0, 0, 0, k2, 0])}"
     if promote is not None:
         lc += f", promote_operands = {_ilist(promote)}"
     extra = []
@@ -149,12 +151,14 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
     pv_kind = lw.get("mma_kind")
     if pv_kind:
         qk_kind = lw.get("qk_mma_kind", pv_kind)
-        basis = _ilist([1, sgm, 1, 1, sgn])
+        basis = _ilist(xb + [1, sgm, 1, 1, sgn])
+        nb = batch_dims
+        qk_dims, pv_dims = list(range(nb + 3)), list(range(nb + 1)) + [nb + 2, nb + 3]
         qk = (f"mma_kind = {_mma_attr(qk_kind, lw.get('qk_virtual'))}, "
-              f"subgroup_basis = [{basis}, [0, 1, 2, 3]], "
+              f"subgroup_basis = [{basis}, {_ilist(qk_dims)}], "
               f"promote_operands = {_ilist(lw.get('qk_promote_operands', [1]))}")
         pv = (f"mma_kind = {_mma_attr(pv_kind, False)}, "
-              f"subgroup_basis = [{basis}, [0, 1, 3, 4]], "
+              f"subgroup_basis = [{basis}, {_ilist(pv_dims)}], "
               f"promote_operands = {_ilist(lw.get('pv_promote_operands', [1]))}")
         props = (
             "decomposition_config = {\n"
@@ -344,14 +348,14 @@ def _normalize(f: dict, suffix: str, rows: str) -> str:
     return _load("normalize.mlir.in").substitute(s=suffix, rows=rows, T=f["T"], DV=f["DV"], out_cast=f["out_cast"])
 
 
-def _lowering_for_whole_rows(lowering, dv: int):
+def _lowering_for_whole_rows(lowering, dv: int, batch_dims: int = 1):
     """(props, attrs) for an op whose M and K2 are runtime sizes (the caller checks divisibility)."""
     if not lowering:
         return "", ""
     lw = {"backend": lowering} if isinstance(lowering, str) else dict(lowering)
     m = int(lw.get("workgroup_m", 1))
     k2 = int(lw.get("reduction_k2", 1))
-    return render_lowering_attrs(lw, m_total=m, dv=int(dv), c=k2)
+    return render_lowering_attrs(lw, m_total=m, dv=int(dv), c=k2, batch_dims=batch_dims)
 
 
 def render_dense(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
@@ -476,11 +480,17 @@ def _attn_op(name: str, q: str, k: str, v: str, *, f: dict, n: int, rows: int, k
         ins, tys = ins + f", {mask}", tys + f", tensor<{rows}x{keys}xi1>"
     maps += [m + "(d0, d1, d4)>", m + "(d0, d1)>", m + "(d0, d1)>"]
     acc, ml = f"tensor<?x{rows}x{DV}xf32>", f"tensor<?x{rows}xf32>"
-    return f"""  %{name}_c = arith.constant {int(n)} : index
-  %{name}_n = arith.muli %BH, %{name}_c : index
-  %{name}_ae = tensor.empty(%{name}_n) : {acc}
+    return (f"  %{name}_c = arith.constant {int(n)} : index\n  %{name}_n = arith.muli %BH, %{name}_c : index\n"
+            + _fresh_online_attention(name, f"%{name}_n", maps, ins, tys, acc, ml, props, attrs))
+
+
+def _fresh_online_attention(name: str, n: str, maps: list[str], ins: str, tys: str, acc: str, ml: str, props: str,
+                            attrs: str) -> str:
+    """`%name:3` = online_attention from a fresh state (acc 0, max -inf, sum 0) of types `acc` /
+    `ml` (dynamic batch `n`)."""
+    return f"""  %{name}_ae = tensor.empty({n}) : {acc}
   %{name}_a0 = linalg.fill ins(%zero : f32) outs(%{name}_ae : {acc}) -> {acc}
-  %{name}_me = tensor.empty(%{name}_n) : {ml}
+  %{name}_me = tensor.empty({n}) : {ml}
   %{name}_m0 = linalg.fill ins(%fmin : f32) outs(%{name}_me : {ml}) -> {ml}
   %{name}_l0 = linalg.fill ins(%zero : f32) outs(%{name}_me : {ml}) -> {ml}
   %{name}:3 = iree_linalg_ext.online_attention <{{{props}
@@ -491,6 +501,55 @@ def _attn_op(name: str, q: str, k: str, v: str, *, f: dict, n: int, rows: int, k
     iree_linalg_ext.yield %score : f32
   }} -> {acc}, {ml}, {ml}
 """
+
+
+def _attn_op_vt(name: str, q: str, k: str, vt: str, *, f: dict, nb: int, rows: int, keys: int, props: str,
+                attrs: str, mask: str | None = None) -> str:
+    """`_attn_op` over the batch dims (BH, nb) with V read transposed: q [BH, nb, rows, Dq],
+    k [BH, nb, keys, Dq], vt [BH, Dv, nb, keys] (blocks of one transposed V, so V's batch dims
+    are not adjacent and stay two); the nb dim is left out where nb = 1 (IREE would fold it,
+    dropping the tiles). Results `%name_r0..2` as [BH * nb, rows(, Dv)]."""
+    T, DQ, DV = f["T"], f["DQ"], f["DV"]
+    two = nb > 1
+    d = "(d0, d1, d2, d3, d4, d5)" if two else "(d0, d2, d3, d4, d5)"
+    m = f"affine_map<{d} -> "
+    p = "d0, d1" if two else "d0"
+    nbx = f"{nb}x" if two else ""
+    maps = [m + f"({p}, d2, d3)>", m + f"({p}, d4, d3)>", m + ("(d0, d5, d1, d4)>" if two else "(d0, d5, d4)>"), m + "()>"]
+    ins = f"{q}, {k}, {vt}, %scale_t"
+    tys = (f"tensor<?x{nbx}{rows}x{DQ}x{T}>, tensor<?x{nbx}{keys}x{DQ}x{T}>, tensor<?x{DV}x{nbx}{keys}x{T}>, {T}")
+    if mask:
+        maps.append(m + "(d2, d4)>")
+        ins, tys = ins + f", {mask}", tys + f", tensor<{rows}x{keys}xi1>"
+    maps += [m + f"({p}, d2, d5)>", m + f"({p}, d2)>", m + f"({p}, d2)>"]
+    acc, ml = f"tensor<?x{nbx}{rows}x{DV}xf32>", f"tensor<?x{nbx}{rows}xf32>"
+    text = _fresh_online_attention(name, "%BH", maps, ins, tys, acc, ml, props, attrs)
+    # compute_barrier.end keeps the merge's reshapes of the partials out of the op (see `_pair_slice`)
+    for i, (ty, cty, re) in enumerate(((acc, f"tensor<?x{rows}x{DV}xf32>", "[[0, 1], [2], [3]]"),
+                                       (ml, f"tensor<?x{rows}xf32>", "[[0, 1], [2]]"),
+                                       (ml, f"tensor<?x{rows}xf32>", "[[0, 1], [2]]"))):
+        if two:
+            text += (f"  %{name}_b{i} = iree_tensor_ext.compute_barrier.end %{name}#{i} : {ty}{{%BH}} -> {ty}\n"
+                     f"  %{name}_r{i} = tensor.collapse_shape %{name}_b{i} {re} : {ty} into {cty}\n")
+        else:
+            text += f"  %{name}_r{i} = iree_tensor_ext.compute_barrier.end %{name}#{i} : {ty}{{%BH}} -> {ty}\n"
+    return text
+
+
+def _blocks_view(name: str, src: str, src_ty: str, exp: list, shape: list, col: list | None, view_ty: str,
+                 off: list | None = None, size: list | None = None, out_ty: str | None = None) -> str:
+    """`name` = `src` expanded by `exp` to `shape`, collapsed by `col` to `view_ty` (dynamic dim:
+    %BH), pinned, and (with `off`) sliced to `size` / `out_ty`: blocks read in place."""
+    base = name.lstrip("%")
+    ety = "tensor<" + "x".join(str(x) if not str(x).startswith("%") else "?" for x in shape) + "x" + src_ty.rsplit("x", 1)[1]
+    lines = [f"  %{base}_x = tensor.expand_shape {src} {exp} output_shape [{', '.join(map(str, shape))}] : {src_ty} into {ety}"]
+    if col:
+        lines.append(f"  %{base}_c = tensor.collapse_shape %{base}_x {col} : {ety} into {view_ty}")
+    lines.append(_pin_batch(f"%{base}_p" if off else name, f"%{base}_c" if col else f"%{base}_x", view_ty, "%BH"))
+    if off:
+        lines.append(f"  {name} = tensor.extract_slice %{base}_p[{', '.join(map(str, off))}] [%BH, {', '.join(map(str, size))}]"
+                     f" [{', '.join(['1'] * len(off))}] : {view_ty} to {out_ty}")
+    return "\n".join(lines)
 
 
 def _copy(name: str, src: str, src_ty: str, dst_ty: str, rank: int, perm: list[int],
@@ -629,22 +688,97 @@ def _pair_slice(name: str, src: str, rank: int, S: int, L: int, d: int, T: str, 
     ])
 
 
+def _tree_blocks_vt(body: list, f: dict, *, S: int, C: int, sg, lowering):
+    """The causal tree's diagonal and level ops reading one transposed V [BH, Dv, S] (a single
+    `_transpose_copy`): each op runs over (BH, blocks), its Q / K / V^T blocks read in place
+    (a grouped Q is copied, its rows g-major); partials `%dg_r*`, `%lv<j>_r*` as
+    [BH * blocks, rows(, Dv)]."""
+    G, T, DQ, DV = f["G"], f["T"], f["DQ"], f["DV"]
+    nd = S // C
+    props = {n: _lowering_for_whole_rows(lowering, DV, batch_dims=n) for n in (1, 2)}
+    # fenced on both sides, so that no reshape is folded into the transpose (IREE would re-create
+    # the op and drop its tiles: 0.48 instead of 0.12 ms at B*S = 16k, H=16 on the H200)
+    body.append(f"  %vF = tensor.collapse_shape %vS [[0, 1], [2], [3]] : tensor<?x?x{S}x{DV}x{T}> into tensor<?x{S}x{DV}x{T}>")
+    body.append(_pin_batch("%vFp", "%vF", f"tensor<?x{S}x{DV}x{T}>", "%BH"))
+    body.append(_transpose_copy("vT0", "%vFp", f"tensor<?x{S}x{DV}x{T}>", f"tensor<?x{DV}x{S}x{T}>", "%BH", sg))
+    body.append(f"  %vT = iree_tensor_ext.compute_barrier.end %vT0 : tensor<?x{DV}x{S}x{T}>{{%BH}} -> tensor<?x{DV}x{S}x{T}>")
+    qty, kty, vty = f"tensor<?x?x{G}x{S}x{DQ}x{T}>", f"tensor<?x?x{S}x{DQ}x{T}>", f"tensor<?x{DV}x{S}x{T}>"
+
+    def ty(*dims) -> str:
+        return "tensor<?x" + "".join(f"{x}x" for x in dims) + f"{T}>"
+
+    def blocks(name: str, x: str, nb: int, L: int, pick: int | None):
+        """`name` = blocks of `x` (q, k or vt) per (b, hk): nb blocks of L rows (keys), or with
+        `pick` half `pick` of nb blocks of 2L; the nb dim is left out where nb = 1."""
+        span, bd = (L if pick is None else 2 * L), ([nb] if nb > 1 else [])
+        sl = None if pick is None else (pick * L, L)
+        if x == "vt":
+            if nb == 1 and sl is None:
+                body.append(f"  {name} = tensor.cast %vT : {vty} to {vty}")
+                return
+            if nb == 1:
+                body.append(f"  {name} = tensor.extract_slice %vT[0, 0, {sl[0]}] [%BH, {DV}, {L}] [1, 1, 1] : {vty} to {ty(DV, L)}")
+                return
+            body.append(_blocks_view(name, "%vT", vty, [[0], [1], [2, 3]], ["%BH", DV, nb, span], None, ty(DV, nb, span),
+                                     *(([0, 0, 0, sl[0]], [DV, nb, L], ty(DV, nb, L)) if sl else ())))
+            return
+        if x == "q" and G > 1:
+            base = name.lstrip("%")
+            src = ty("?", G, nb, *([2] if sl else []), L, DQ)  # [B, Hk, G, nb(, 2), L, Dq]
+            re = [[0], [1], [2], [3, 4, 5], [6]] if sl else [[0], [1], [2], [3, 4], [5]]
+            shp = ", ".join(["%B", "%Hk", str(G), str(nb)] + (["2"] if sl else []) + [str(L), str(DQ)])
+            body.append(f"  %{base}_x = tensor.expand_shape %qS {re} output_shape [{shp}] : {qty} into {src}")
+            body.append(_copy(f"{base}_t", f"%{base}_x", src, ty("?", nb, G, L, DQ), 6, [0, 1, 3, 2, 4, 5],
+                              pick={4: sl[0] // L} if sl else None, subgroup=sg))
+            cty = ty(*bd, G * L, DQ)
+            re2 = "[[0, 1], [2], [3, 4], [5]]" if nb > 1 else "[[0, 1, 2], [3, 4], [5]]"
+            body.append(f"  %{base}_c = tensor.collapse_shape %{base}_t {re2} : {ty('?', nb, G, L, DQ)} into {cty}")
+            body.append(f"  {name} = iree_tensor_ext.compute_barrier.start %{base}_c : {cty}{{%BH}} -> {cty}")
+            return
+        if x == "q":
+            src, sty, exp, shape = "%qS", qty, [[0], [1], [2], [3, 4], [5]], ["%B", "%Hk", 1, nb, span, DQ]
+            col = [[0, 1, 2], [3], [4], [5]] if nb > 1 else [[0, 1, 2, 3], [4], [5]]
+        else:
+            src, sty, exp, shape = "%kS", kty, [[0], [1], [2, 3], [4]], ["%B", "%Hk", nb, span, DQ]
+            col = [[0, 1], [2], [3], [4]] if nb > 1 else [[0, 1, 2], [3], [4]]
+        body.append(_blocks_view(name, src, sty, exp, shape, col, ty(*bd, span, DQ),
+                                 *(([0, *[0] * len(bd), sl[0], 0], [*bd, L, DQ], ty(*bd, L, DQ)) if sl else ())))
+
+    # diagonal blocks
+    for x in ("q", "k", "vt"):
+        blocks(f"%{x}Dp", x, nd, C, None)
+    body.append(_attn_op_vt("dg", "%qDp", "%kDp", "%vtDp", f=f, nb=nd, rows=G * C, keys=C, props=props[1 + (nd > 1)][0],
+                            attrs=props[1 + (nd > 1)][1], mask="%dmask"))
+    # level j: the odd L-blocks of rows against the even L-block of keys before each
+    for j in range(nd.bit_length() - 1):
+        L, nb = C << j, nd >> (j + 1)
+        for x, pick in (("q", 1), ("k", 0), ("vt", 0)):
+            blocks(f"%{x}P{j}", x, nb, L, pick)
+        body.append(_attn_op_vt(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vtP{j}", f=f, nb=nb, rows=G * L, keys=L,
+                                props=props[1 + (nb > 1)][0], attrs=props[1 + (nb > 1)][1]))
+
+
 def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
                        seqlen: int, diag: int, lowering: Mapping[str, Any] | str | None = None,
-                       workspace: bool = False, inplace: bool = True) -> str:
+                       workspace: bool = False, vt: bool | None = None) -> str:
     """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: causal attention
     (Sq == Sk == `seqlen`, fixed at compile time) that computes only the lower triangle, as a
     binary tree of dense blocks. With C = `diag` and S = C * 2^n:
 
     - the S/C diagonal C x C blocks: ONE masked online_attention (row i sees key j iff j <= i);
     - level j = 0..n-1 (L = C * 2^j): the odd L-row blocks against the even L-key block before
-      them, all unmasked, ONE online_attention per level (copied into contiguous batches);
+      them, all unmasked, ONE online_attention per level;
     - one merge of the partial (acc, max, sum) of every row, normalized into out / lse.
 
+    Every block is read in place (a uniformly strided batch), except a grouped Q (G > 1), copied
+    with its rows g-major. `vt` (default: the lowering's `transpose_v`, at S >= TRANSPOSE_V_MIN_SEQLEN)
+    copies V once to [BH, Dv, S] and gives each op its V^T blocks (`_tree_blocks_vt`).
     Work: S*C/2-ish masked plus S^2/2 - S*C/2 unmasked, about (1 + C/S) / 2 of the unmasked problem,
     in n + 1 attention dispatches. `workspace`: see `_dense_common`."""
     f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
     S, C, A, G = int(seqlen), int(diag), f["A"], f["G"]
+    if vt is None:
+        vt = bool(isinstance(lowering, Mapping) and lowering.get("transpose_v")) and S >= TRANSPOSE_V_MIN_SEQLEN
     T, DQ, DV = f["T"], f["DQ"], f["DV"]
     nd = S // C
     if C <= 0 or S % C or nd & (nd - 1) or C % A:
@@ -662,22 +796,6 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
         body.append(f"""  %{x}S5 = tensor.cast %{x}b : tensor<?x?x?x{A}x{d}x{T}> to tensor<?x?x{ST}x{A}x{d}x{T}>
   %{x}S = tensor.collapse_shape %{x}S5 [[0], [1], [2, 3], [4]] : tensor<?x?x{ST}x{A}x{d}x{T}> into tensor<?x?x{S}x{d}x{T}>""")
 
-    # diagonal blocks: q [B*Hk*nd, G*C, Dq] (rows g-major), k/v [B*Hk*nd, C, D]
-    body.append(f"""  %qD6 = tensor.expand_shape %qS [[0], [1], [2], [3, 4], [5]] output_shape [%B, %Hk, {G}, {nd}, {C}, {DQ}]
-      : tensor<?x?x{G}x{S}x{DQ}x{T}> into tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>""")
-    if G == 1:
-        body.append(f"  %qDc = tensor.collapse_shape %qD6 [[0, 1, 2, 3], [4], [5]] : tensor<?x?x1x{nd}x{C}x{DQ}x{T}> into tensor<?x{C}x{DQ}x{T}>")
-    else:
-        body.append(_copy("qDt", "%qD6", f"tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", 6, [0, 1, 3, 2, 4, 5],
-                          subgroup=sg))
-        body.append(f"  %qDc = tensor.collapse_shape %qDt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
-    for x, d in (("k", DQ), ("v", DV)):
-        body.append(f"""  %{x}D5 = tensor.expand_shape %{x}S [[0], [1], [2, 3], [4]] output_shape [%B, %Hk, {nd}, {C}, {d}]
-      : tensor<?x?x{S}x{d}x{T}> into tensor<?x?x{nd}x{C}x{d}x{T}>
-  %{x}Dc = tensor.collapse_shape %{x}D5 [[0, 1, 2], [3], [4]] : tensor<?x?x{nd}x{C}x{d}x{T}> into tensor<?x{C}x{d}x{T}>""")
-    body.append(f"  %cnd = arith.constant {nd} : index\n  %nD = arith.muli %BH, %cnd : index")
-    for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
-        body.append(_pin_batch(f"%{x}Dp", f"%{x}Dc", f"tensor<?x{r}x{d}x{T}>", "%nD"))
     body.append(f"""  %dmask_e = tensor.empty() : tensor<{G * C}x{C}xi1>
   %dmask = linalg.generic {{indexing_maps = [affine_map<(d0, d1) -> (d0, d1)>], iterator_types = ["parallel", "parallel"]}}
       outs(%dmask_e : tensor<{G * C}x{C}xi1>) {{
@@ -689,41 +807,50 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
     %vis = arith.cmpi ule, %j, %i : index
     linalg.yield %vis : i1
   }} -> tensor<{G * C}x{C}xi1>""")
-    body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=props, attrs=attrs, mask="%dmask"))
+    if vt:
+        _tree_blocks_vt(body, f, S=S, C=C, sg=sg, lowering=lowering)
+        pinned.update(["%dg"] + [f"%lv{j}" for j in range(nl)])
+    else:
+        # diagonal blocks: q [B*Hk*nd, G*C, Dq] (rows g-major), k/v [B*Hk*nd, C, D]
+        body.append(f"""  %qD6 = tensor.expand_shape %qS [[0], [1], [2], [3, 4], [5]] output_shape [%B, %Hk, {G}, {nd}, {C}, {DQ}]
+          : tensor<?x?x{G}x{S}x{DQ}x{T}> into tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>""")
+        if G == 1:
+            body.append(f"  %qDc = tensor.collapse_shape %qD6 [[0, 1, 2, 3], [4], [5]] : tensor<?x?x1x{nd}x{C}x{DQ}x{T}> into tensor<?x{C}x{DQ}x{T}>")
+        else:
+            body.append(_copy("qDt", "%qD6", f"tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", 6, [0, 1, 3, 2, 4, 5],
+                              subgroup=sg))
+            body.append(f"  %qDc = tensor.collapse_shape %qDt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
+        for x, d in (("k", DQ), ("v", DV)):
+            body.append(f"""  %{x}D5 = tensor.expand_shape %{x}S [[0], [1], [2, 3], [4]] output_shape [%B, %Hk, {nd}, {C}, {d}]
+          : tensor<?x?x{S}x{d}x{T}> into tensor<?x?x{nd}x{C}x{d}x{T}>
+      %{x}Dc = tensor.collapse_shape %{x}D5 [[0, 1, 2], [3], [4]] : tensor<?x?x{nd}x{C}x{d}x{T}> into tensor<?x{C}x{d}x{T}>""")
+        body.append(f"  %cnd = arith.constant {nd} : index\n  %nD = arith.muli %BH, %cnd : index")
+        for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
+            body.append(_pin_batch(f"%{x}Dp", f"%{x}Dc", f"tensor<?x{r}x{d}x{T}>", "%nD"))
+        body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=props, attrs=attrs, mask="%dmask"))
 
-    # level j: odd L-blocks of rows against the even L-block of keys before each. K and V (and Q
-    # when G = 1) are read in place (`_pair_slice`); a grouped Q interleaves G and the blocks, so
-    # it is copied into a contiguous batch.
-    for j in range(nl):
-        L, nb = C << j, nd >> (j + 1)
-        body.append(f"  %cnb{j} = arith.constant {nb} : index\n  %nL{j} = arith.muli %BH, %cnb{j} : index")
-        for x, src, d, off in (("k", "%kS", DQ, 0), ("v", "%vS", DV, 0)) + ((("q", "%qS", DQ, L),) if G == 1 and inplace else ()):
-            if not inplace:
-                body.append(f"""  %{x}E{j} = tensor.expand_shape %{x}S [[0], [1], [2, 3, 4], [5]] output_shape [%B, %Hk, {nb}, 2, {L}, {d}]
-      : tensor<?x?x{S}x{d}x{T}> into tensor<?x?x{nb}x2x{L}x{d}x{T}>""")
-                body.append(_copy(f"{x}T{j}", f"%{x}E{j}", f"tensor<?x?x{nb}x2x{L}x{d}x{T}>", f"tensor<?x?x{nb}x{L}x{d}x{T}>", 5,
-                                  [0, 1, 2, 3, 4], pick={3: 0}, subgroup=sg))
-                body.append(f"  %{x}C{j} = tensor.collapse_shape %{x}T{j} [[0, 1, 2], [3], [4]] : tensor<?x?x{nb}x{L}x{d}x{T}> into tensor<?x{L}x{d}x{T}>")
-                body.append(_pin_batch(f"%{x}P{j}", f"%{x}C{j}", f"tensor<?x{L}x{d}x{T}>", f"%nL{j}"))
-                continue
-            body.append(_pair_slice(f"%{x}P{j}", src, 6 if x == "q" else 5, S, L, d, T, f"%nL{j}", off))
-        if G > 1 or not inplace:
-            body.append(f"""  %qE{j} = tensor.expand_shape %qS [[0], [1], [2], [3, 4, 5], [6]] output_shape [%B, %Hk, {G}, {nb}, 2, {L}, {DQ}]
+        # level j: odd L-blocks of rows against the even L-block of keys before each. K and V (and Q
+        # when G = 1) are read in place (`_pair_slice`); a grouped Q interleaves G and the blocks, so
+        # it is copied into a contiguous batch.
+        for j in range(nl):
+            L, nb = C << j, nd >> (j + 1)
+            body.append(f"  %cnb{j} = arith.constant {nb} : index\n  %nL{j} = arith.muli %BH, %cnb{j} : index")
+            for x, src, d, off in (("k", "%kS", DQ, 0), ("v", "%vS", DV, 0)) + ((("q", "%qS", DQ, L),) if G == 1 else ()):
+                body.append(_pair_slice(f"%{x}P{j}", src, 6 if x == "q" else 5, S, L, d, T, f"%nL{j}", off))
+            if G > 1:
+                body.append(f"""  %qE{j} = tensor.expand_shape %qS [[0], [1], [2], [3, 4, 5], [6]] output_shape [%B, %Hk, {G}, {nb}, 2, {L}, {DQ}]
       : tensor<?x?x{G}x{S}x{DQ}x{T}> into tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}>""")
-            body.append(_copy(f"qT{j}", f"%qE{j}", f"tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}>", f"tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}>", 6,
-                              [0, 1, 3, 2, 4, 5], pick={4: 1}, subgroup=sg))
-            body.append(f"  %qC{j} = tensor.collapse_shape %qT{j} [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}> into tensor<?x{G * L}x{DQ}x{T}>")
-            if inplace:
-                body.append(f"  %qP{j} = iree_tensor_ext.compute_barrier.start %qC{j} : tensor<?x{G * L}x{DQ}x{T}>{{%nL{j}}} -> tensor<?x{G * L}x{DQ}x{T}>")
-            else:
-                body.append(_pin_batch(f"%qP{j}", f"%qC{j}", f"tensor<?x{G * L}x{DQ}x{T}>", f"%nL{j}"))
-        body.append(_attn_op(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vP{j}", f=f, n=nb, rows=G * L, keys=L, props=props, attrs=attrs))
-        if inplace:
-            # The merge's views of the partials would otherwise be propagated through the op into its
-            # operands, putting reshapes between the slices and the op (IREE clones a slice into
-            # its consumer's dispatch, not a reshape: each slice would become a copy dispatch).
-            # compute_barrier.end stops that propagation (IREE's own boundary marker, removed once
-            # the dispatches are formed).
+                body.append(_copy(f"qT{j}", f"%qE{j}", f"tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}>", f"tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}>", 6,
+                                  [0, 1, 3, 2, 4, 5], pick={4: 1}, subgroup=sg))
+                qty = f"tensor<?x{G * L}x{DQ}x{T}>"
+                body.append(f"  %qC{j} = tensor.collapse_shape %qT{j} [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}> into {qty}")
+                # compute_barrier.start: the copy's reshapes stay out of the op (IREE's boundary
+                # marker, removed once the dispatches are formed)
+                body.append(f"  %qP{j} = iree_tensor_ext.compute_barrier.start %qC{j} : {qty}{{%nL{j}}} -> {qty}")
+            body.append(_attn_op(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vP{j}", f=f, n=nb, rows=G * L, keys=L, props=props, attrs=attrs))
+            # compute_barrier.end: the merge's views of the partials would otherwise be propagated
+            # through the op into its operands, putting reshapes between the slices and the op (IREE
+            # clones a slice into its consumer's dispatch, not a reshape: each would become a copy)
             for idx, ty in enumerate((f"tensor<?x{G * L}x{DV}xf32>", f"tensor<?x{G * L}xf32>", f"tensor<?x{G * L}xf32>")):
                 body.append(f"  %lv{j}_r{idx} = iree_tensor_ext.compute_barrier.end %lv{j}#{idx} : {ty}{{%nL{j}}} -> {ty}")
             pinned.add(f"%lv{j}")

@@ -247,18 +247,21 @@ def test_dense_out_transposed_v(layout, group, dtype):
     assert_close(out.reshape(ref_out.shape), ref_out, dtype, what="dense_out transpose_v")
 
 
-@pytest.mark.parametrize("layout,group,dtype", [("bhsd", 2, torch.float32), ("bshd", 1, torch.float16)],
-                         ids=["bhsd-g2-f32", "bshd-g1-f16"])
-def test_causal_tree_several_levels(layout, group, dtype):
-    """The causal tree with 8 diagonal blocks (3 levels of copies, partials and one merge), as
-    `causal_diag` gives long lengths on GPUs, built for llvm-cpu: out and LSE against float64."""
+@pytest.mark.parametrize("layout,group,dtype,vt", [("bhsd", 2, torch.float32, False), ("bshd", 1, torch.float16, False),
+                                                   ("bhsd", 2, torch.float32, True), ("bshd", 1, torch.float16, True)],
+                         ids=["bhsd-g2-f32", "bshd-g1-f16", "bhsd-g2-f32-vt", "bshd-g1-f16-vt"])
+def test_causal_tree_several_levels(layout, group, dtype, vt):
+    """The causal tree with 8 diagonal blocks (3 levels of blocks read in place, partials and one
+    merge), as `causal_diag` gives long lengths on GPUs, with V as it comes or transposed once
+    (`vt`, the CUDA tiles' ``transpose_v``), built for llvm-cpu: out and LSE against float64."""
     from fmha_iree.mlir_templates import render_causal_tree
 
     S, A, D, B, Hk, C = 512, 32, 64, 2, 2, 64
     dt = {torch.float32: "f32", torch.float16: "f16"}[dtype]
     low = {"backend": "cpu", "workgroup_m": 32, "reduction_k2": 32, "workgroup_n": D}
     text = render_causal_tree(func_name="c", dtype=dt, layout=layout, group=group, dq=D, dv=D, align=A,
-                              seqlen=S, diag=C, lowering=low)
+                              seqlen=S, diag=C, lowering=low, vt=vt)
+    assert ("%vT0 = linalg.generic" in text) == vt
     q, k, v = make_qkv(seed_of("tree_levels", layout, group), B=B, Hq=Hk * group, Hk=Hk, Sq=S, Sk=S, Dq=D,
                        layout=layout, dtype=dtype)
     out, lse = _template_on_host(text, S, A, layout, q, k, v)

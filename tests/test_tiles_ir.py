@@ -35,3 +35,38 @@ def test_gfx942_configured_ir_shows_requested_tiles(tmp_path, tiles):
     assert found, "no configured online_attention dispatch found"
     # Dims of the op are (batch, M, K1, K2, N).
     assert ([1, tiles.m0, 0, 0, tiles.n1], [0, 0, 0, tiles.n0, 0]) in found, found
+
+
+@pytest.mark.parametrize("group,vt", [(1, False), (1, True), (8, True)], ids=["g1", "g1-vt", "g8-vt"])
+def test_causal_tree_reads_blocks_in_place(group, vt):
+    """The causal tree's level blocks reach the attention dispatches in place: for sm_80, no copy
+    dispatch but the grouped Q's (one per op) and, with V^T blocks, the one transpose of V, which
+    keeps its shared-memory tiles (IREE drops them when a reshape is folded into it)."""
+    import re
+
+    import iree.compiler.tools as ict
+
+    from fmha_iree.compile import gpu_lowering
+    from fmha_iree.mlir_templates import render_causal_tree
+
+    target = Target.from_name("sm_80")
+    spec = KernelSpec("f16", "bhsd", group, 128, 128, default_tiles(target.family, 128, 128, target.arch, "f16"), target)
+    S, C = 2048, 256
+    text = render_causal_tree(func_name="c", dtype="f16", layout="bhsd", group=group, dq=128, dv=128, align=256,
+                              seqlen=S, diag=C, lowering=gpu_lowering(spec), workspace=True, vt=vt)
+    out = ict.compile_str("module @m {\n" + text + "\n}\n",
+                          extra_args=compile_flags(spec) + ["--compile-to=executable-configurations"])
+    out = out.decode() if isinstance(out, bytes) else out
+    # executables (IREE merges identical ones)
+    names = [n for _, n in sorted(set(re.findall(r"func\.func @c_dispatch_(\d+)_(\w+?)\(", out)))]
+    ops = [n for n in names if "online_attention" not in n and not n.startswith("elementwise_broadcast")]
+    merges = [n for n in ops if re.fullmatch(r"elementwise(_transpose)?_Dx(8x)?(2x)+256(x128)?_f32\w*", n)]
+    transposes = [n for n in ops if n.startswith("elementwise_transpose_Dx2048x128")]
+    copies = [n for n in ops if n not in merges and n not in transposes]
+    assert not any("memcpy" in n for n in names), names
+    assert len(transposes) == int(vt), names
+    n_ops = (S // C).bit_length()  # the diagonal and one per level
+    assert len(copies) == (0 if group == 1 else n_ops), names
+    if vt:
+        i = out.index(f"_{transposes[0]}(")
+        assert "workgroup_size = [8, 32, 1]" in out[i:i + 4000], "the transpose lost its tiles"
