@@ -1,5 +1,7 @@
 """H200: torch.profiler kernel breakdown of one causal call (and the unmasked one) through the
 package on gpu_modules/f16_d128.vmfb (or $FMHA_PROFILE_MODULE), B*S = 16k, H=16, D=128 f16.
+$FMHA_PROFILE_MASKS (session 6): other masks, separated by ";" (default "0;b"; each causal-like mask
+is also timed with the LSE); $FMHA_PROFILE_KV_HEADS: K/V heads (default 16, GQA below).
 Usage: causal_profile.py [S...]"""
 import os, sys, time
 import torch
@@ -11,8 +13,10 @@ mod = load(os.environ.get("FMHA_PROFILE_MODULE", "gpu_modules/f16_d128.vmfb"), d
 for S in [int(s) for s in sys.argv[1:]] or [4096, 16384]:
     B = 16384 // S
     torch.manual_seed(0)
-    q, k, v = (fmha_iree.to_device(torch.randn(B, 16, S, 128, dtype=torch.float16), "cuda://0") for _ in range(3))
-    for mask, lse in (("0", False), ("b", False), ("b", True)):
+    hk = int(os.environ.get("FMHA_PROFILE_KV_HEADS", "16"))
+    q, k, v = (fmha_iree.to_device(torch.randn(B, h, S, 128, dtype=torch.float16), "cuda://0") for h in (16, hk, hk))
+    masks = os.environ.get("FMHA_PROFILE_MASKS", "0;b").split(";")
+    for mask, lse in [(m, x) for m in masks for x in ((False,) if m == "0" else (False, True))]:
         call = lambda: mod(q, k, v, mask=mask, return_lse=lse)  # noqa
         last = lambda r: (r[-1] if isinstance(r, tuple) else r).wait()  # noqa
         last(call()); torch.cuda.synchronize()
