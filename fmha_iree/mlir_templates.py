@@ -968,6 +968,52 @@ def _merged_to_abi(f: dict, S: int, oty: str, ogrp: str, lty: str, lgrp: str) ->
   util.return %out_r, %lse_r : {f['out_type']}, {f['lse_type']}"""
 
 
+def _window_blocks_vt(body: list, f: dict, *, S: int, C: int, sg):
+    """The sliding window's blocks for two-batch-dim ops over one transposed V (as the causal
+    tree's `_tree_blocks_vt`): `%qDp` / `%kDp` / `%vtDp`, the nd = S/C diagonal blocks, and
+    `%qPp` / `%kPp` / `%vtPp`, row blocks 1..nd-1 against key blocks 0..nd-2 (slices [1:] and
+    [:-1] of the block views, read in place); a grouped Q is copied g-major. With one previous
+    block (nd = 2) those keep one batch dim."""
+    G, T, DQ, DV = f["G"], f["T"], f["DQ"], f["DV"]
+    nd = S // C
+    n1 = nd - 1
+    body.append(f"  %vF = tensor.collapse_shape %vS [[0, 1], [2], [3]] : tensor<?x?x{S}x{DV}x{T}> into tensor<?x{S}x{DV}x{T}>")
+    body.append(_pin_batch("%vFp", "%vF", f"tensor<?x{S}x{DV}x{T}>", "%BH"))
+    body.append(_transpose_copy("vT0", "%vFp", f"tensor<?x{S}x{DV}x{T}>", f"tensor<?x{DV}x{S}x{T}>", "%BH", sg))
+    body.append(f"  %vT = iree_tensor_ext.compute_barrier.end %vT0 : tensor<?x{DV}x{S}x{T}>{{%BH}} -> tensor<?x{DV}x{S}x{T}>")
+    qty, kty, vty = f"tensor<?x?x{G}x{S}x{DQ}x{T}>", f"tensor<?x?x{S}x{DQ}x{T}>", f"tensor<?x{DV}x{S}x{T}>"
+
+    def ty(*dims) -> str:
+        return "tensor<?x" + "".join(f"{x}x" for x in dims) + f"{T}>"
+
+    body.append(_blocks_view("%kDp", "%kS", kty, [[0], [1], [2, 3], [4]], ["%B", "%Hk", nd, C, DQ], [[0, 1], [2], [3], [4]],
+                             ty(nd, C, DQ)))
+    body.append(_blocks_view("%vtDp", "%vT", vty, [[0], [1], [2, 3]], ["%BH", DV, nd, C], None, ty(DV, nd, C)))
+    if n1 > 1:
+        body.append(f"  %kPp = tensor.extract_slice %kDp[0, 0, 0, 0] [%BH, {n1}, {C}, {DQ}] [1, 1, 1, 1] : {ty(nd, C, DQ)} to {ty(n1, C, DQ)}")
+        body.append(f"  %vtPp = tensor.extract_slice %vtDp[0, 0, 0, 0] [%BH, {DV}, {n1}, {C}] [1, 1, 1, 1] : {ty(DV, nd, C)} to {ty(DV, n1, C)}")
+    else:
+        body.append(f"  %kPp = tensor.extract_slice %kDp[0, 0, 0, 0] [%BH, 1, {C}, {DQ}] [1, 1, 1, 1] : {ty(nd, C, DQ)} to {ty(C, DQ)}")
+        body.append(f"  %vtPp = tensor.extract_slice %vT[0, 0, 0] [%BH, {DV}, {C}] [1, 1, 1] : {vty} to {ty(DV, C)}")
+    pb = [n1] if n1 > 1 else []
+    if G == 1:
+        body.append(_blocks_view("%qDp", "%qE", qty, [[0], [1], [2], [3, 4], [5]], ["%B", "%Hk", 1, nd, C, DQ],
+                                 [[0, 1, 2], [3], [4], [5]], ty(nd, C, DQ)))
+        body.append(f"  %qPp = tensor.extract_slice %qDp[0, 1, 0, 0] [%BH, {n1}, {C}, {DQ}] [1, 1, 1, 1]"
+                    f" : {ty(nd, C, DQ)} to {ty(*pb, C, DQ)}")
+        return
+    for name, src, n, re in (("qDp", "%qD6", nd, None), ("qPp", "%qPs", n1, None)):
+        sty = ty("?", G, n, C, DQ)
+        if name == "qPp":
+            body.append(f"  %qPs = tensor.extract_slice %qD6[0, 0, 0, 1, 0, 0] [%B, %Hk, {G}, {n1}, {C}, {DQ}] [1, 1, 1, 1, 1, 1]"
+                        f" : {ty('?', G, nd, C, DQ)} to {sty}")
+        body.append(_copy(f"{name}_t", src, sty, ty("?", n, G, C, DQ), 6, [0, 1, 3, 2, 4, 5], subgroup=sg))
+        cty = ty(*([n] if n > 1 else []), G * C, DQ)
+        re = "[[0, 1], [2], [3, 4], [5]]" if n > 1 else "[[0, 1, 2], [3, 4], [5]]"
+        body.append(f"  %{name}_c = tensor.collapse_shape %{name}_t {re} : {ty('?', n, G, C, DQ)} into {cty}")
+        body.append(f"  %{name} = iree_tensor_ext.compute_barrier.start %{name}_c : {cty}{{%BH}} -> {cty}")
+
+
 def window_block(seqlen: int, align: int) -> int:
     """Block C of the sliding-window entry at length S (0: none): S/2 up to S=2048, else S/4, a
     multiple of ``align``. Windows of up to C keys before each row take it."""
@@ -977,7 +1023,7 @@ def window_block(seqlen: int, align: int) -> int:
 
 def render_window(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
                   seqlen: int, block: int, lowering: Mapping[str, Any] | str | None = None,
-                  workspace: bool = False) -> str:
+                  workspace: bool = False, vt: bool | None = None) -> str:
     """MLIR text of `util.func public @func_name(q, k, v, scale, win) -> (out, lse)`: a sliding
     window, Sq == Sk == `seqlen` fixed, row i sees key j iff i - W <= j <= i with W = win[0] a
     runtime value in [0, C] (C = `block`; CK's mask `b:W,0` / `t:W,0` at Sq == Sk). The rows are cut
@@ -986,14 +1032,19 @@ def render_window(*, func_name: str, dtype: str, layout: str, group: int, dq: in
 
     - diagonal: row block r against key block r, visible iff i - W <= j <= i (read in place);
     - previous: row block r >= 1 against key block r - 1, visible iff j >= i + C - W (copied into
-      contiguous batches);
-    - a merge of the two partials (block 0 has the diagonal one only) into out / lse."""
+      contiguous batches; with `vt` read in place);
+    - a merge of the two partials (block 0 has the diagonal one only) into out / lse.
+
+    `vt` (default: the lowering's `transpose_v` at S >= TRANSPOSE_V_MIN_SEQLEN): V transposed once
+    and both ops over (BH, blocks) with their blocks read in place (`_window_blocks_vt`)."""
     f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, extra_args=("%win: tensor<1xi32>",))
     S, C, A, G = int(seqlen), int(block), f["A"], f["G"]
     T, DQ, DV = f["T"], f["DQ"], f["DV"]
     nd = S // C if C > 0 and S % C == 0 else 0
     if nd < 2 or C % A:
         raise ValueError(f"block={block}: seqlen {S} must be at least two blocks and block a multiple of {A}")
+    if vt is None:
+        vt = bool(isinstance(lowering, Mapping) and lowering.get("transpose_v")) and S >= TRANSPOSE_V_MIN_SEQLEN
     props, attrs, sg, body = _blocks_start(f, lowering)
     ST = S // A
     body.append(f"""  %qS5 = tensor.cast %qb : tensor<?x?x?x{A}x{DQ}x{T}> to tensor<?x?x{ST}x{A}x{DQ}x{T}>
@@ -1008,35 +1059,38 @@ def render_window(*, func_name: str, dtype: str, layout: str, group: int, dq: in
   %{x}D5 = tensor.expand_shape %{x}S [[0], [1], [2, 3], [4]] output_shape [%B, %Hk, {nd}, {C}, {d}]
       : tensor<?x?x{S}x{d}x{T}> into tensor<?x?x{nd}x{C}x{d}x{T}>""")
 
-    # diagonal blocks: q [B*Hk*nd, G*C, Dq] (rows g-major), k/v [B*Hk*nd, C, D], read in place
-    if G == 1:
-        body.append(f"  %qDc = tensor.collapse_shape %qD6 [[0, 1, 2, 3], [4], [5]] : tensor<?x?x1x{nd}x{C}x{DQ}x{T}> into tensor<?x{C}x{DQ}x{T}>")
-    else:
-        body.append(_copy("qDt", "%qD6", f"tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", 6,
-                          [0, 1, 3, 2, 4, 5], subgroup=sg))
-        body.append(f"  %qDc = tensor.collapse_shape %qDt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
-    for x, d in (("k", DQ), ("v", DV)):
-        body.append(f"  %{x}Dc = tensor.collapse_shape %{x}D5 [[0, 1, 2], [3], [4]] : tensor<?x?x{nd}x{C}x{d}x{T}> into tensor<?x{C}x{d}x{T}>")
-    body.append(f"  %cnd = arith.constant {nd} : index\n  %nD = arith.muli %BH, %cnd : index")
-    for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
-        body.append(_pin_batch(f"%{x}Dp", f"%{x}Dc", f"tensor<?x{r}x{d}x{T}>", "%nD"))
-
-    # previous blocks: row blocks 1..nd-1 against key blocks 0..nd-2, copied into batches
     n1 = nd - 1
-    body.append(f"""  %qPs = tensor.extract_slice %qD6[0, 0, 0, 1, 0, 0] [%B, %Hk, {G}, {n1}, {C}, {DQ}] [1, 1, 1, 1, 1, 1]
-      : tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}> to tensor<?x?x{G}x{n1}x{C}x{DQ}x{T}>""")
-    body.append(_copy("qPt", "%qPs", f"tensor<?x?x{G}x{n1}x{C}x{DQ}x{T}>", f"tensor<?x?x{n1}x{G}x{C}x{DQ}x{T}>", 6,
-                      [0, 1, 3, 2, 4, 5], subgroup=sg))
-    body.append(f"  %qPc = tensor.collapse_shape %qPt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{n1}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
-    for x, d in (("k", DQ), ("v", DV)):
-        body.append(f"""  %{x}Ps = tensor.extract_slice %{x}D5[0, 0, 0, 0, 0] [%B, %Hk, {n1}, {C}, {d}] [1, 1, 1, 1, 1]
-      : tensor<?x?x{nd}x{C}x{d}x{T}> to tensor<?x?x{n1}x{C}x{d}x{T}>""")
-        body.append(_copy(f"{x}Pt", f"%{x}Ps", f"tensor<?x?x{n1}x{C}x{d}x{T}>", f"tensor<?x?x{n1}x{C}x{d}x{T}>", 5,
-                          [0, 1, 2, 3, 4], subgroup=sg))
-        body.append(f"  %{x}Pc = tensor.collapse_shape %{x}Pt [[0, 1, 2], [3], [4]] : tensor<?x?x{n1}x{C}x{d}x{T}> into tensor<?x{C}x{d}x{T}>")
-    body.append(f"  %cn1 = arith.constant {n1} : index\n  %nP = arith.muli %BH, %cn1 : index")
-    for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
-        body.append(_pin_batch(f"%{x}Pp", f"%{x}Pc", f"tensor<?x{r}x{d}x{T}>", "%nP"))
+    if vt:
+        _window_blocks_vt(body, f, S=S, C=C, sg=sg)
+    else:
+        # diagonal blocks: q [B*Hk*nd, G*C, Dq] (rows g-major), k/v [B*Hk*nd, C, D], read in place
+        if G == 1:
+            body.append(f"  %qDc = tensor.collapse_shape %qD6 [[0, 1, 2, 3], [4], [5]] : tensor<?x?x1x{nd}x{C}x{DQ}x{T}> into tensor<?x{C}x{DQ}x{T}>")
+        else:
+            body.append(_copy("qDt", "%qD6", f"tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", 6,
+                              [0, 1, 3, 2, 4, 5], subgroup=sg))
+            body.append(f"  %qDc = tensor.collapse_shape %qDt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
+        for x, d in (("k", DQ), ("v", DV)):
+            body.append(f"  %{x}Dc = tensor.collapse_shape %{x}D5 [[0, 1, 2], [3], [4]] : tensor<?x?x{nd}x{C}x{d}x{T}> into tensor<?x{C}x{d}x{T}>")
+        body.append(f"  %cnd = arith.constant {nd} : index\n  %nD = arith.muli %BH, %cnd : index")
+        for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
+            body.append(_pin_batch(f"%{x}Dp", f"%{x}Dc", f"tensor<?x{r}x{d}x{T}>", "%nD"))
+
+        # previous blocks: row blocks 1..nd-1 against key blocks 0..nd-2, copied into batches
+        body.append(f"""  %qPs = tensor.extract_slice %qD6[0, 0, 0, 1, 0, 0] [%B, %Hk, {G}, {n1}, {C}, {DQ}] [1, 1, 1, 1, 1, 1]
+          : tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}> to tensor<?x?x{G}x{n1}x{C}x{DQ}x{T}>""")
+        body.append(_copy("qPt", "%qPs", f"tensor<?x?x{G}x{n1}x{C}x{DQ}x{T}>", f"tensor<?x?x{n1}x{G}x{C}x{DQ}x{T}>", 6,
+                          [0, 1, 3, 2, 4, 5], subgroup=sg))
+        body.append(f"  %qPc = tensor.collapse_shape %qPt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{n1}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
+        for x, d in (("k", DQ), ("v", DV)):
+            body.append(f"""  %{x}Ps = tensor.extract_slice %{x}D5[0, 0, 0, 0, 0] [%B, %Hk, {n1}, {C}, {d}] [1, 1, 1, 1, 1]
+          : tensor<?x?x{nd}x{C}x{d}x{T}> to tensor<?x?x{n1}x{C}x{d}x{T}>""")
+            body.append(_copy(f"{x}Pt", f"%{x}Ps", f"tensor<?x?x{n1}x{C}x{d}x{T}>", f"tensor<?x?x{n1}x{C}x{d}x{T}>", 5,
+                              [0, 1, 2, 3, 4], subgroup=sg))
+            body.append(f"  %{x}Pc = tensor.collapse_shape %{x}Pt [[0, 1, 2], [3], [4]] : tensor<?x?x{n1}x{C}x{d}x{T}> into tensor<?x{C}x{d}x{T}>")
+        body.append(f"  %cn1 = arith.constant {n1} : index\n  %nP = arith.muli %BH, %cn1 : index")
+        for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
+            body.append(_pin_batch(f"%{x}Pp", f"%{x}Pc", f"tensor<?x{r}x{d}x{T}>", "%nP"))
 
     # masks [G*C, C] (row i0 = g*C + i), from the runtime W
     for name, cond in (("dmask", ["    %lo = arith.addi %j, %w : index", "    %vis0 = arith.cmpi uge, %lo, %i : index",
@@ -1056,8 +1110,15 @@ def render_window(*, func_name: str, dtype: str, layout: str, group: int, dq: in
 {chr(10).join(cond)}
     linalg.yield %vis : i1
   }} -> tensor<{G * C}x{C}xi1>""")
-    body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=props, attrs=attrs, mask="%dmask"))
-    body.append(_attn_op("pv", "%qPp", "%kPp", "%vPp", f=f, n=n1, rows=G * C, keys=C, props=props, attrs=attrs, mask="%pmask"))
+    if vt:
+        pr = {n: _lowering_for_whole_rows(lowering, DV, batch_dims=n) for n in (1, 2)}
+        for name, n, m in (("dg", nd, "%dmask"), ("pv", n1, "%pmask")):
+            q_, k_, v_ = (f"%{x}{'D' if name == 'dg' else 'P'}p" for x in ("q", "k", "vt"))
+            body.append(_attn_op_vt(name, q_, k_, v_, f=f, nb=n, rows=G * C, keys=C, props=pr[1 + (n > 1)][0],
+                                    attrs=pr[1 + (n > 1)][1], mask=m))
+    else:
+        body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=props, attrs=attrs, mask="%dmask"))
+        body.append(_attn_op("pv", "%qPp", "%kPp", "%vPp", f=f, n=n1, rows=G * C, keys=C, props=props, attrs=attrs, mask="%pmask"))
 
     # merge over (b, hk, g, blk, c[, d]); the previous-block partial (blocks 1..nd-1) is read
     # inside the region at blk - 1 (an affine map cannot skip block 0), and dropped for block 0
@@ -1069,7 +1130,8 @@ def render_window(*, func_name: str, dtype: str, layout: str, group: int, dq: in
             ty = "tensor<" + "x".join(map(str, ["?", "?", n, G, C] + tail)) + "xf32>"
             re = "[[0, 1, 2], [3, 4]" + (", [5]]" if tail else "]")
             os_ = ", ".join(["%B", "%Hk", str(n), str(G), str(C)] + [str(t) for t in tail])
-            body.append(f"  %{tag}{kind}_v = tensor.expand_shape {src}#{idx} {re} output_shape [{os_}] : {ty_in} into {ty}")
+            part = f"{src}_r{idx}" if vt else f"{src}#{idx}"
+            body.append(f"  %{tag}{kind}_v = tensor.expand_shape {part} {re} output_shape [{os_}] : {ty_in} into {ty}")
     pty = f"tensor<?x?x{n1}x{G}x{C}xf32>"
     paty = f"tensor<?x?x{n1}x{G}x{C}x{DV}xf32>"
     oty = f"tensor<?x?x{G}x{nd}x{C}x{DV}x{T}>"

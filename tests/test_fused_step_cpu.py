@@ -270,20 +270,26 @@ def test_causal_tree_several_levels(layout, group, dtype, vt):
     assert_close(lse.reshape(ref_lse.shape), ref_lse, dtype, kind="lse", what="tree lse")
 
 
-@pytest.mark.parametrize("layout,group,dtype,w", [("bhsd", 2, torch.float32, 100), ("bshd", 1, torch.float16, 128),
-                                                  ("bhsd", 1, torch.float32, 0), ("bhsd", 1, torch.float32, 37)],
-                         ids=["bhsd-g2-f32-w100", "bshd-g1-f16-w128", "bhsd-g1-f32-w0", "bhsd-g1-f32-w37"])
-def test_window_template(layout, group, dtype, w):
+@pytest.mark.parametrize("layout,group,dtype,w,vt,C", [
+    ("bhsd", 2, torch.float32, 100, False, 128), ("bshd", 1, torch.float16, 128, False, 128),
+    ("bhsd", 1, torch.float32, 0, False, 128), ("bhsd", 1, torch.float32, 37, False, 128),
+    ("bshd", 2, torch.float16, 128, True, 128), ("bhsd", 1, torch.float32, 200, True, 256)],
+    ids=["bhsd-g2-f32-w100", "bshd-g1-f16-w128", "bhsd-g1-f32-w0", "bhsd-g1-f32-w37", "bshd-g2-f16-w128-vt",
+         "bhsd-g1-f32-w200-vt-2blocks"])
+def test_window_template(layout, group, dtype, w, vt, C):
     """The sliding-window entry (diagonal and previous C x C blocks, merged), built for llvm-cpu:
     CK's ``b:w,0`` at Sq == Sk against float64, for windows from 0 (each row sees itself) to the
-    block size C (the previous block wholly visible to the last row)."""
+    block size C (the previous block wholly visible to the last row); `vt`: the blocks read in
+    place with V transposed once (CUDA's ``transpose_v``), over 4 blocks and over 2 (one previous
+    block: one batch dim)."""
     from fmha_iree.mlir_templates import render_window
 
-    S, A, D, B, Hk, C = 512, 32, 64, 2, 2, 128
+    S, A, D, B, Hk = 512, 32, 64, 2, 2
     dt = {torch.float32: "f32", torch.float16: "f16"}[dtype]
     low = {"backend": "cpu", "workgroup_m": 32, "reduction_k2": 32, "workgroup_n": D}
     text = render_window(func_name="w", dtype=dt, layout=layout, group=group, dq=D, dv=D, align=A,
-                         seqlen=S, block=C, lowering=low)
+                         seqlen=S, block=C, lowering=low, vt=vt)
+    assert ("%vT0 = linalg.generic" in text) == vt
     q, k, v = make_qkv(seed_of("window", layout, group, w), B=B, Hq=Hk * group, Hk=Hk, Sq=S, Sk=S, Dq=D,
                        layout=layout, dtype=dtype)
     out, lse = _template_on_host(text, S, A, layout, q, k, v, np.array([w], np.int32))

@@ -37,14 +37,21 @@ def test_gfx942_configured_ir_shows_requested_tiles(tmp_path, tiles):
     assert ([1, tiles.m0, 0, 0, tiles.n1], [0, 0, 0, tiles.n0, 0]) in found, found
 
 
+def _configured_executables(spec, text: str) -> str:
+    """IREE's configured executables of one rendered function (the module's only one)."""
+    import iree.compiler.tools as ict
+
+    out = ict.compile_str("module @m {\n" + text + "\n}\n",
+                          extra_args=compile_flags(spec) + ["--compile-to=executable-configurations"])
+    return out.decode() if isinstance(out, bytes) else out
+
+
 @pytest.mark.parametrize("group,vt", [(1, False), (1, True), (8, True)], ids=["g1", "g1-vt", "g8-vt"])
 def test_causal_tree_reads_blocks_in_place(group, vt):
     """The causal tree's level blocks reach the attention dispatches in place: for sm_80, no copy
     dispatch but the grouped Q's (one per op) and, with V^T blocks, the one transpose of V, which
     keeps its shared-memory tiles (IREE drops them when a reshape is folded into it)."""
     import re
-
-    import iree.compiler.tools as ict
 
     from fmha_iree.compile import gpu_lowering
     from fmha_iree.mlir_templates import render_causal_tree
@@ -54,9 +61,7 @@ def test_causal_tree_reads_blocks_in_place(group, vt):
     S, C = 2048, 256
     text = render_causal_tree(func_name="c", dtype="f16", layout="bhsd", group=group, dq=128, dv=128, align=256,
                               seqlen=S, diag=C, lowering=gpu_lowering(spec), workspace=True, vt=vt)
-    out = ict.compile_str("module @m {\n" + text + "\n}\n",
-                          extra_args=compile_flags(spec) + ["--compile-to=executable-configurations"])
-    out = out.decode() if isinstance(out, bytes) else out
+    out = _configured_executables(spec, text)
     # executables (IREE merges identical ones)
     names = [n for _, n in sorted(set(re.findall(r"func\.func @c_dispatch_(\d+)_(\w+?)\(", out)))]
     ops = [n for n in names if "online_attention" not in n and not n.startswith("elementwise_broadcast")]
@@ -70,3 +75,27 @@ def test_causal_tree_reads_blocks_in_place(group, vt):
     if vt:
         i = out.index(f"_{transposes[0]}(")
         assert "workgroup_size = [8, 32, 1]" in out[i:i + 4000], "the transpose lost its tiles"
+
+
+def test_window_reads_blocks_in_place():
+    """The sliding window with V^T blocks (sm_80, S=4096, 4 blocks): its two attention dispatches
+    read every block in place; the only other dispatches are V's transpose (with its tiles), the
+    two masks and the merge."""
+    import re
+
+    from fmha_iree.compile import gpu_lowering
+    from fmha_iree.mlir_templates import render_window
+
+    target = Target.from_name("sm_80")
+    spec = KernelSpec("f16", "bhsd", 1, 128, 128, default_tiles(target.family, 128, 128, target.arch, "f16"), target)
+    text = render_window(func_name="c", dtype="f16", layout="bhsd", group=1, dq=128, dv=128, align=256, seqlen=4096,
+                         block=1024, lowering=gpu_lowering(spec), workspace=True)
+    assert "%vT0 = linalg.generic" in text  # the CUDA tiles transpose V from TRANSPOSE_V_MIN_SEQLEN
+    out = _configured_executables(spec, text)
+    names = [n for _, n in sorted(set(re.findall(r"func\.func @c_dispatch_(\d+)_(\w+?)\(", out)))]
+    assert sum("online_attention" in n for n in names) == 2, names
+    rest = [n for n in names if "online_attention" not in n and not n.startswith("elementwise_broadcast")]
+    transposes = [n for n in rest if n.startswith("elementwise_transpose_Dx4096x128")]
+    assert len(transposes) == 1 and len(rest) == 3, names  # the transpose and the merge's two passes
+    i = out.index(f"_{transposes[0]}(")
+    assert "workgroup_size = [8, 32, 1]" in out[i:i + 4000], "the transpose lost its tiles"
