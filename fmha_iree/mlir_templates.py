@@ -55,6 +55,7 @@ is rejected with "properties dictionary is missing required attribute: indexing_
 
 from __future__ import annotations
 
+import functools
 import string
 from pathlib import Path
 from typing import Any, Mapping
@@ -503,14 +504,15 @@ def _fresh_online_attention(name: str, n: str, maps: list[str], ins: str, tys: s
 """
 
 
-def _attn_op_vt(name: str, q: str, k: str, vt: str, *, f: dict, nb: int, rows: int, keys: int, props: str,
-                attrs: str, mask: str | None = None) -> str:
+def _attn_op_vt(name: str, q: str, k: str, vt: str, *, f: dict, nb: int, rows: int, keys: int, lowering,
+                mask: str | None = None) -> str:
     """`_attn_op` over the batch dims (BH, nb) with V read transposed: q [BH, nb, rows, Dq],
     k [BH, nb, keys, Dq], vt [BH, Dv, nb, keys] (blocks of one transposed V, so V's batch dims
     are not adjacent and stay two); the nb dim is left out where nb = 1 (IREE would fold it,
     dropping the tiles). Results `%name_r0..2` as [BH * nb, rows(, Dv)]."""
     T, DQ, DV = f["T"], f["DQ"], f["DV"]
     two = nb > 1
+    props, attrs = _lowering_for_whole_rows(lowering, DV, batch_dims=2 if two else 1)
     d = "(d0, d1, d2, d3, d4, d5)" if two else "(d0, d2, d3, d4, d5)"
     m = f"affine_map<{d} -> "
     p = "d0, d1" if two else "d0"
@@ -688,6 +690,23 @@ def _pair_slice(name: str, src: str, rank: int, S: int, L: int, d: int, T: str, 
     ])
 
 
+def _bty(T: str, *dims) -> str:
+    """`tensor<?x{dims}x{T}>`: a block view's type, its leading (B * Hk) dim dynamic."""
+    return "tensor<?x" + "".join(f"{x}x" for x in dims) + f"{T}>"
+
+
+def _fenced_v_transpose(f: dict, S: int, sg) -> list[str]:
+    """`%vT` [BH, Dv, S] = `%vS` transposed (`_transpose_copy`), for the block-split templates' V^T
+    blocks. Fenced on both sides so that no reshape is folded into the transpose (IREE would
+    re-create the op and drop its tiles: 0.48 instead of 0.12 ms at B*S = 16k, H=16 on the H200)."""
+    DV, T = f["DV"], f["T"]
+    src, dst = f"tensor<?x{S}x{DV}x{T}>", f"tensor<?x{DV}x{S}x{T}>"
+    return [f"  %vF = tensor.collapse_shape %vS [[0, 1], [2], [3]] : tensor<?x?x{S}x{DV}x{T}> into {src}",
+            _pin_batch("%vFp", "%vF", src, "%BH"),
+            _transpose_copy("vT0", "%vFp", src, dst, "%BH", sg),
+            f"  %vT = iree_tensor_ext.compute_barrier.end %vT0 : {dst}{{%BH}} -> {dst}"]
+
+
 def _tree_blocks_vt(body: list, f: dict, *, S: int, C: int, sg, lowering):
     """The causal tree's diagonal and level ops reading one transposed V [BH, Dv, S] (a single
     `_transpose_copy`): each op runs over (BH, blocks), its Q / K / V^T blocks read in place
@@ -695,17 +714,9 @@ def _tree_blocks_vt(body: list, f: dict, *, S: int, C: int, sg, lowering):
     [BH * blocks, rows(, Dv)]."""
     G, T, DQ, DV = f["G"], f["T"], f["DQ"], f["DV"]
     nd = S // C
-    props = {n: _lowering_for_whole_rows(lowering, DV, batch_dims=n) for n in (1, 2)}
-    # fenced on both sides, so that no reshape is folded into the transpose (IREE would re-create
-    # the op and drop its tiles: 0.48 instead of 0.12 ms at B*S = 16k, H=16 on the H200)
-    body.append(f"  %vF = tensor.collapse_shape %vS [[0, 1], [2], [3]] : tensor<?x?x{S}x{DV}x{T}> into tensor<?x{S}x{DV}x{T}>")
-    body.append(_pin_batch("%vFp", "%vF", f"tensor<?x{S}x{DV}x{T}>", "%BH"))
-    body.append(_transpose_copy("vT0", "%vFp", f"tensor<?x{S}x{DV}x{T}>", f"tensor<?x{DV}x{S}x{T}>", "%BH", sg))
-    body.append(f"  %vT = iree_tensor_ext.compute_barrier.end %vT0 : tensor<?x{DV}x{S}x{T}>{{%BH}} -> tensor<?x{DV}x{S}x{T}>")
+    body.extend(_fenced_v_transpose(f, S, sg))
     qty, kty, vty = f"tensor<?x?x{G}x{S}x{DQ}x{T}>", f"tensor<?x?x{S}x{DQ}x{T}>", f"tensor<?x{DV}x{S}x{T}>"
-
-    def ty(*dims) -> str:
-        return "tensor<?x" + "".join(f"{x}x" for x in dims) + f"{T}>"
+    ty = functools.partial(_bty, T)
 
     def blocks(name: str, x: str, nb: int, L: int, pick: int | None):
         """`name` = blocks of `x` (q, k or vt) per (b, hk): nb blocks of L rows (keys), or with
@@ -747,15 +758,13 @@ def _tree_blocks_vt(body: list, f: dict, *, S: int, C: int, sg, lowering):
     # diagonal blocks
     for x in ("q", "k", "vt"):
         blocks(f"%{x}Dp", x, nd, C, None)
-    body.append(_attn_op_vt("dg", "%qDp", "%kDp", "%vtDp", f=f, nb=nd, rows=G * C, keys=C, props=props[1 + (nd > 1)][0],
-                            attrs=props[1 + (nd > 1)][1], mask="%dmask"))
+    body.append(_attn_op_vt("dg", "%qDp", "%kDp", "%vtDp", f=f, nb=nd, rows=G * C, keys=C, lowering=lowering, mask="%dmask"))
     # level j: the odd L-blocks of rows against the even L-block of keys before each
     for j in range(nd.bit_length() - 1):
         L, nb = C << j, nd >> (j + 1)
         for x, pick in (("q", 1), ("k", 0), ("vt", 0)):
             blocks(f"%{x}P{j}", x, nb, L, pick)
-        body.append(_attn_op_vt(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vtP{j}", f=f, nb=nb, rows=G * L, keys=L,
-                                props=props[1 + (nb > 1)][0], attrs=props[1 + (nb > 1)][1]))
+        body.append(_attn_op_vt(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vtP{j}", f=f, nb=nb, rows=G * L, keys=L, lowering=lowering))
 
 
 def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
@@ -977,14 +986,9 @@ def _window_blocks_vt(body: list, f: dict, *, S: int, C: int, sg):
     G, T, DQ, DV = f["G"], f["T"], f["DQ"], f["DV"]
     nd = S // C
     n1 = nd - 1
-    body.append(f"  %vF = tensor.collapse_shape %vS [[0, 1], [2], [3]] : tensor<?x?x{S}x{DV}x{T}> into tensor<?x{S}x{DV}x{T}>")
-    body.append(_pin_batch("%vFp", "%vF", f"tensor<?x{S}x{DV}x{T}>", "%BH"))
-    body.append(_transpose_copy("vT0", "%vFp", f"tensor<?x{S}x{DV}x{T}>", f"tensor<?x{DV}x{S}x{T}>", "%BH", sg))
-    body.append(f"  %vT = iree_tensor_ext.compute_barrier.end %vT0 : tensor<?x{DV}x{S}x{T}>{{%BH}} -> tensor<?x{DV}x{S}x{T}>")
+    body.extend(_fenced_v_transpose(f, S, sg))
     qty, kty, vty = f"tensor<?x?x{G}x{S}x{DQ}x{T}>", f"tensor<?x?x{S}x{DQ}x{T}>", f"tensor<?x{DV}x{S}x{T}>"
-
-    def ty(*dims) -> str:
-        return "tensor<?x" + "".join(f"{x}x" for x in dims) + f"{T}>"
+    ty = functools.partial(_bty, T)
 
     body.append(_blocks_view("%kDp", "%kS", kty, [[0], [1], [2, 3], [4]], ["%B", "%Hk", nd, C, DQ], [[0, 1], [2], [3], [4]],
                              ty(nd, C, DQ)))
@@ -1111,11 +1115,9 @@ def render_window(*, func_name: str, dtype: str, layout: str, group: int, dq: in
     linalg.yield %vis : i1
   }} -> tensor<{G * C}x{C}xi1>""")
     if vt:
-        pr = {n: _lowering_for_whole_rows(lowering, DV, batch_dims=n) for n in (1, 2)}
         for name, n, m in (("dg", nd, "%dmask"), ("pv", n1, "%pmask")):
             q_, k_, v_ = (f"%{x}{'D' if name == 'dg' else 'P'}p" for x in ("q", "k", "vt"))
-            body.append(_attn_op_vt(name, q_, k_, v_, f=f, nb=n, rows=G * C, keys=C, props=pr[1 + (n > 1)][0],
-                                    attrs=pr[1 + (n > 1)][1], mask=m))
+            body.append(_attn_op_vt(name, q_, k_, v_, f=f, nb=n, rows=G * C, keys=C, lowering=lowering, mask=m))
     else:
         body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=props, attrs=attrs, mask="%dmask"))
         body.append(_attn_op("pv", "%qPp", "%kPp", "%vPp", f=f, n=n1, rows=G * C, keys=C, props=props, attrs=attrs, mask="%pmask"))
