@@ -197,7 +197,7 @@ def causal_diag(seqlen: int, align: int) -> int:
     wasted work); each level adds a dispatch and merge inputs, cheap since the levels read their
     blocks in place (session 6). H200, B*S = 16k, H=16, d128 f16, out-only, bench.py, one run
     each (2026-11-30, session 6; docs/bench/h200_2026-11-30d_*): blocks read in place,
-    C=256 1.28 / 2.07 / 3.63 / 6.70 ms at S=2048..16384 against C=512/1024 (the earlier rule)
+    C=256 1.28 / 2.08 / 3.65 / 6.70 ms at S=2048..16384 against C=512/1024 (the earlier rule)
     1.37 / 2.17 / 3.92 / 6.93; with V^T blocks C=256 against C=512 1.67 / 2.40 / 3.81 / 6.37 vs
     1.76 / 2.50 / 3.85 / 6.45. (Session 5, blocks copied: C=512 best, C=256 1.68 / 2.56 / 4.14 /
     7.00; session 4, host waits and slow copies: S/2 up to 4096 and 2048 above.)"""
