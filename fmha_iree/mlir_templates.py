@@ -420,7 +420,7 @@ def render_dense_out(*, func_name: str, dtype: str, layout: str, group: int, dq:
 # (2026-11-30, session 5; docs/bench/h200_2026-11-30c_*): f16 d128 S = 512 / 1024 / 2048 / 4096 /
 # 16384 0.52 / 0.88 / 1.61 / 3.08 / 11.95 ms -> 0.66 / 0.93 / 1.57 / 2.93 / 10.88; bf16 d128
 # 0.51 / 0.89 / 1.61 / 3.05 / 11.67 -> 0.57 / 0.87 / 1.49 / 2.65 / 9.69 (the transpose itself
-# 0.12 ms at B*S = 16k, H=16).
+# 0.12 ms at B*S = 16k, H=16; 0.062 ms since session 7's 8 elements per thread, not re-measured here).
 TRANSPOSE_V_MIN_SEQLEN = 2048
 
 
@@ -612,17 +612,19 @@ def _transpose_copy(name: str, src: str, src_ty: str, dst_ty: str, n: str, subgr
     """`%name` [N, b, a] = `src` [N, a, b] (N = `n`) plus `%rt_zero` (see `_copy`), iterated over
     the source's dims (the form IREE turns a transpose into), with IREE's shared-memory transpose
     tiles on GPUs, which it picks itself only for static shapes: 32 x 32 tiles staged through
-    shared memory (`promote_operands`), 4 elements along the output's fastest dim per thread,
-    8 x 32 threads."""
+    shared memory (`promote_operands`), 8 elements (16 bytes of f16) along the output's fastest
+    dim per thread, 4 x 32 threads. H200, [64, 4096, 128] f16 (2026-11-30, session 7;
+    docs/bench/h200_2026-11-30e_*): 0.062 ms in the module against 0.12 with 4 elements per
+    thread (8 x 32 threads); IREE's own tiles 0.53 ms."""
     et = src_ty.rsplit("x", 1)[1][:-1]
     a, b = (int(x) for x in src_ty[len("tensor<"):-1].split("x")[1:3])
     cfg = ""
     if subgroup and a % 32 == 0 and b % 32 == 0:
         cfg = (" attrs = {compilation_info = #iree_codegen.compilation_info<"
-               "lowering_config = #iree_gpu.lowering_config<{workgroup = [1, 32, 32], thread = [1, 4, 1], "
+               "lowering_config = #iree_gpu.lowering_config<{workgroup = [1, 32, 32], thread = [1, 8, 1], "
                "promote_operands = [0]}>, "
                "translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<TileAndFuse> "
-               f"workgroup_size = [8, 32, 1] subgroup_size = {int(subgroup)}>>}}")
+               f"workgroup_size = [4, 32, 1] subgroup_size = {int(subgroup)}>>}}")
     return f"""  %{name}_e = tensor.empty({n}) : {dst_ty}
   %{name} = linalg.generic {{indexing_maps = [affine_map<(d0, d1, d2) -> (d0, d1, d2)>, affine_map<(d0, d1, d2) -> (d0, d2, d1)>],
       iterator_types = ["parallel", "parallel", "parallel"]}} ins({src} : {src_ty}) outs(%{name}_e : {dst_ty}){cfg} {{
@@ -758,13 +760,32 @@ def _tree_blocks_vt(body: list, f: dict, *, S: int, C: int, sg, lowering):
     # diagonal blocks
     for x in ("q", "k", "vt"):
         blocks(f"%{x}Dp", x, nd, C, None)
-    body.append(_attn_op_vt("dg", "%qDp", "%kDp", "%vtDp", f=f, nb=nd, rows=G * C, keys=C, lowering=lowering, mask="%dmask"))
+    body.append(_attn_op_vt("dg", "%qDp", "%kDp", "%vtDp", f=f, nb=nd, rows=G * C, keys=C, lowering=diag_lowering(lowering),
+                            mask="%dmask"))
     # level j: the odd L-blocks of rows against the even L-block of keys before each
     for j in range(nd.bit_length() - 1):
         L, nb = C << j, nd >> (j + 1)
         for x, pick in (("q", 1), ("k", 0), ("vt", 0)):
             blocks(f"%{x}P{j}", x, nb, L, pick)
         body.append(_attn_op_vt(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vtP{j}", f=f, nb=nb, rows=G * L, keys=L, lowering=lowering))
+
+
+def diag_lowering(lowering):
+    """The causal tree's masked diagonal op's lowering: a GPU lowering of 256 or more rows per
+    workgroup at half the rows and half the subgroups (its C x C blocks are short in keys; twice
+    the workgroups fill the GPU better). H200, f16 d128 (M=256, 8 subgroups), causal_profile.py
+    (2026-11-30, session 7; docs/bench/h200_2026-11-30e_profile_*): the diagonal kernel 0.301 ->
+    0.281 ms at S=2048 and 0.303 -> 0.283 ms at S=4096; with 8 subgroups of 16 rows instead
+    0.40 ms. Other lowerings unchanged (not measured)."""
+    if not isinstance(lowering, Mapping) or lowering.get("backend") == "cpu":
+        return lowering
+    wm, sgm = int(lowering.get("workgroup_m", 0)), lowering.get("subgroups_m")
+    if wm < 256 or sgm is None or int(sgm) % 2:
+        return lowering
+    lw = dict(lowering, workgroup_m=wm // 2, subgroups_m=int(sgm) // 2)
+    if lw.get("workgroup_size"):
+        lw["workgroup_size"] = int(lw["workgroup_size"]) // 2
+    return lw
 
 
 def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
@@ -836,7 +857,9 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
         body.append(f"  %cnd = arith.constant {nd} : index\n  %nD = arith.muli %BH, %cnd : index")
         for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
             body.append(_pin_batch(f"%{x}Dp", f"%{x}Dc", f"tensor<?x{r}x{d}x{T}>", "%nD"))
-        body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=props, attrs=attrs, mask="%dmask"))
+        dprops, dattrs = _lowering_for_whole_rows(diag_lowering(lowering), DV)
+        body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=dprops, attrs=dattrs,
+                             mask="%dmask"))
 
         # level j: odd L-blocks of rows against the even L-block of keys before each. K and V (and Q
         # when G = 1) are read in place (`_pair_slice`); a grouped Q interleaves G and the blocks, so

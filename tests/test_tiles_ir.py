@@ -74,7 +74,9 @@ def test_causal_tree_reads_blocks_in_place(group, vt):
     assert len(copies) == (0 if group == 1 else n_ops), names
     if vt:
         i = out.index(f"_{transposes[0]}(")
-        assert "workgroup_size = [8, 32, 1]" in out[i:i + 4000], "the transpose lost its tiles"
+        assert "workgroup_size = [4, 32, 1]" in out[i:i + 4000], "the transpose lost its tiles"
+    # the masked diagonal at half the rows and subgroups of the others (`diag_lowering`)
+    assert out.count("workgroup_size = [128, 1, 1]") == 1 and "workgroup_size = [256, 1, 1]" in out
 
 
 def test_window_reads_blocks_in_place():
@@ -98,4 +100,4 @@ def test_window_reads_blocks_in_place():
     transposes = [n for n in rest if n.startswith("elementwise_transpose_Dx4096x128")]
     assert len(transposes) == 1 and len(rest) == 3, names  # the transpose and the merge's two passes
     i = out.index(f"_{transposes[0]}(")
-    assert "workgroup_size = [8, 32, 1]" in out[i:i + 4000], "the transpose lost its tiles"
+    assert "workgroup_size = [4, 32, 1]" in out[i:i + 4000], "the transpose lost its tiles"

@@ -1,0 +1,56 @@
+"""Session 7 study: variants of the causal tree's ops and of V's transpose, as f16 d128 sm_80
+modules (S = 2048, 4096) to profile on the H200 with causal_profile.py.
+
+  tree_op_tiles.py DIR      (here: writes DIR/<variant>.vmfb and .json)
+
+Variants (the first four before t8 and dg128a landed): base (as on main); t8 (the transpose's threads write 8 elements, [4, 32, 1]: 0.12
+against 0.18 ms in transpose_tiles.py); dg128a / dg128b (the masked diagonal op at 128 rows per
+workgroup, 4 / 8 subgroups, instead of 256).
+"""
+import sys
+from pathlib import Path
+
+from fmha_iree import cli
+from fmha_iree import mlir_templates as mt
+
+VARIANTS = {
+    "base": {},
+    "t8": {"t8": True},
+    "dg128a": {"dg": {"workgroup_m": 128, "subgroups_m": 4}},
+    "dg128b": {"dg": {"workgroup_m": 128, "subgroups_m": 8}},
+    # after t8 and dg128a landed (main): the levels of 256 and 512 keys at 128 rows, 4 subgroups
+    "lv128": {"lv": ("lv0", "lv1"), "dg": None},
+}
+
+
+def patch(v: dict):
+    orig_op, orig_t = mt._attn_op_vt, mt._transpose_copy
+
+    def op(name, *a, lowering=None, **k):
+        if name == "dg" and v.get("dg"):
+            lowering = dict(lowering, **v["dg"])
+        if name in v.get("lv", ()):
+            lowering = mt.diag_lowering(lowering)
+        return orig_op(name, *a, lowering=lowering, **k)
+
+    def tr(*a, **k):
+        text = orig_t(*a, **k)
+        if v.get("t8"):
+            text = text.replace("thread = [1, 4, 1]", "thread = [1, 8, 1]").replace("workgroup_size = [8, 32, 1]", "workgroup_size = [4, 32, 1]")
+        return text
+
+    mt._attn_op_vt, mt._transpose_copy = op, tr
+    return lambda: (setattr(mt, "_attn_op_vt", orig_op), setattr(mt, "_transpose_copy", orig_t))
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    for name in sys.argv[2:] or VARIANTS:
+        undo = patch(VARIANTS[name])
+        try:
+            cli.main(["compile", "--target", "sm_80", "--dtype", "f16", "--hdim", "128", "--heads", "16:16",
+                      "--seqlens", "2048,4096", "-o", str(out / f"{name}.vmfb")])
+        finally:
+            undo()
+        print("built", name, flush=True)
