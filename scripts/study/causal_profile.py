@@ -1,7 +1,8 @@
 """H200: torch.profiler kernel breakdown of one causal call (and the unmasked one) through the
 package on gpu_modules/f16_d128.vmfb (or $FMHA_PROFILE_MODULE), B*S = 16k, H=16, D=128 f16.
 $FMHA_PROFILE_MASKS (session 6): other masks, separated by ";" (default "0;b"; each causal-like mask
-is also timed with the LSE); $FMHA_PROFILE_KV_HEADS: K/V heads (default 16, GQA below).
+is also timed with the LSE); $FMHA_PROFILE_KV_HEADS: K/V heads (default 16, GQA below);
+$FMHA_PROFILE_DTYPE (session 7): bf16 for a bf16 module.
 Usage: causal_profile.py [S...]"""
 import os, sys, time
 import torch
@@ -14,7 +15,8 @@ for S in [int(s) for s in sys.argv[1:]] or [4096, 16384]:
     B = 16384 // S
     torch.manual_seed(0)
     hk = int(os.environ.get("FMHA_PROFILE_KV_HEADS", "16"))
-    q, k, v = (fmha_iree.to_device(torch.randn(B, h, S, 128, dtype=torch.float16), "cuda://0") for h in (16, hk, hk))
+    dt = {"f16": torch.float16, "bf16": torch.bfloat16}[os.environ.get("FMHA_PROFILE_DTYPE", "f16")]
+    q, k, v = (fmha_iree.to_device(torch.randn(B, h, S, 128, dtype=dt), "cuda://0") for h in (16, hk, hk))
     masks = os.environ.get("FMHA_PROFILE_MASKS", "0;b").split(";")
     for mask, lse in [(m, x) for m in masks for x in ((False,) if m == "0" else (False, True))]:
         call = lambda: mod(q, k, v, mask=mask, return_lse=lse)  # noqa

@@ -1,12 +1,14 @@
 """Session 7 study: variants of the causal tree's ops and of V's transpose, as f16 d128 sm_80
 modules (S = 2048, 4096) to profile on the H200 with causal_profile.py.
 
-  tree_op_tiles.py DIR      (here: writes DIR/<variant>.vmfb and .json)
+  tree_op_tiles.py DIR [VARIANT...]   (here: writes DIR/<variant>.vmfb and .json;
+                                       $FMHA_STUDY_DTYPE: bf16 for bf16 modules, named <variant>_bf16)
 
 Variants (the first four before t8 and dg128a landed): base (as on main); t8 (the transpose's threads write 8 elements, [4, 32, 1]: 0.12
 against 0.18 ms in transpose_tiles.py); dg128a / dg128b (the masked diagonal op at 128 rows per
 workgroup, 4 / 8 subgroups, instead of 256).
 """
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +22,8 @@ VARIANTS = {
     "dg128b": {"dg": {"workgroup_m": 128, "subgroups_m": 8}},
     # after t8 and dg128a landed (main): the levels of 256 and 512 keys at 128 rows, 4 subgroups
     "lv128": {"lv": ("lv0", "lv1"), "dg": None},
+    # bf16 d128 tiles (128 rows, 4 subgroups; diag_lowering leaves them): the diagonal at 64 rows
+    "dg64": {"dg": {"workgroup_m": 64, "subgroups_m": 2}},
 }
 
 
@@ -46,11 +50,12 @@ def patch(v: dict):
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
+    dtype = os.environ.get("FMHA_STUDY_DTYPE", "f16")
     for name in sys.argv[2:] or VARIANTS:
         undo = patch(VARIANTS[name])
         try:
-            cli.main(["compile", "--target", "sm_80", "--dtype", "f16", "--hdim", "128", "--heads", "16:16",
-                      "--seqlens", "2048,4096", "-o", str(out / f"{name}.vmfb")])
+            cli.main(["compile", "--target", "sm_80", "--dtype", dtype, "--hdim", "128", "--heads", "16:16",
+                      "--seqlens", "2048,4096", "-o", str(out / f"{name}{'' if dtype == 'f16' else '_' + dtype}.vmfb")])
         finally:
             undo()
         print("built", name, flush=True)
