@@ -15,7 +15,8 @@ gets its inputs as DeviceTensors (uploaded once, `fmha_iree.to_device`) and leav
 the device; `--reps` calls are issued back to back (asynchronously) and the time is their total
 over `--reps`, closed by a wait for the last result. The timed call returns the output only, as
 torch's SDPA does; the time with the LSE as well is recorded beside it. Torch is timed with CUDA
-events.
+events. IREE's runtime flags come from $IREE_PY_RUNTIME_FLAGS (read by `iree.runtime` at import),
+e.g. `--cuda_use_streams=false` for CUDA graphs; a run prints and records them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -185,8 +187,15 @@ def main():
                     help="fmha_fwd(..., specialize=True): modules fixed to each shape (compiled in the warm-up)")
     ap.add_argument("--out", help="folder for bench.json, bench.csv, bench.png")
     args = ap.parse_args()
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} device={args.device} preset={args.preset}")
+    # IREE's process-wide runtime flags (e.g. --cuda_use_streams=false: CUDA graphs) change the
+    # timings, so a run records them
+    flags = os.environ.get("IREE_PY_RUNTIME_FLAGS", "")
+    print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} device={args.device} preset={args.preset}"
+          + (f" IREE_PY_RUNTIME_FLAGS={flags!r}" if flags else ""))
     rows = run(args)
+    if flags:
+        for r in rows:
+            r["iree_runtime_flags"] = flags
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
