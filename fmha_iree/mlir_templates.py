@@ -697,6 +697,21 @@ def _bty(T: str, *dims) -> str:
     return "tensor<?x" + "".join(f"{x}x" for x in dims) + f"{T}>"
 
 
+def _grouped_q_blocks(name: str, src: str, src_ty: str, *, f: dict, n: int, L: int, sg, pick: dict | None = None) -> str:
+    """`name` [BH(, n), G*L, Dq] = the grouped Q blocks `src` [B, Hk, G, n, L, Dq] (plus the dims
+    `pick` reads one index of, see `_copy`) copied with their rows g-major, behind a
+    `compute_barrier.start` (the copy's reshapes stay out of the op). n = 1 leaves out the n dim."""
+    G, DQ, base = f["G"], f["DQ"], name.lstrip("%")
+    ty = functools.partial(_bty, f["T"])
+    cty = ty(*([n] if n > 1 else []), G * L, DQ)
+    re = "[[0, 1], [2], [3, 4], [5]]" if n > 1 else "[[0, 1, 2], [3, 4], [5]]"
+    return "\n".join([
+        _copy(f"{base}_t", src, src_ty, ty("?", n, G, L, DQ), 6, [0, 1, 3, 2, 4, 5], pick=pick, subgroup=sg),
+        f"  %{base}_c = tensor.collapse_shape %{base}_t {re} : {ty('?', n, G, L, DQ)} into {cty}",
+        f"  {name} = iree_tensor_ext.compute_barrier.start %{base}_c : {cty}{{%BH}} -> {cty}",
+    ])
+
+
 def _fenced_v_transpose(f: dict, S: int, sg) -> list[str]:
     """`%vT` [BH, Dv, S] = `%vS` transposed (`_transpose_copy`), for the block-split templates' V^T
     blocks. Fenced on both sides so that no reshape is folded into the transpose (IREE would
@@ -741,12 +756,8 @@ def _tree_blocks_vt(body: list, f: dict, *, S: int, C: int, sg, lowering):
             re = [[0], [1], [2], [3, 4, 5], [6]] if sl else [[0], [1], [2], [3, 4], [5]]
             shp = ", ".join(["%B", "%Hk", str(G), str(nb)] + (["2"] if sl else []) + [str(L), str(DQ)])
             body.append(f"  %{base}_x = tensor.expand_shape %qS {re} output_shape [{shp}] : {qty} into {src}")
-            body.append(_copy(f"{base}_t", f"%{base}_x", src, ty("?", nb, G, L, DQ), 6, [0, 1, 3, 2, 4, 5],
-                              pick={4: sl[0] // L} if sl else None, subgroup=sg))
-            cty = ty(*bd, G * L, DQ)
-            re2 = "[[0, 1], [2], [3, 4], [5]]" if nb > 1 else "[[0, 1, 2], [3, 4], [5]]"
-            body.append(f"  %{base}_c = tensor.collapse_shape %{base}_t {re2} : {ty('?', nb, G, L, DQ)} into {cty}")
-            body.append(f"  {name} = iree_tensor_ext.compute_barrier.start %{base}_c : {cty}{{%BH}} -> {cty}")
+            body.append(_grouped_q_blocks(name, f"%{base}_x", src, f=f, n=nb, L=L, sg=sg,
+                                          pick={4: sl[0] // L} if sl else None))
             return
         if x == "q":
             src, sty, exp, shape = "%qS", qty, [[0], [1], [2], [3, 4], [5]], ["%B", "%Hk", 1, nb, span, DQ]
@@ -1029,16 +1040,12 @@ def _window_blocks_vt(body: list, f: dict, *, S: int, C: int, sg):
         body.append(f"  %qPp = tensor.extract_slice %qDp[0, 1, 0, 0] [%BH, {n1}, {C}, {DQ}] [1, 1, 1, 1]"
                     f" : {ty(nd, C, DQ)} to {ty(*pb, C, DQ)}")
         return
-    for name, src, n, re in (("qDp", "%qD6", nd, None), ("qPp", "%qPs", n1, None)):
+    for name, src, n in (("%qDp", "%qD6", nd), ("%qPp", "%qPs", n1)):
         sty = ty("?", G, n, C, DQ)
-        if name == "qPp":
+        if name == "%qPp":
             body.append(f"  %qPs = tensor.extract_slice %qD6[0, 0, 0, 1, 0, 0] [%B, %Hk, {G}, {n1}, {C}, {DQ}] [1, 1, 1, 1, 1, 1]"
                         f" : {ty('?', G, nd, C, DQ)} to {sty}")
-        body.append(_copy(f"{name}_t", src, sty, ty("?", n, G, C, DQ), 6, [0, 1, 3, 2, 4, 5], subgroup=sg))
-        cty = ty(*([n] if n > 1 else []), G * C, DQ)
-        re = "[[0, 1], [2], [3, 4], [5]]" if n > 1 else "[[0, 1, 2], [3, 4], [5]]"
-        body.append(f"  %{name}_c = tensor.collapse_shape %{name}_t {re} : {ty('?', n, G, C, DQ)} into {cty}")
-        body.append(f"  %{name} = iree_tensor_ext.compute_barrier.start %{name}_c : {cty}{{%BH}} -> {cty}")
+        body.append(_grouped_q_blocks(name, src, sty, f=f, n=n, L=C, sg=sg))
 
 
 def window_block(seqlen: int, align: int) -> int:
