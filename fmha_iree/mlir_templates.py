@@ -697,19 +697,32 @@ def _bty(T: str, *dims) -> str:
     return "tensor<?x" + "".join(f"{x}x" for x in dims) + f"{T}>"
 
 
-def _grouped_q_blocks(name: str, src: str, src_ty: str, *, f: dict, n: int, L: int, sg, pick: dict | None = None) -> str:
-    """`name` [BH(, n), G*L, Dq] = the grouped Q blocks `src` [B, Hk, G, n, L, Dq] (plus the dims
-    `pick` reads one index of, see `_copy`) copied with their rows g-major, behind a
-    `compute_barrier.start` (the copy's reshapes stay out of the op). n = 1 leaves out the n dim."""
-    G, DQ, base = f["G"], f["DQ"], name.lstrip("%")
+def _grouped_q_once(f: dict, S: int, C: int, sg, src: str = "%qS") -> str:
+    """`%qG` [B, Hk, S/C, G, C, Dq] = the grouped Q `src` [B, Hk, G, S, Dq] copied once with G inside
+    each C-row block: every op of the block-split templates then reads its Q blocks in place (the
+    rows of a block of L = m * C rows come as (m, G, C), which attention does not mind and the
+    merge's views follow). Fenced (`compute_barrier.end`) so that no reshape is folded into it."""
+    G, DQ, nd = f["G"], f["DQ"], S // C
     ty = functools.partial(_bty, f["T"])
-    cty = ty(*([n] if n > 1 else []), G * L, DQ)
-    re = "[[0, 1], [2], [3, 4], [5]]" if n > 1 else "[[0, 1, 2], [3, 4], [5]]"
+    xty = ty("?", G, nd, C, DQ)
     return "\n".join([
-        _copy(f"{base}_t", src, src_ty, ty("?", n, G, L, DQ), 6, [0, 1, 3, 2, 4, 5], pick=pick, subgroup=sg),
-        f"  %{base}_c = tensor.collapse_shape %{base}_t {re} : {ty('?', n, G, L, DQ)} into {cty}",
-        f"  {name} = iree_tensor_ext.compute_barrier.start %{base}_c : {cty}{{%BH}} -> {cty}",
+        f"  %qGx = tensor.expand_shape {src} [[0], [1], [2], [3, 4], [5]] output_shape [%B, %Hk, {G}, {nd}, {C}, {DQ}]"
+        f" : {ty('?', G, S, DQ)} into {xty}",
+        _copy("qGt", "%qGx", xty, ty("?", nd, G, C, DQ), 6, [0, 1, 3, 2, 4, 5], subgroup=sg).rstrip("\n"),
+        f"  %qG = iree_tensor_ext.compute_barrier.end %qGt : {ty('?', nd, G, C, DQ)}{{%B, %Hk}} -> {ty('?', nd, G, C, DQ)}",
     ])
+
+
+def _grouped_q_view(name: str, f: dict, *, nd: int, C: int, nb: int, span: int, pick: int | None) -> str:
+    """`name` = blocks of `%qG` (`_grouped_q_once`) read in place: nb blocks of `span` C-blocks
+    ([BH(, nb), span*G*C, Dq]), or with `pick` half `pick` of each."""
+    G, DQ = f["G"], f["DQ"]
+    ty = functools.partial(_bty, f["T"])
+    rows, bd = span * G * C, ([nb] if nb > 1 else [])
+    col = [[0, 1], [2], [3, 4, 5], [6]] if nb > 1 else [[0, 1, 2], [3, 4, 5], [6]]
+    sl = () if pick is None else ([0, *[0] * len(bd), pick * rows // 2, 0], [*bd, rows // 2, DQ], ty(*bd, rows // 2, DQ))
+    return _blocks_view(name, "%qG", ty("?", nd, G, C, DQ), [[0], [1], [2, 3], [4], [5], [6]],
+                        ["%B", "%Hk", nb, span, G, C, DQ], col, ty(*bd, rows, DQ), *sl)
 
 
 def _fenced_v_transpose(f: dict, S: int, sg) -> list[str]:
@@ -732,6 +745,8 @@ def _tree_blocks_vt(body: list, f: dict, *, S: int, C: int, sg, lowering):
     G, T, DQ, DV = f["G"], f["T"], f["DQ"], f["DV"]
     nd = S // C
     body.extend(_fenced_v_transpose(f, S, sg))
+    if G > 1:
+        body.append(_grouped_q_once(f, S, C, sg))
     qty, kty, vty = f"tensor<?x?x{G}x{S}x{DQ}x{T}>", f"tensor<?x?x{S}x{DQ}x{T}>", f"tensor<?x{DV}x{S}x{T}>"
     ty = functools.partial(_bty, T)
 
@@ -751,13 +766,7 @@ def _tree_blocks_vt(body: list, f: dict, *, S: int, C: int, sg, lowering):
                                      *(([0, 0, 0, sl[0]], [DV, nb, L], ty(DV, nb, L)) if sl else ())))
             return
         if x == "q" and G > 1:
-            base = name.lstrip("%")
-            src = ty("?", G, nb, *([2] if sl else []), L, DQ)  # [B, Hk, G, nb(, 2), L, Dq]
-            re = [[0], [1], [2], [3, 4, 5], [6]] if sl else [[0], [1], [2], [3, 4], [5]]
-            shp = ", ".join(["%B", "%Hk", str(G), str(nb)] + (["2"] if sl else []) + [str(L), str(DQ)])
-            body.append(f"  %{base}_x = tensor.expand_shape %qS {re} output_shape [{shp}] : {qty} into {src}")
-            body.append(_grouped_q_blocks(name, f"%{base}_x", src, f=f, n=nb, L=L, sg=sg,
-                                          pick={4: sl[0] // L} if sl else None))
+            body.append(_grouped_q_view(name, f, nd=nd, C=C, nb=nb, span=span // C, pick=pick))
             return
         if x == "q":
             src, sty, exp, shape = "%qS", qty, [[0], [1], [2], [3, 4], [5]], ["%B", "%Hk", 1, nb, span, DQ]
@@ -853,14 +862,13 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
         pinned.update(["%dg"] + [f"%lv{j}" for j in range(nl)])
     else:
         # diagonal blocks: q [B*Hk*nd, G*C, Dq] (rows g-major), k/v [B*Hk*nd, C, D]
-        body.append(f"""  %qD6 = tensor.expand_shape %qS [[0], [1], [2], [3, 4], [5]] output_shape [%B, %Hk, {G}, {nd}, {C}, {DQ}]
-          : tensor<?x?x{G}x{S}x{DQ}x{T}> into tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>""")
         if G == 1:
+            body.append(f"""  %qD6 = tensor.expand_shape %qS [[0], [1], [2], [3, 4], [5]] output_shape [%B, %Hk, {G}, {nd}, {C}, {DQ}]
+          : tensor<?x?x{G}x{S}x{DQ}x{T}> into tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>""")
             body.append(f"  %qDc = tensor.collapse_shape %qD6 [[0, 1, 2, 3], [4], [5]] : tensor<?x?x1x{nd}x{C}x{DQ}x{T}> into tensor<?x{C}x{DQ}x{T}>")
         else:
-            body.append(_copy("qDt", "%qD6", f"tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", 6, [0, 1, 3, 2, 4, 5],
-                              subgroup=sg))
-            body.append(f"  %qDc = tensor.collapse_shape %qDt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
+            body.append(_grouped_q_once(f, S, C, sg))
+            body.append(f"  %qDc = tensor.collapse_shape %qG [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
         for x, d in (("k", DQ), ("v", DV)):
             body.append(f"""  %{x}D5 = tensor.expand_shape %{x}S [[0], [1], [2, 3], [4]] output_shape [%B, %Hk, {nd}, {C}, {d}]
           : tensor<?x?x{S}x{d}x{T}> into tensor<?x?x{nd}x{C}x{d}x{T}>
@@ -872,24 +880,20 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
         body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=dprops, attrs=dattrs,
                              mask="%dmask"))
 
-        # level j: odd L-blocks of rows against the even L-block of keys before each. K and V (and Q
-        # when G = 1) are read in place (`_pair_slice`); a grouped Q interleaves G and the blocks, so
-        # it is copied into a contiguous batch.
+        # level j: odd L-blocks of rows against the even L-block of keys before each, every block
+        # read in place (`_pair_slice`; a grouped Q from its one copy `%qG`, rows (L/C, G, C))
         for j in range(nl):
             L, nb = C << j, nd >> (j + 1)
             body.append(f"  %cnb{j} = arith.constant {nb} : index\n  %nL{j} = arith.muli %BH, %cnb{j} : index")
             for x, src, d, off in (("k", "%kS", DQ, 0), ("v", "%vS", DV, 0)) + ((("q", "%qS", DQ, L),) if G == 1 else ()):
                 body.append(_pair_slice(f"%{x}P{j}", src, 6 if x == "q" else 5, S, L, d, T, f"%nL{j}", off))
             if G > 1:
-                body.append(f"""  %qE{j} = tensor.expand_shape %qS [[0], [1], [2], [3, 4, 5], [6]] output_shape [%B, %Hk, {G}, {nb}, 2, {L}, {DQ}]
-      : tensor<?x?x{G}x{S}x{DQ}x{T}> into tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}>""")
-                body.append(_copy(f"qT{j}", f"%qE{j}", f"tensor<?x?x{G}x{nb}x2x{L}x{DQ}x{T}>", f"tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}>", 6,
-                                  [0, 1, 3, 2, 4, 5], pick={4: 1}, subgroup=sg))
-                qty = f"tensor<?x{G * L}x{DQ}x{T}>"
-                body.append(f"  %qC{j} = tensor.collapse_shape %qT{j} [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nb}x{G}x{L}x{DQ}x{T}> into {qty}")
-                # compute_barrier.start: the copy's reshapes stay out of the op (IREE's boundary
-                # marker, removed once the dispatches are formed)
-                body.append(f"  %qP{j} = iree_tensor_ext.compute_barrier.start %qC{j} : {qty}{{%nL{j}}} -> {qty}")
+                m = 2 << j
+                vty = f"tensor<?x{2 * G * L}x{DQ}x{T}>"
+                body.append(_blocks_view(f"%qP{j}_v", "%qG", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", [[0], [1], [2, 3], [4], [5], [6]],
+                                         ["%B", "%Hk", nb, m, G, C, DQ], [[0, 1, 2], [3, 4, 5], [6]], vty).replace("%BH", f"%nL{j}"))
+                body.append(f"  %qP{j} = tensor.extract_slice %qP{j}_v[0, {G * L}, 0] [%nL{j}, {G * L}, {DQ}] [1, 1, 1]"
+                            f" : {vty} to tensor<?x{G * L}x{DQ}x{T}>")
             body.append(_attn_op(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vP{j}", f=f, n=nb, rows=G * L, keys=L, props=props, attrs=attrs))
             # compute_barrier.end: the merge's views of the partials would otherwise be propagated
             # through the op into its operands, putting reshapes between the slices and the op (IREE
@@ -898,15 +902,18 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
                 body.append(f"  %lv{j}_r{idx} = iree_tensor_ext.compute_barrier.end %lv{j}#{idx} : {ty}{{%nL{j}}} -> {ty}")
             pinned.add(f"%lv{j}")
 
-    # merge: iteration space (b, hk, g, t_{n-1} .. t_0, r[, d]) with s = (t_{n-1} .. t_0) * C + r
+    # merge: iteration space (b, hk, g, t_{n-1} .. t_0, r[, d]) with s = (t_{n-1} .. t_0) * C + r;
+    # a level's partial has its rows as (G, lo bits, C), or (lo bits, G, C) after `_grouped_q_once`
+    q_once = G > 1
     bits = [2] * nl
     it = ["d0", "d1", "d2"] + [f"d{3 + i}" for i in range(nl)] + [f"d{3 + nl}"]
     dd = f"d{4 + nl}"
 
     def view(src: str, rows: int, hi: int, lo: int, with_d: bool) -> tuple[str, str, str, str]:
-        """Expand a partial [B*Hk*2^hi, G*2^lo*C(, Dv)] into [B, Hk, 2^hi bits, G, 2^lo bits, C(, Dv)]:
-        (text, type, map from the merge's iteration space)."""
-        shape = ["?", "?"] + [2] * hi + [G] + [2] * lo + [C] + ([DV] if with_d else [])
+        """Expand a partial [B*Hk*2^hi, G*2^lo*C(, Dv)] into [B, Hk, 2^hi bits, G, 2^lo bits, C(, Dv)]
+        (G after the lo bits with `q_once`): (text, type, map from the merge's iteration space)."""
+        mid = [2] * lo + [G] if q_once else [G] + [2] * lo
+        shape = ["?", "?"] + [2] * hi + mid + [C] + ([DV] if with_d else [])
         ty = "tensor<" + "x".join(map(str, shape)) + "xf32>"
         sty = f"tensor<?x{rows}x{DV}xf32>" if with_d else f"tensor<?x{rows}xf32>"
         re = [list(range(0, 2 + hi)), list(range(2 + hi, 2 + hi + 1 + lo + 1))] + ([[3 + hi + lo + 1]] if with_d else [])
@@ -915,7 +922,8 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
         txt = (f"  {name} = tensor.expand_shape {src} {re} output_shape [{os_}] : {sty} into {ty}")
         hi_dims = it[3:3 + hi]
         lo_dims = it[3 + nl - lo:3 + nl]
-        mp = ", ".join(["d0", "d1"] + hi_dims + ["d2"] + lo_dims + [it[-1]] + ([dd] if with_d else []))
+        mid = lo_dims + ["d2"] if q_once else ["d2"] + lo_dims
+        mp = ", ".join(["d0", "d1"] + hi_dims + mid + [it[-1]] + ([dd] if with_d else []))
         return txt, name, ty, mp
 
     parts = [("%dg", nl, 0, G * C)] + [(f"%lv{j}", nl - 1 - j, j, G * (C << j)) for j in range(nl)]
@@ -1040,12 +1048,10 @@ def _window_blocks_vt(body: list, f: dict, *, S: int, C: int, sg):
         body.append(f"  %qPp = tensor.extract_slice %qDp[0, 1, 0, 0] [%BH, {n1}, {C}, {DQ}] [1, 1, 1, 1]"
                     f" : {ty(nd, C, DQ)} to {ty(*pb, C, DQ)}")
         return
-    for name, src, n in (("%qDp", "%qD6", nd), ("%qPp", "%qPs", n1)):
-        sty = ty("?", G, n, C, DQ)
-        if name == "%qPp":
-            body.append(f"  %qPs = tensor.extract_slice %qD6[0, 0, 0, 1, 0, 0] [%B, %Hk, {G}, {n1}, {C}, {DQ}] [1, 1, 1, 1, 1, 1]"
-                        f" : {ty('?', G, nd, C, DQ)} to {sty}")
-        body.append(_grouped_q_blocks(name, src, sty, f=f, n=n, L=C, sg=sg))
+    body.append(_grouped_q_once(f, S, C, sg, src="%qE"))
+    body.append(_grouped_q_view("%qDp", f, nd=nd, C=C, nb=nd, span=1, pick=None))
+    body.append(f"  %qPp = tensor.extract_slice %qDp[0, 1, 0, 0] [%BH, {n1}, {G * C}, {DQ}] [1, 1, 1, 1]"
+                f" : {ty(nd, G * C, DQ)} to {ty(*pb, G * C, DQ)}")
 
 
 def window_block(seqlen: int, align: int) -> int:

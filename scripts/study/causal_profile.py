@@ -28,13 +28,18 @@ for S in [int(s) for s in sys.argv[1:]] or [4096, 16384]:
                 r = call()
             last(r)
             wall = (time.perf_counter() - t0) / 5 * 1e3
-        tot = {}
+        tot, spans = {}, []
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 t = getattr(e, "device_time_total", None) or e.cuda_time_total
                 c, s = tot.get(e.name[:90], (0, 0.0))
                 tot[e.name[:90]] = (c + 1, s + t / 1e3)
+                spans.append((e.time_range.start, e.time_range.end))
         ks = sum(s for _, s in tot.values()) / 5
-        print(f"== S={S} B={B} mask={mask} lse={lse}: wall {wall:.3f} ms/call, kernels {ks:.3f} ms/call", flush=True)
+        # session 8: GPU idle between consecutive kernels (first to last kernel of the 5 calls)
+        spans.sort()
+        idle = sum(max(0, b[0] - a[1]) for a, b in zip(spans, spans[1:])) / 5 / 1e3
+        print(f"== S={S} B={B} mask={mask} lse={lse}: wall {wall:.3f} ms/call, kernels {ks:.3f} ms/call, "
+              f"idle between kernels {idle:.3f} ms/call", flush=True)
         for name, (c, s) in sorted(tot.items(), key=lambda kv: -kv[1][1]):
             print(f"   {c // 5:3d}x {s / 5:8.3f} ms  {name}")
