@@ -740,7 +740,7 @@ def _fenced_v_transpose(f: dict, S: int, sg) -> list[str]:
 def _tree_blocks_vt(body: list, f: dict, *, S: int, C: int, sg, lowering):
     """The causal tree's diagonal and level ops reading one transposed V [BH, Dv, S] (a single
     `_transpose_copy`): each op runs over (BH, blocks), its Q / K / V^T blocks read in place
-    (a grouped Q is copied, its rows g-major); partials `%dg_r*`, `%lv<j>_r*` as
+    (a grouped Q from its one copy, `_grouped_q_once`); partials `%dg_r*`, `%lv<j>_r*` as
     [BH * blocks, rows(, Dv)]."""
     G, T, DQ, DV = f["G"], f["T"], f["DQ"], f["DV"]
     nd = S // C
@@ -820,8 +820,8 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
       them, all unmasked, ONE online_attention per level;
     - one merge of the partial (acc, max, sum) of every row, normalized into out / lse.
 
-    Every block is read in place (a uniformly strided batch), except a grouped Q (G > 1), copied
-    with its rows g-major. `vt` (default: the lowering's `transpose_v`, at S >= TRANSPOSE_V_MIN_SEQLEN)
+    Every block is read in place (a uniformly strided batch); a grouped Q (G > 1) from one copy
+    with G inside each C-row block (`_grouped_q_once`). `vt` (default: the lowering's `transpose_v`, at S >= TRANSPOSE_V_MIN_SEQLEN)
     copies V once to [BH, Dv, S] and gives each op its V^T blocks (`_tree_blocks_vt`).
     Work: S*C/2-ish masked plus S^2/2 - S*C/2 unmasked, about (1 + C/S) / 2 of the unmasked problem,
     in n + 1 attention dispatches. `workspace`: see `_dense_common`."""
@@ -1023,7 +1023,7 @@ def _window_blocks_vt(body: list, f: dict, *, S: int, C: int, sg):
     """The sliding window's blocks for two-batch-dim ops over one transposed V (as the causal
     tree's `_tree_blocks_vt`): `%qDp` / `%kDp` / `%vtDp`, the nd = S/C diagonal blocks, and
     `%qPp` / `%kPp` / `%vtPp`, row blocks 1..nd-1 against key blocks 0..nd-2 (slices [1:] and
-    [:-1] of the block views, read in place); a grouped Q is copied g-major. With one previous
+    [:-1] of the block views, read in place; a grouped Q from its one copy, `_grouped_q_once`). With one previous
     block (nd = 2) those keep one batch dim."""
     G, T, DQ, DV = f["G"], f["T"], f["DQ"], f["DV"]
     nd = S // C
