@@ -33,6 +33,13 @@ VARIANTS = {
                  "flags": ["--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops"]},
     "padmerge_split": {"tree": {"merge_pad": True, "split": True},
                        "flags": ["--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops"]},
+    # each op's acc partial normalized (acc / sum in the input type) by a consumer of the kind
+    # IREE's own attention gets, max and sum kept (`git apply scripts/study/normalized_consumer.patch`):
+    # the op then has more than one consumer, which IREE 3.13 fuses only with aggressive fusion,
+    # and that flag broke other dispatches of the module (norm: no module); without it the
+    # normalizations became their own dispatch (norm_noflag: built, not timed)
+    "norm": {"tree": {"normalize": True}, "flags": ["--iree-dispatch-creation-enable-aggressive-fusion"]},
+    "norm_noflag": {"tree": {"normalize": True}},
 }
 
 
