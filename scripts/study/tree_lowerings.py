@@ -40,6 +40,12 @@ VARIANTS = {
     # normalizations became their own dispatch (norm_noflag: built, not timed)
     "norm": {"tree": {"normalize": True}, "flags": ["--iree-dispatch-creation-enable-aggressive-fusion"]},
     "norm_noflag": {"tree": {"normalize": True}},
+    # IREE's shared-memory prefetch (software pipelining of the K2 loop), every tree op; last
+    # measured in session 4, before the native exp2, when the kernels were ALU-bound
+    "pf2": {"lv": {"prefetch_stages": 2}, "dg": {"prefetch_stages": 2}},
+    "pf3": {"lv": {"prefetch_stages": 3}, "dg": {"prefetch_stages": 3}},
+    # the same through iree-compile's flag (every dispatch of the module)
+    "gpf2": {"flags": ["--iree-llvmgpu-prefetch-num-stages=2"]},
 }
 
 
