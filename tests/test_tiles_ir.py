@@ -46,7 +46,7 @@ def _configured_executables(spec, text: str) -> str:
     return out.decode() if isinstance(out, bytes) else out
 
 
-@pytest.mark.parametrize("group,vt", [(1, False), (1, True), (8, True)], ids=["g1", "g1-vt", "g8-vt"])
+@pytest.mark.parametrize("group,vt", [(1, False), (1, True), (8, False), (8, True)], ids=["g1", "g1-vt", "g8", "g8-vt"])
 def test_causal_tree_reads_blocks_in_place(group, vt):
     """The causal tree's level blocks reach the attention dispatches in place: for sm_80, no copy
     dispatch but the grouped Q's one copy and, with V^T blocks, the one transpose of V, which keeps
