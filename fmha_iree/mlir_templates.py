@@ -539,17 +539,17 @@ def _attn_op_vt(name: str, q: str, k: str, vt: str, *, f: dict, nb: int, rows: i
 
 
 def _blocks_view(name: str, src: str, src_ty: str, exp: list, shape: list, col: list | None, view_ty: str,
-                 off: list | None = None, size: list | None = None, out_ty: str | None = None) -> str:
+                 off: list | None = None, size: list | None = None, out_ty: str | None = None, n: str = "%BH") -> str:
     """`name` = `src` expanded by `exp` to `shape`, collapsed by `col` to `view_ty` (dynamic dim:
-    %BH), pinned, and (with `off`) sliced to `size` / `out_ty`: blocks read in place."""
+    `n`), pinned, and (with `off`) sliced to `size` / `out_ty`: blocks read in place."""
     base = name.lstrip("%")
     ety = "tensor<" + "x".join(str(x) if not str(x).startswith("%") else "?" for x in shape) + "x" + src_ty.rsplit("x", 1)[1]
     lines = [f"  %{base}_x = tensor.expand_shape {src} {exp} output_shape [{', '.join(map(str, shape))}] : {src_ty} into {ety}"]
     if col:
         lines.append(f"  %{base}_c = tensor.collapse_shape %{base}_x {col} : {ety} into {view_ty}")
-    lines.append(_pin_batch(f"%{base}_p" if off else name, f"%{base}_c" if col else f"%{base}_x", view_ty, "%BH"))
+    lines.append(_pin_batch(f"%{base}_p" if off else name, f"%{base}_c" if col else f"%{base}_x", view_ty, n))
     if off:
-        lines.append(f"  {name} = tensor.extract_slice %{base}_p[{', '.join(map(str, off))}] [%BH, {', '.join(map(str, size))}]"
+        lines.append(f"  {name} = tensor.extract_slice %{base}_p[{', '.join(map(str, off))}] [{n}, {', '.join(map(str, size))}]"
                      f" [{', '.join(['1'] * len(off))}] : {view_ty} to {out_ty}")
     return "\n".join(lines)
 
@@ -891,7 +891,7 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
                 m = 2 << j
                 vty = f"tensor<?x{2 * G * L}x{DQ}x{T}>"
                 body.append(_blocks_view(f"%qP{j}_v", "%qG", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", [[0], [1], [2, 3], [4], [5], [6]],
-                                         ["%B", "%Hk", nb, m, G, C, DQ], [[0, 1, 2], [3, 4, 5], [6]], vty).replace("%BH", f"%nL{j}"))
+                                         ["%B", "%Hk", nb, m, G, C, DQ], [[0, 1, 2], [3, 4, 5], [6]], vty, n=f"%nL{j}"))
                 body.append(f"  %qP{j} = tensor.extract_slice %qP{j}_v[0, {G * L}, 0] [%nL{j}, {G * L}, {DQ}] [1, 1, 1]"
                             f" : {vty} to tensor<?x{G * L}x{DQ}x{T}>")
             body.append(_attn_op(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vP{j}", f=f, n=nb, rows=G * L, keys=L, props=props, attrs=attrs))
