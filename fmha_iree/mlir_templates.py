@@ -713,16 +713,18 @@ def _grouped_q_once(f: dict, S: int, C: int, sg, src: str = "%qS") -> str:
     ])
 
 
-def _grouped_q_view(name: str, f: dict, *, nd: int, C: int, nb: int, span: int, pick: int | None) -> str:
+def _grouped_q_view(name: str, f: dict, *, nd: int, C: int, nb: int, span: int, pick: int | None,
+                    flat: str | None = None) -> str:
     """`name` = blocks of `%qG` (`_grouped_q_once`) read in place: nb blocks of `span` C-blocks
-    ([BH(, nb), span*G*C, Dq]), or with `pick` half `pick` of each."""
+    ([BH(, nb), span*G*C, Dq]), or with `pick` half `pick` of each. `flat`: the blocks folded into
+    one batch dim of that size ([B*Hk*nb, ...], the ops of one batch dim)."""
     G, DQ = f["G"], f["DQ"]
     ty = functools.partial(_bty, f["T"])
-    rows, bd = span * G * C, ([nb] if nb > 1 else [])
-    col = [[0, 1], [2], [3, 4, 5], [6]] if nb > 1 else [[0, 1, 2], [3, 4, 5], [6]]
+    rows, bd = span * G * C, ([nb] if nb > 1 and not flat else [])
+    col = [[0, 1], [2], [3, 4, 5], [6]] if bd else [[0, 1, 2], [3, 4, 5], [6]]
     sl = () if pick is None else ([0, *[0] * len(bd), pick * rows // 2, 0], [*bd, rows // 2, DQ], ty(*bd, rows // 2, DQ))
     return _blocks_view(name, "%qG", ty("?", nd, G, C, DQ), [[0], [1], [2, 3], [4], [5], [6]],
-                        ["%B", "%Hk", nb, span, G, C, DQ], col, ty(*bd, rows, DQ), *sl)
+                        ["%B", "%Hk", nb, span, G, C, DQ], col, ty(*bd, rows, DQ), *sl, n=flat or "%BH")
 
 
 def _fenced_v_transpose(f: dict, S: int, sg) -> list[str]:
@@ -888,12 +890,7 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
             for x, src, d, off in (("k", "%kS", DQ, 0), ("v", "%vS", DV, 0)) + ((("q", "%qS", DQ, L),) if G == 1 else ()):
                 body.append(_pair_slice(f"%{x}P{j}", src, 6 if x == "q" else 5, S, L, d, T, f"%nL{j}", off))
             if G > 1:
-                m = 2 << j
-                vty = f"tensor<?x{2 * G * L}x{DQ}x{T}>"
-                body.append(_blocks_view(f"%qP{j}_v", "%qG", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", [[0], [1], [2, 3], [4], [5], [6]],
-                                         ["%B", "%Hk", nb, m, G, C, DQ], [[0, 1, 2], [3, 4, 5], [6]], vty, n=f"%nL{j}"))
-                body.append(f"  %qP{j} = tensor.extract_slice %qP{j}_v[0, {G * L}, 0] [%nL{j}, {G * L}, {DQ}] [1, 1, 1]"
-                            f" : {vty} to tensor<?x{G * L}x{DQ}x{T}>")
+                body.append(_grouped_q_view(f"%qP{j}", f, nd=nd, C=C, nb=nb, span=2 << j, pick=1, flat=f"%nL{j}"))
             body.append(_attn_op(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vP{j}", f=f, n=nb, rows=G * L, keys=L, props=props, attrs=attrs))
             # compute_barrier.end: the merge's views of the partials would otherwise be propagated
             # through the op into its operands, putting reshapes between the slices and the op (IREE

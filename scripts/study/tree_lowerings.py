@@ -9,11 +9,8 @@ diagonal). The f16 d128 package lowering: levels M256 / K2=32 / 8 warps, diagona
 4 warps. The variants split / padmerge / padmerge_split need `git apply scripts/study/diag_split.patch`
 (render_causal_tree's `split` and `merge_pad`, not kept; docs/BENCHMARKS.md, session 8).
 """
-import os
 import sys
-from pathlib import Path
 
-from fmha_iree import cli
 from fmha_iree import mlir_templates as mt
 
 M128 = {"workgroup_m": 128, "subgroups_m": 4, "workgroup_size": 128}
@@ -72,14 +69,6 @@ def patch(v: dict):
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
-    dtype = os.environ.get("FMHA_STUDY_DTYPE", "f16")
-    for name in sys.argv[2:] or VARIANTS:
-        undo = patch(VARIANTS[name])
-        try:
-            cli.main(["compile", "--target", "sm_80", "--dtype", dtype, "--hdim", "128", "--heads", "16:16",
-                      "--seqlens", "2048,4096", "-o", str(out / f"{name}{'' if dtype == 'f16' else '_' + dtype}.vmfb")])
-        finally:
-            undo()
-        print("built", name, flush=True)
+    from tree_op_tiles import build  # same folder (run as scripts/study/tree_lowerings.py)
+
+    build(sys.argv[1:], VARIANTS, patch)

@@ -47,15 +47,21 @@ def patch(v: dict):
     return lambda: (setattr(mt, "_attn_op_vt", orig_op), setattr(mt, "_transpose_copy", orig_t))
 
 
-if __name__ == "__main__":
-    out = Path(sys.argv[1])
+def build(argv: list[str], variants: dict, patch) -> None:
+    """`argv` = [DIR, VARIANT...]: one f16 (or $FMHA_STUDY_DTYPE) d128 sm_80 module, S = 2048 and
+    4096, per variant, built with `patch(variant)` in force (also tree_lowerings.py's driver)."""
+    out = Path(argv[0])
     out.mkdir(parents=True, exist_ok=True)
     dtype = os.environ.get("FMHA_STUDY_DTYPE", "f16")
-    for name in sys.argv[2:] or VARIANTS:
-        undo = patch(VARIANTS[name])
+    for name in argv[1:] or variants:
+        undo = patch(variants[name])
         try:
             cli.main(["compile", "--target", "sm_80", "--dtype", dtype, "--hdim", "128", "--heads", "16:16",
                       "--seqlens", "2048,4096", "-o", str(out / f"{name}{'' if dtype == 'f16' else '_' + dtype}.vmfb")])
         finally:
             undo()
         print("built", name, flush=True)
+
+
+if __name__ == "__main__":
+    build(sys.argv[1:], VARIANTS, patch)
