@@ -3,6 +3,9 @@
 H=16, D=128, out only, device-resident inputs: the host time to issue N back-to-back calls (the
 calls return once queued; a call waits only for a workspace slot, FmhaModule.WORKSPACE_SLOTS) and
 the time until the last result is ready, unmasked and causal; $FMHA_WS_SLOTS overrides the slots.
+$FMHA_PROFILE_HDIM (default 128; Hq = 2048 / D), $FMHA_PROFILE_KV_HEADS (default Hq) and
+$FMHA_PROFILE_MASKS ("0;b") as in causal_profile.py: the "done" column is the 20-call timing of the
+GQA rows in docs/BENCHMARKS.md (session 8; those ran from an inline copy of this loop).
 Usage: host_rate.py [S...]"""
 import os, sys, time
 import torch
@@ -17,8 +20,11 @@ print("IREE_PY_RUNTIME_FLAGS", os.environ.get("IREE_PY_RUNTIME_FLAGS", ""), "slo
 N = 20
 for S in [int(s) for s in sys.argv[1:]] or [2048, 4096]:
     B = 16384 // S
-    q, k, v = (fmha_iree.to_device(torch.randn(B, 16, S, 128, dtype=dt), "cuda://0") for _ in range(3))
-    for mask in ("0", "b"):
+    D = int(os.environ.get("FMHA_PROFILE_HDIM", "128"))
+    hq = 2048 // D
+    hk = int(os.environ.get("FMHA_PROFILE_KV_HEADS", str(hq)))
+    q, k, v = (fmha_iree.to_device(torch.randn(B, h, S, D, dtype=dt), "cuda://0") for h in (hq, hk, hk))
+    for mask in os.environ.get("FMHA_PROFILE_MASKS", "0;b").split(";"):
         call = lambda: mod(q, k, v, mask=mask)  # noqa
         call().wait()
         best = None
