@@ -1,0 +1,69 @@
+"""The one place that writes an ``iree_linalg_ext.online_attention`` op.
+
+Iteration dims are ``(b0 .. b{nb-1}, m, k1, k2, n)``: batch dims, query rows, the Q.K head dim,
+keys, the V head dim. Every operand is given with the dims it is indexed by, so the same op serves
+K/V read in place in either layout (``bhsd``: ``(b, h, k2, k1)``; ``bshd``: ``(b, k2, h, k1)``)
+and split-KV pieces as a third batch dim. The op's max is in log2 units (IREE's decomposition
+uses exp2); a mask operand adds ``-inf`` where it is false.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from ..mlir_templates import render_lowering_attrs
+from .ir import Fn
+
+__all__ = ["Operand", "online_attention", "lowering_attrs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """An SSA value with its type and the iteration dims that index it."""
+
+    name: str
+    type: str
+    dims: tuple[str, ...]
+
+
+def lowering_attrs(lowering, *, dv: int, batch_dims: int) -> tuple[str, str]:
+    """(properties, attributes) for the op; ("", "") lets IREE choose. The tile sizes are checked
+    against a whole tile (the sizes themselves are runtime values the caller proves divisible)."""
+    if not lowering:
+        return "", ""
+    lw = {"backend": lowering} if isinstance(lowering, str) else dict(lowering)
+    m = int(lw.get("workgroup_m", 1))
+    k2 = int(lw.get("reduction_k2", 1))
+    return render_lowering_attrs(lw, m_total=m, dv=int(dv), c=k2, batch_dims=batch_dims)
+
+
+def _map(dims: Sequence[str], nb: int) -> str:
+    all_dims = [f"b{i}" for i in range(nb)] + ["m", "k1", "k2", "n"]
+    return f"affine_map<({', '.join(all_dims)}) -> ({', '.join(dims)})>"
+
+
+def online_attention(fn: Fn, *, q: Operand, k: Operand, v: Operand, scale: str, scale_type: str,
+                     outs: Sequence[Operand], nb: int, lowering, dv: int, mask: Operand | None = None) -> list[str]:
+    """Emit the op (``outs``: acc, max, sum as its initial state); returns its three results."""
+    props, attrs = lowering_attrs(lowering, dv=dv, batch_dims=nb)
+    maps = [_map(q.dims, nb), _map(k.dims, nb), _map(v.dims, nb), _map((), nb)]
+    ins = [q.name, k.name, v.name, scale]
+    in_tys = [q.type, k.type, v.type, scale_type]
+    if mask is not None:
+        maps.append(_map(mask.dims, nb))
+        ins.append(mask.name)
+        in_tys.append(mask.type)
+    maps += [_map(o.dims, nb) for o in outs]
+    res = [fn.fresh("att") for _ in outs]
+    out_tys = ", ".join(o.type for o in outs)
+    props_text = (props + "\n    ") if props else ""
+    fn.emit(
+        f"{', '.join(res)} = iree_linalg_ext.online_attention <{{{props_text}indexing_maps = [\n      "
+        + ",\n      ".join(maps) + f"]}}>{attrs}\n"
+        f"    ins({', '.join(ins)} : {', '.join(in_tys)})\n"
+        f"    outs({', '.join(o.name for o in outs)} : {out_tys}) {{\n"
+        "  ^bb0(%score: f32):\n"
+        "    iree_linalg_ext.yield %score : f32\n"
+        f"  }} -> {out_tys}")
+    return res

@@ -1,0 +1,60 @@
+"""Where a group of query rows looks: CK's visible key range, cut into an interior and two edges.
+
+Row ``s`` sees keys ``lo(s) <= j < hi(s)`` with ``lo(s) = clamp(s - y + 1, 0, Sk)`` and
+``hi(s) = clamp(s + x, 0, Sk)`` (CK's ``(y, x)`` coordinates; both non-decreasing in ``s``). For
+the rows ``a .. b`` of a group:
+
+* interior ``[lo(b), lo(b) + n*L)``, ``n = floor(max(hi(a) - lo(b), 0) / L)``: keys every row of
+  the group sees, a whole number of ``L``-key columns (read in place, no mask);
+* left edge ``[lo(a), lo(b))`` and right edge ``[lo(b) + n*L, max(hi(b), lo(b) + n*L))``: the rest
+  of the union ``[lo(a), hi(b))``, computed with a mask. Their widths are at most ``b - a`` and
+  ``b - a + L - 1``.
+
+Keys outside the union are never read: CK's ``GetTileRangeAlongX`` at the group's granularity.
+The same formulas run on the host (the exported function's index arithmetic, per group) and on
+the device (the mask generator, per element), so the two agree by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .ir import Fn
+
+__all__ = ["Bounds", "group_bounds", "row_lo", "row_hi"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """SSA names (index) of one group's ranges."""
+
+    first: str  # a: the group's first row
+    last: str  # b: its last real row
+    int_lo: str
+    n_cols: str  # n: interior columns of L keys
+    int_hi: str
+    left_lo: str
+    left_hi: str
+    right_lo: str
+    right_hi: str
+
+
+def row_lo(fn: Fn, s: str, y: str, sk: str) -> str:
+    return fn.clamp(fn.add(fn.sub(s, y), 1), 0, sk)
+
+
+def row_hi(fn: Fn, s: str, x: str, sk: str) -> str:
+    return fn.clamp(fn.add(s, x), 0, sk)
+
+
+def group_bounds(fn: Fn, *, g, rows: str, sq: str, sk: str, y: str, x: str, cols: int) -> Bounds:
+    """Ranges of group ``g`` (an index value or int) of ``rows`` rows; needs ``g * rows < sq``."""
+    a = fn.mul(g, rows)
+    b = fn.sub(fn.min(fn.add(a, rows), sq), 1)
+    lo_a, lo_b = row_lo(fn, a, y, sk), row_lo(fn, b, y, sk)
+    hi_a, hi_b = row_hi(fn, a, x, sk), row_hi(fn, b, x, sk)
+    span = fn.max(fn.sub(hi_a, lo_b), 0)
+    n = fn.floordiv(span, cols)
+    int_hi = fn.add(lo_b, fn.mul(n, cols))
+    return Bounds(first=a, last=b, int_lo=lo_b, n_cols=n, int_hi=int_hi, left_lo=lo_a, left_hi=lo_b,
+                  right_lo=int_hi, right_hi=fn.max(hi_b, int_hi))
