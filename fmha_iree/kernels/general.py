@@ -51,7 +51,8 @@ class Plan:
     main: Tier
     short: Tier | None
     cols: int = 64  # L: interior K2 is a multiple of it (a multiple of every tier's K2 tile)
-    rows: int = 512  # prefill group rows (a multiple of main.tile_rows)
+    rows: int = 512  # prefill group rows at least (a multiple of main.tile_rows)
+    fill_wgs: int = 132  # groups grow until one op has this many workgroups (the GPU's SMs / CUs)
     max_groups: int = 16  # groups unrolled in the function (rows grow past rows * max_groups)
     short_rows: int = 16  # Sq * G up to this takes the short tier
     split_below: int = 96  # a single group with fewer workgroups than this takes split-KV
@@ -109,30 +110,36 @@ def kv_operand(c: _Ctx, which: str, lo: str, keys, pieces: str | None = None) ->
 
 
 def q_padded(c: _Ctx, q_arg: str, m_pad: str) -> str:
-    """Q as ``[B, Hk, m_pad, Dq]``, rows ``(s, g)``, zero past ``Sq * G``."""
+    """Q as ``[B, Hk, m_pad, Dq]``, rows ``(s, g)`` (row ``s * G + g``); rows past ``Sq * G`` are
+    left unwritten (every row is independent: a padding row only ever reaches its own output row,
+    which is dropped). One explicit dispatch: a copy generic stored into the rows it fills (IREE
+    lowers an unstructured copy into a slice to a one-workgroup ``slow_memcpy``)."""
     fn, G, D, T = c.fn, c.p.group, c.p.dq, c.p.dtype
     q_ty = _ty(["?", "?", "?", D], T)
-    if c.p.layout == "bhsd" and G == 1:
-        q4 = q_arg
-    else:
-        if c.p.layout == "bhsd":  # [B, Hk, G, Sq, D] -> [B, Hk, Sq, G, D]
-            src5 = fn.let(f"tensor.expand_shape {q_arg} [[0], [1, 2], [3], [4]] output_shape [{c.b}, {c.hk}, {G}, {c.sq}, {D}] "
-                          f": {q_ty} into {_ty(['?', '?', G, '?', D], T)}", "q")
-            src_ty, perm = _ty(["?", "?", G, "?", D], T), "[0, 1, 3, 2, 4]"
-        else:  # [B, Sq, Hk, G, D] -> [B, Hk, Sq, G, D]
-            src5 = fn.let(f"tensor.expand_shape {q_arg} [[0], [1], [2, 3], [4]] output_shape [{c.b}, {c.sq}, {c.hk}, {G}, {D}] "
-                          f": {q_ty} into {_ty(['?', '?', '?', G, D], T)}", "q")
-            src_ty, perm = _ty(["?", "?", "?", G, D], T), "[0, 2, 1, 3, 4]"
-        t_ty = _ty(["?", "?", "?", G, D], T)
-        t_e = fn.let(f"tensor.empty({c.b}, {c.hk}, {c.sq}) : {t_ty}", "e")
-        tq = fn.let(f"linalg.transpose ins({src5} : {src_ty}) outs({t_e} : {t_ty}) permutation = {perm}", "q")
-        q4 = fn.let(f"tensor.collapse_shape {tq} [[0], [1], [2, 3], [4]] : {t_ty} into {q_ty}", "q")
-    pad = fn.sub(m_pad, fn.mul(c.sq, G))
-    zero = fn.const("0.0", T, f"zero_{T}") if T != "f32" else fn.const("0.0", "f32", "zero")
-    return fn.let(f"tensor.pad {q4} low[0, 0, 0, 0] high[0, 0, {pad}, 0] {{\n"
-                  f"  ^bb0(%pi0: index, %pi1: index, %pi2: index, %pi3: index):\n"
-                  f"    tensor.yield {zero} : {T}\n"
-                  f"  }} : {q_ty} to {q_ty}", "qp")
+    if c.p.layout == "bhsd":  # q [B, Hk*G, Sq, D] read as (b, h, g, s, d)
+        src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1, 2], [3], [4]] output_shape [{c.b}, {c.hk}, {G}, {c.sq}, {D}] "
+                     f": {q_ty} into {_ty(['?', '?', G, '?', D], T)}", "q")
+        src_ty, src_map = _ty(["?", "?", G, "?", D], T), "d0, d1, d3, d2, d4"
+    else:  # q [B, Sq, Hk*G, D] read as (b, s, h, g, d)
+        src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1], [2, 3], [4]] output_shape [{c.b}, {c.sq}, {c.hk}, {G}, {D}] "
+                     f": {q_ty} into {_ty(['?', '?', '?', G, D], T)}", "q")
+        src_ty, src_map = _ty(["?", "?", "?", G, D], T), "d0, d2, d1, d3, d4"
+    dest = fn.let(f"tensor.empty({c.b}, {c.hk}, {m_pad}) : {q_ty}", "qp")
+    rows = fn.mul(c.sq, G)
+    t_ty = _ty(["?", "?", "?", G, D], T)
+
+    def region():
+        e = fn.let(f"tensor.empty({c.b}, {c.hk}, {c.sq}) : {t_ty}", "e")
+        d5 = "d0, d1, d2, d3, d4"
+        par = ", ".join(['"parallel"'] * 5)
+        cp = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({src_map})>, affine_map<({d5}) -> ({d5})>], "
+                    f"iterator_types = [{par}]}} ins({src} : {src_ty}) outs({e} : {t_ty}) {{\n"
+                    f"  ^bb0(%qc_in: {T}, %qc_out: {T}):\n    linalg.yield %qc_in : {T}\n  }} -> {t_ty}", "qc")
+        flat = fn.let(f"tensor.collapse_shape {cp} [[0], [1], [2, 3], [4]] : {t_ty} into {q_ty}", "qc")
+        return [fn.let(f"tensor.insert_slice {flat} into {dest}[0, 0, 0, 0] [{c.b}, {c.hk}, {rows}, {D}] [1, 1, 1, 1] "
+                       f": {q_ty} into {q_ty}", "ins")]
+
+    return fn.dispatch([(q_ty, [c.b, c.hk, m_pad])], region)[0]
 
 
 def render_fwd(plan: Plan, func_name: str = "fwd") -> str:
@@ -154,7 +161,9 @@ def render_fwd(plan: Plan, func_name: str = "fwd") -> str:
     vd = kd[:3] + ("n",)
     c = _Ctx(fn, p, b, hk, hq, sq, sk, y, x, scale, Operand("%k", ty_k, kd), Operand("%v", ty_v, vd))
     out, out_ty, lse, lse_ty = body(c)
-    args = (f"%q: {ty_q}, %k: {ty_k}, %v: {ty_v}, %scale: f32, %y: i64, %x: i64, "
-            "%workspace: !hal.buffer {iree.abi.transients}")
+    # No caller-owned workspace (iree.abi.transients): IREE 3.13's transient emplacement
+    # miscompiles this function's packed intermediates (offset arithmetic placed inside an execution
+    # region; sizes used before they are defined), so IREE allocates them per call.
+    args = f"%q: {ty_q}, %k: {ty_k}, %v: {ty_v}, %scale: f32, %y: i64, %x: i64"
     return (f"util.func public @{func_name}({args}) -> ({out_ty}, {lse_ty}) {{\n" + fn.text()
             + f"\n  util.return {out}, {lse} : {out_ty}, {lse_ty}\n}}\n")
