@@ -52,7 +52,7 @@ def _combine_body(fn: Fn, st: State, b: str, h: str, r: str, n: str | None) -> t
     return mstar, f"{res}#0", (f"{res}#1" if n else None)
 
 
-def normalize(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout: str) -> tuple[str, str, str, str]:
+def normalize_slots(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout: str) -> tuple[str, str, str, str]:
     """Slots ``[B, Hk, S, M >= Sq*G, (Dv)]`` to ``out`` (``layout``, ``dtype``) and
     ``lse [B, Hq, Sq]``: ``max = max_s max_s``, ``sum = sum_s sum_s 2^(max_s - max)``, the same for
     acc, ``out = acc / sum``, ``lse = (max + log2 sum) * ln 2``. Each output element loops over the
@@ -111,3 +111,74 @@ def normalize(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout: str
     lse_ty = tensor_type(["?", "?", "?"], "f32")
     lse = fn.let(f"tensor.collapse_shape {lse4} [[0], [1, 2], [3]] : {lse4_ty} into {lse_ty}", "lse")
     return out, o_ty, lse, lse_ty
+
+
+def _out_layout(layout: str, G: int, dv: int, dtype: str, b: str, hk: str, sq: str):
+    """(5-D out type, its sizes, the state's (b, h, s, g, n) dims in the out domain, reassociation)."""
+    if layout == "bhsd":  # out domain (b, h, g, s, n)
+        return (tensor_type(["?", "?", G, "?", dv], dtype), f"{b}, {hk}, {sq}", ("d0", "d1", "d3", "d2", "d4"),
+                "[[0], [1, 2], [3], [4]]")
+    return (tensor_type(["?", "?", "?", G, dv], dtype), f"{b}, {sq}, {hk}", ("d0", "d2", "d1", "d3", "d4"),
+            "[[0], [1], [2, 3], [4]]")
+
+
+def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout: str) -> tuple[str, str, str, str]:
+    """``normalize`` for a one-slot state: plain elementwise ops on slot 0."""
+    G, dv = int(group), st.dv
+    b, hk = st.lead[0], st.lead[1]
+    rows = fn.mul(sq, G)
+    a4, m3 = tensor_type(["?", "?", "?", dv], "f32"), tensor_type(["?", "?", "?"], "f32")
+    acc = fn.let(f"tensor.extract_slice {st.acc}[0, 0, 0, 0, 0] [{b}, {hk}, 1, {rows}, {dv}] [1, 1, 1, 1, 1] : {st.acc_type} to {a4}", "sl")
+    mx = fn.let(f"tensor.extract_slice {st.mx}[0, 0, 0, 0] [{b}, {hk}, 1, {rows}] [1, 1, 1, 1] : {st.mx_type} to {m3}", "sl")
+    sm = fn.let(f"tensor.extract_slice {st.sm}[0, 0, 0, 0, 0] [{b}, {hk}, 1, {rows}, 1] [1, 1, 1, 1, 1] : {st.sm_type} to {m3}", "sl")
+    a5, m4 = tensor_type(["?", "?", "?", G, dv], "f32"), tensor_type(["?", "?", "?", G], "f32")
+    acc5 = fn.let(f"tensor.expand_shape {acc} [[0], [1], [2, 3], [4]] output_shape [{b}, {hk}, {sq}, {G}, {dv}] : {a4} into {a5}", "ex")
+    mx4, sm4 = (fn.let(f"tensor.expand_shape {x} [[0], [1], [2, 3]] output_shape [{b}, {hk}, {sq}, {G}] : {m3} into {m4}", "ex")
+                for x in (mx, sm))
+    o5_ty, sizes, sdims, reassoc = _out_layout(layout, G, dv, dtype, b, hk, sq)
+    d5 = "d0, d1, d2, d3, d4"
+    st_map, ml_map = ", ".join(sdims), ", ".join(sdims[:4])
+    par = lambda n: ", ".join(['"parallel"'] * n)  # noqa: E731
+    o_e = fn.let(f"tensor.empty({sizes}) : {o5_ty}", "e")
+    cast = (f"    %n1_y = arith.truncf %n1_v : f32 to {dtype}\n" if dtype != "f32" else "    %n1_y = arith.addf %n1_v, %n1_z : f32\n")
+    o5 = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({st_map})>, affine_map<({d5}) -> ({ml_map})>, "
+                f"affine_map<({d5}) -> ({d5})>], iterator_types = [{par(5)}]}} ins({acc5}, {sm4} : {a5}, {m4}) "
+                f"outs({o_e} : {o5_ty}) {{\n  ^bb0(%n1_a: f32, %n1_l: f32, %n1_o: {dtype}):\n"
+                "    %n1_z = arith.constant 0.0 : f32\n    %n1_q = arith.divf %n1_a, %n1_l : f32\n"
+                "    %n1_p = arith.cmpf ogt, %n1_l, %n1_z : f32\n    %n1_v = arith.select %n1_p, %n1_q, %n1_z : f32\n"
+                f"{cast}    linalg.yield %n1_y : {dtype}\n  }} -> {o5_ty}", "n1")
+    o_ty = tensor_type(["?", "?", "?", dv], dtype)
+    out = fn.let(f"tensor.collapse_shape {o5} {reassoc} : {o5_ty} into {o_ty}", "out")
+    l4_ty = tensor_type(["?", "?", G, "?"], "f32")
+    d4 = "d0, d1, d2, d3"
+    l_e = fn.let(f"tensor.empty({b}, {hk}, {sq}) : {l4_ty}", "e")
+    l4 = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d4}) -> (d0, d1, d3, d2)>, affine_map<({d4}) -> (d0, d1, d3, d2)>, "
+                f"affine_map<({d4}) -> ({d4})>], iterator_types = [{par(4)}]}} ins({mx4}, {sm4} : {m4}, {m4}) "
+                f"outs({l_e} : {l4_ty}) {{\n  ^bb0(%n2_m: f32, %n2_l: f32, %n2_o: f32):\n"
+                "    %n2_z = arith.constant 0.0 : f32\n    %n2_ninf = arith.constant 0xFF800000 : f32\n"
+                "    %n2_ln2 = arith.constant 0.693147180559945309 : f32\n    %n2_g = math.log2 %n2_l : f32\n"
+                "    %n2_t = arith.addf %n2_m, %n2_g : f32\n    %n2_e = arith.mulf %n2_t, %n2_ln2 : f32\n"
+                "    %n2_p = arith.cmpf ogt, %n2_l, %n2_z : f32\n    %n2_r = arith.select %n2_p, %n2_e, %n2_ninf : f32\n"
+                f"    linalg.yield %n2_r : f32\n  }} -> {l4_ty}", "n2")
+    lse_ty = tensor_type(["?", "?", "?"], "f32")
+    lse = fn.let(f"tensor.collapse_shape {l4} [[0], [1, 2], [3]] : {l4_ty} into {lse_ty}", "lse")
+    return out, o_ty, lse, lse_ty
+
+
+def normalize(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout: str) -> tuple[str, str, str, str]:
+    """State to ``out`` / ``lse``: plain elementwise ops for one slot, per-element loops over
+    slots (``normalize_slots``) for split-KV states."""
+    kw = dict(sq=sq, group=group, dtype=dtype, layout=layout)
+    res = {}
+
+    def one():
+        res["one"] = normalize_one(fn, st, **kw)
+        return [res["one"][0], res["one"][2]]
+
+    def many():
+        r = normalize_slots(fn, st, **kw)
+        return [r[0], r[2]]
+
+    o_ty, l_ty = tensor_type(["?", "?", "?", st.dv], dtype), tensor_type(["?", "?", "?"], "f32")
+    out, lse = fn.if_else(fn.cmp("eq", st.lead[2], 1), [o_ty, l_ty], one, many)
+    return out, o_ty, lse, l_ty

@@ -108,7 +108,11 @@ def _groups_host(c: _Ctx, tier: Tier) -> _Groups:
         bounds.append(bd)
         k2.append(fn.assume_div(fn.mul(bd.n_cols, p.cols), p.cols))
         widths.append((fn.sub(bd.right_hi, bd.right_lo), fn.sub(bd.left_hi, bd.left_lo)))
-    return _Groups(rows, groups, m, fn.mul(groups, m), fn.add(rows, p.cols), bounds, k2, widths)
+    # the mask tiles' width: the widest edge of a live group (at most rows + cols)
+    width = fn.c(1)
+    for g, (wr, wl) in enumerate(widths):
+        width = fn.select(fn.cmp("slt", g, groups), fn.max(width, fn.max(wr, wl)), width)
+    return _Groups(rows, groups, m, fn.mul(groups, m), width, bounds, k2, widths)
 
 
 def _pieces_host(c: _Ctx, tier: Tier) -> _Pieces:
@@ -123,7 +127,8 @@ def _pieces_host(c: _Ctx, tier: Tier) -> _Pieces:
     rest = fn.sub(bd.n_cols, fn.mul(per_cols, pieces))
     per = fn.assume_div(fn.mul(per_cols, L), L)
     done = fn.add(pieces, rest)
-    return _Pieces(m, m_pad, fn.add(c.sq, L), bd, pieces, per, rest, fn.add(bd.int_lo, fn.mul(pieces, per)),
+    widths = (fn.sub(bd.right_hi, bd.right_lo), fn.sub(bd.left_hi, bd.left_lo))
+    return _Pieces(m, m_pad, fn.max(fn.max(widths[0], widths[1]), 1), bd, pieces, per, rest, fn.add(bd.int_lo, fn.mul(pieces, per)),
                    fn.add(done, 2), (done, fn.add(done, 1)),
                    (fn.sub(bd.right_hi, bd.right_lo), fn.sub(bd.left_hi, bd.left_lo)))
 
