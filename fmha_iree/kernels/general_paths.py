@@ -59,6 +59,7 @@ class _Groups:
     bounds: list[Bounds]
     k2: list[str]
     widths: list[tuple[str, str]]  # (right, left) edge widths per group
+    any_left: str  # i1: some group has a left edge
 
 
 @dataclasses.dataclass
@@ -91,28 +92,25 @@ def _attend(c: _Ctx, tier: Tier, q: Operand, k: Operand, v: Operand, outs: list[
                             lowering=tier.lowering, dv=c.p.dv, mask=mask)
 
 
-def _groups_host(c: _Ctx, tier: Tier) -> _Groups:
+def _groups_host(c: _Ctx, tier: Tier, n: int) -> _Groups:
+    """Host values of ``n`` groups of ``rows = ceil(Sq / n)`` rows (rounded to the tile); a group
+    past Sq is dead: empty key ranges, so its ops only (re)write padding rows."""
     fn, p = c.fn, c.p
-    unlimited = fn.andi(fn.cmp("sge", c.y, c.sq), fn.cmp("sge", c.x, c.sk))
-    whole = fn.round_up(c.sq, tier.tile_rows)
-    # at least p.rows, enough that the groups fit in p.max_groups, and enough rows that one group's
-    # op fills the GPU (B * Hk * rows * G / tile_rows >= fill_wgs)
-    fill = fn.round_up(fn.ceildiv(fn.c(p.fill_wgs * tier.tile_rows), fn.mul(fn.mul(c.b, c.hk), p.group)), tier.tile_rows)
-    capped = fn.max(fn.max(fn.c(p.rows), fill), fn.round_up(fn.ceildiv(c.sq, p.max_groups), tier.tile_rows))
-    rows = fn.select(unlimited, whole, fn.min(capped, whole))
-    groups = fn.ceildiv(c.sq, rows)
+    rows = fn.max(fn.round_up(fn.ceildiv(c.sq, n), tier.tile_rows), tier.tile_rows)
     m = fn.assume_div(fn.mul(rows, p.group), tier.tile_rows)
     bounds, k2, widths = [], [], []
-    for g in range(p.max_groups):
+    width, any_left = fn.c(1), fn.cmp("slt", fn.c(1), fn.c(0))
+    for g in range(n):
+        live = fn.cmp("slt", fn.mul(g, rows), c.sq)
         bd = group_bounds(fn, g=g, rows=rows, sq=c.sq, sk=c.sk, y=c.y, x=c.x, cols=p.cols)
         bounds.append(bd)
-        k2.append(fn.assume_div(fn.mul(bd.n_cols, p.cols), p.cols))
-        widths.append((fn.sub(bd.right_hi, bd.right_lo), fn.sub(bd.left_hi, bd.left_lo)))
-    # the mask tiles' width: the widest edge of a live group (at most rows + cols)
-    width = fn.c(1)
-    for g, (wr, wl) in enumerate(widths):
-        width = fn.select(fn.cmp("slt", g, groups), fn.max(width, fn.max(wr, wl)), width)
-    return _Groups(rows, groups, m, fn.mul(groups, m), width, bounds, k2, widths)
+        k2.append(fn.assume_div(fn.mul(fn.select(live, bd.n_cols, 0), p.cols), p.cols))
+        wr = fn.select(live, fn.sub(bd.right_hi, bd.right_lo), 0)
+        wl = fn.select(live, fn.sub(bd.left_hi, bd.left_lo), 0)
+        widths.append((wr, wl))
+        width = fn.max(width, fn.max(wr, wl))
+        any_left = fn.arith(f"arith.ori {any_left}, {fn.cmp('sgt', wl, 0)} : i1", "p")
+    return _Groups(rows, fn.c(n), m, fn.mul(m, n), width, bounds, k2, widths, any_left)
 
 
 def _pieces_host(c: _Ctx, tier: Tier) -> _Pieces:
@@ -154,31 +152,24 @@ def _masked(c: _Ctx, tier: Tier, cr: _Carry, *, qp: str, lo: str, w: str, m: str
     return fn.dispatch(cr.results(), region)
 
 
-def _prefill(c: _Ctx, tier: Tier, h: _Groups, qp: str, cr: _Carry) -> _Carry:
-    """Groups of rows: interior op, then right and left edges chained on its state."""
+def _prefill(c: _Ctx, tier: Tier, h: _Groups, qp: str, cr: _Carry, left: bool) -> _Carry:
+    """All groups of ``h``, straight-line (one execution region: the host chose this variant
+    before): per group the interior op, then its right edge (and with ``left`` its left edge)
+    chained on its state. Dead groups and empty edges run as empty ops."""
     fn, p = c.fn, c.p
-    for g in range(p.max_groups):
-        bd, k2 = h.bounds[g], h.k2[g]
+    for g, (bd, k2) in enumerate(zip(h.bounds, h.k2)):
         row0 = fn.mul(g, h.m)
         at = (["0", "0", "0", row0], [c.b, c.hk, "1", h.m])
 
-        def group(g=g, bd=bd, k2=k2, row0=row0, cr=cr, at=at):
-            def interior():
-                res = _attend(c, tier, _q_rows(c, qp, row0, h.m), kv_operand(c, "k", bd.int_lo, k2),
-                              kv_operand(c, "v", bd.int_lo, k2), fresh_outs(fn, [c.b, c.hk, h.m], ("b0", "b1", "m"), p.dv), 2)
-                return cr.state.insert(fn, res, *at)
+        def interior(bd=bd, k2=k2, row0=row0, cr=cr, at=at):
+            res = _attend(c, tier, _q_rows(c, qp, row0, h.m), kv_operand(c, "k", bd.int_lo, k2),
+                          kv_operand(c, "v", bd.int_lo, k2), fresh_outs(fn, [c.b, c.hk, h.m], ("b0", "b1", "m"), p.dv), 2)
+            return cr.state.insert(fn, res, *at)
 
-            cur = cr.with_state(fn.dispatch(cr.results(), interior))
-            for e, lo in enumerate((bd.right_lo, bd.left_lo)):
-                w = h.widths[g][e]
-                cur = cur.with_names(fn.if_else(
-                    fn.cmp("sgt", w, 0), cur.types(),
-                    lambda lo=lo, w=w, cur=cur, e=e: _masked(c, tier, cur, qp=qp, lo=lo, w=w, m=h.m, row0=row0,
-                                                             where=("groups", g, e), outs_at=(*at, True)),
-                    lambda cur=cur: cur.names()))
-            return cur.names()
-
-        cr = cr.with_names(fn.if_else(fn.cmp("slt", g, h.groups), cr.types(), group, lambda cr=cr: cr.names()))
+        cr = cr.with_state(fn.dispatch(cr.results(), interior))
+        for e, lo in enumerate((bd.right_lo, bd.left_lo)[:2 if left else 1]):
+            cr = cr.with_names(_masked(c, tier, cr, qp=qp, lo=lo, w=h.widths[g][e], m=h.m, row0=row0,
+                                       where=("groups", g, e), outs_at=(*at, True)))
     return cr
 
 
@@ -211,12 +202,34 @@ def _split(c: _Ctx, tier: Tier, h: _Pieces, qp: str, cr: _Carry, tag: str) -> _C
     return cr
 
 
+_VARIANTS = (1, 2, 4, 8, 16)
+
+
 def body(c: _Ctx):
     """Emit the whole function body; returns (out, out type, lse, lse type)."""
     fn, p = c.fn, c.p
     main = p.main
-    grp, spl = _groups_host(c, main), _pieces_host(c, main)
-    few = fn.andi(fn.cmp("eq", grp.groups, 1),
+    variants = [n for n in _VARIANTS if n <= p.max_groups]
+    grps = {n: _groups_host(c, main, n) for n in variants}
+    spl = _pieces_host(c, main)
+    # the group count: rows of at least p.rows, and enough that one group's op fills the GPU
+    # (B * Hk * rows * G / tile_rows >= fill_wgs); a single group when no row is limited
+    unlimited = fn.andi(fn.cmp("sge", c.y, c.sq), fn.cmp("sge", c.x, c.sk))
+    fill = fn.ceildiv(fn.c(p.fill_wgs * main.tile_rows), fn.mul(fn.mul(c.b, c.hk), p.group))
+    target = fn.max(fn.c(p.rows), fill)
+    need = fn.select(unlimited, fn.c(1), fn.ceildiv(c.sq, target))
+    picks = [fn.cmp("sle", need, n) for n in variants[:-1]]  # variant k when need <= n_k (first such)
+
+    def pick(values):
+        """The chosen variant's value among ``values`` (one per variant)."""
+        out = values[-1]
+        for cond, v in zip(reversed(picks), reversed(values[:-1])):
+            out = fn.select(cond, v, out)
+        return out
+
+    g_m_pad, g_m, g_width, g_rows = (pick([getattr(grps[n], a) for n in variants]) for a in ("m_pad", "m", "width", "rows"))
+    g_groups = pick([fn.c(n) for n in variants])
+    few = fn.andi(fn.cmp("eq", need, 1),
                   fn.cmp("slt", fn.mul(fn.mul(c.b, c.hk), fn.floordiv(spl.m_pad, main.tile_rows)), p.split_below))
     short = fn.cmp("sle", fn.mul(c.sq, p.group), p.short_rows) if p.short else None
     sho = _pieces_host(c, p.short) if p.short else None
@@ -225,21 +238,30 @@ def body(c: _Ctx):
     if sho is not None:
         split_sizes = tuple(fn.select(short, a, b) for a, b in zip((sho.m_pad, sho.m, sho.width, sho.n_slots), split_sizes))
     any_split = few if short is None else fn.arith(f"arith.ori {short}, {few} : i1", "p")
-    m_pad, m_rows, width, n_slots = (fn.select(any_split, s, g) for s, g in zip(
-        split_sizes, (grp.m_pad, grp.m, grp.width, fn.c(1))))
+    m_pad, m_rows, width, n_slots = (fn.select(any_split, s_, g_) for s_, g_ in zip(
+        split_sizes, (g_m_pad, g_m, g_width, fn.c(1))))
     # every tensor defined before the first dispatch: IREE 3.13's transient emplacement places the
     # combined size of transients at the first one (a later definition then fails to dominate it)
     state = new_state(fn, [c.b, c.hk, n_slots, m_pad], p.dv)
-    groups = fn.select(any_split, fn.c(1), grp.groups)
-    rows = fn.select(any_split, c.sq, grp.rows)
+    groups = fn.select(any_split, fn.c(1), g_groups)
+    rows = fn.select(any_split, c.sq, g_rows)
     mask = edge_masks(fn, groups=groups, rows=rows, m_rows=m_rows, width=width, group=p.group, sq=c.sq, sk=c.sk,
                       y=c.y, x=c.x, cols=p.cols, anchor=(c.k.name, c.k.type, p.dtype))
     cr = _Carry(state, mask)
     qp = q_padded(c, "%q", m_pad)
 
+    def groups_path(k: int):
+        n = variants[k]
+        h = grps[n]
+        run = lambda: fn.if_else(h.any_left, cr.types(), lambda: _prefill(c, main, h, qp, cr, True).names(),  # noqa: E731
+                                 lambda: _prefill(c, main, h, qp, cr, False).names())
+        if k == len(variants) - 1:
+            return run()
+        return fn.if_else(picks[k], cr.types(), run, lambda: groups_path(k + 1))
+
     def main_path():
         return fn.if_else(few, cr.types(), lambda: _split(c, main, spl, qp, cr, "split").names(),
-                          lambda: _prefill(c, main, grp, qp, cr).names())
+                          lambda: groups_path(0))
 
     if short is None:
         names = main_path()
