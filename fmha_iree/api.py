@@ -130,10 +130,31 @@ def _specialized(p: BatchProblem, spec: KernelSpec) -> KernelSpec:
     return dataclasses.replace(spec, seqlens=(p.sq,))
 
 
+def uses_fwd(p: BatchProblem, module) -> bool:
+    """Whether a batch-mode problem runs through the module's ``fwd`` (any lengths and mask in one
+    call): it has one, every batch uses the full lengths (``cu_seqlen`` padding still takes the
+    plan), and no compiled-in or aligned one-call entry point serves it (``dense_kind``) other than
+    the generic two-block ``causal``, which ``fwd`` replaces."""
+    if module is None or not module.has_fwd or p.sq == 0 or p.sk == 0:
+        return False
+    if (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
+        return False
+    kind = dense_kind(p, module.dense)
+    if kind is None:
+        return True
+    entry = module.dense_entry(p.sq, p.sk, kind[0] == "causal", True, p.batch, p.hk, kind[1])
+    return entry == "causal"
+
+
 def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str):
     out_shape = (p.batch, p.hq, p.sq, p.dv) if p.layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
     module = get_module() if p.sq and p.sk and p.batch else None
-    kind = dense_kind(p, module.dense if module is not None else None)
+    kind = None if module is None or uses_fwd(p, module) else dense_kind(p, module.dense)
+    if module is not None and kind is None and uses_fwd(p, module):
+        out, lse = module.run_fwd(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.mask.clipped_coords(p.sq, p.sk),
+                                  keep_on_device=p.q.on_device)
+        out = _wrap(out, p.q, p.q.dtype)
+        return (out, _wrap(lse, p.q, "f32")) if return_lse else out
     if kind:
         out, lse = module.run_dense(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.layout, kind[0] == "causal",
                                     keep_on_device=p.q.on_device, with_lse=return_lse, window=kind[1])

@@ -230,13 +230,16 @@ def _dense_lowering(spec: KernelSpec) -> dict | None:
     return gpu_lowering(spec)
 
 
-def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None) -> str:
+def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: bool = True) -> str:
     """The module's input IR. CPU: the torch graph of ``graph.py``. GPU: its ``init``/``finalize``
     plus the ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the
     tile config) and, where ``dense_params`` allows, ``dense`` / ``causal``
     (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``); those one-call entry points take a caller-owned
     workspace for their intermediates (``mlir_templates._dense_common``). ``fused_step=True`` on
-    the CPU builds the GPU formulation for llvm-cpu, so its numerics can be tested where CI runs."""
+    the CPU builds the GPU formulation for llvm-cpu, so its numerics can be tested where CI runs.
+    GPU modules also get ``fwd`` (``kernels.general``: any lengths and mask, ``fwd_plan``);
+    ``with_fwd=False`` leaves it out (tests of the other entry points, which it would only slow
+    to compile)."""
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
     text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused,
                                spec.seqlens, spec.batch, spec.kv_heads)
@@ -262,9 +265,61 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None) -> str:
                 funcs.append(render_dense_out(func_name=f"causal_o_s{s}", seqlen=s, causal=True, **kw))
             if s in dense["window"]:
                 funcs.append(render_window(func_name=f"window_s{s}", seqlen=s, block=dense["window"][s], **kw))
+    plan = fwd_plan(spec, fused_step=fused) if with_fwd else None
+    if plan is not None:
+        from .kernels.general import render_fwd
+
+        funcs.append(render_fwd(plan, "fwd"))
     text = text.rstrip()
     assert text.endswith("}"), "unexpected exported module text"
     return text[:-1] + "\n".join(funcs) + "\n}\n"
+
+
+# Workgroups that fill the GPU of each target (its SMs / CUs): ``fwd`` grows its groups of rows
+# until one op launches this many. sm_80 modules are measured on an H200 (132 SMs).
+_FILL_WGS = {"cuda": 132, "gfx90a": 110, "gfx942": 304, "gfx950": 256, "gfx1100": 96, "gfx1201": 64, "cpu": 8}
+
+
+def _short_lowering(spec: KernelSpec, main: dict) -> dict:
+    """The short-query tier (decode: Sq * G up to 16 rows): 16-row tiles, keys in 64-key steps;
+    on wave32 targets two subgroups split Dv (H200, 2026-12-01: 272 GB/s at B16 Sk8192 against
+    253 with one subgroup, and K2 = 128 slower, docs/BENCHMARKS.md)."""
+    if main.get("backend") == "cpu":
+        return {"backend": "cpu", "workgroup_m": 16, "reduction_k2": 32}
+    sg = int(main.get("subgroup_size", 64))
+    sgn = 2 if sg == 32 else 1
+    keep = {k: v for k, v in main.items() if k in ("mma_kind", "qk_mma_kind", "qk_virtual", "subgroup_size")}
+    k2 = 32 if spec.dv >= 256 else 64  # K and V tiles of 64 keys at Dv = 256 pass 64 KiB of shared memory
+    return {**keep, "workgroup_m": 16, "workgroup_n": spec.dv, "reduction_k2": k2, "subgroups_m": 1, "subgroups_n": sgn,
+            "workgroup_size": sg * sgn, "promote_operands": [1, 2]}
+
+
+def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
+    """The ``fwd`` entry point's plan (``kernels.general``): any lengths and mask in one call, or
+    None where the module has none (CPU torch modules; gfx targets, see below; lowerings IREE
+    picks itself, whose dynamic shapes get IREE's slow fallback config; lowerings that split Dv
+    across workgroups). llvm-cpu builds of it (tests) unroll at most 4 groups to keep their
+    compile short."""
+    from .kernels.general import Plan, Tier
+
+    fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    if not fused or spec.target.backend == "rocm":
+        # gfx targets: the masked edge dispatches carry ~36 dynamic sizes and offsets as push
+        # constants and spill 5-21 SGPRs on gfx90a / gfx942 (iree-compile 3.13, 2026-12-01); until
+        # they take fewer, gfx modules keep the plan for the shapes fwd would serve
+        return None
+    cpu = spec.target.backend == "llvm-cpu"
+    main = {"backend": "cpu", "workgroup_m": 64, "reduction_k2": 32, "workgroup_n": spec.dv} if cpu else gpu_lowering(spec)
+    if main is None or int(main.get("workgroup_n", spec.dv)) != spec.dv:
+        return None
+    main = {k: v for k, v in main.items() if k != "transpose_v"}
+    wm, k2 = int(main["workgroup_m"]), int(main["reduction_k2"])
+    import math
+
+    cols = math.lcm(64, k2)
+    fill = _FILL_WGS.get("cpu" if cpu else (spec.target.family if spec.target.family == "cuda" else spec.target.arch), 128)
+    return Plan(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, Tier(main, wm), Tier(_short_lowering(spec, main), 16),
+                cols=cols, rows=max(512, wm), fill_wgs=fill, max_groups=4 if cpu else 16)
 
 
 def native_exp2_default(spec: KernelSpec) -> bool:
@@ -412,6 +467,16 @@ def entry_points(spec: KernelSpec) -> dict:
             "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
         },
     }
+    if fwd_plan(spec) is not None:
+        lay = "[B, Hq, Sq, D]" if spec.layout == "bhsd" else "[B, Sq, Hq, D]"
+        out["fwd"] = {
+            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+                     "scale": [[], "f32 scalar"], "y": [[], "i64 scalar"], "x": [[], "i64 scalar"]},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
+            "note": (f"any Sq, Sk >= 1 and any CK mask in one call ({lay} layout): row s sees keys "
+                     "s - y + 1 <= j < s + x (CK's coordinates, clipped to [-Sk, Sq + 1] / [-Sq, Sk + 1]); "
+                     "batch lengths uniform (no cu_seqlen padding)"),
+        }
     dense = dense_params(spec)
     if dense and not dense["tiled"]:
         for s in sorted(dense["seqlens"]):

@@ -126,6 +126,12 @@ class Mask:
         y = 1 + left + (0 if self.top_left else sq - sk)
         return y, x
 
+    def clipped_coords(self, sq: int, sk: int) -> tuple[int, int]:
+        """``coords`` clipped to ``y`` in ``[-sk, sq + 1]``, ``x`` in ``[-sq, sk + 1]``: the same
+        visibility for every row and key of the problem, in a range any integer type holds."""
+        y, x = self.coords(sq, sk)
+        return int(min(max(y, -sk), sq + 1)), int(min(max(x, -sq), sk + 1))
+
     def tile_range(self, i0, rows: int, sq, sk, n0: int):
         """CK's ``GetTileRangeAlongX``: the key range ``[lo, hi)``, in multiples of ``n0`` (``hi``
         clipped to ``sk``), that rows ``i0 .. i0+rows-1`` may see; ``lo >= hi`` means none.

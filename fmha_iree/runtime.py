@@ -239,8 +239,9 @@ class FmhaModule:
                 self._scales[key] = bv
         return bv
 
-    def _call(self, fn: str, args: list, n_results: int) -> tuple[list, object]:
-        """Invoke ``fn`` on (buffer view, fence) args; returns (result buffer views, fence)."""
+    def _call(self, fn: str, args: list, n_results: int, scalars: tuple = ()) -> tuple[list, object]:
+        """Invoke ``fn`` on (buffer view, fence) args followed by ``scalars`` (floats pushed as
+        f32, ints as i64 primitives); returns (result buffer views, fence)."""
         import iree.runtime as rt
 
         # Inputs must exist before a call records its dispatches: a result of an unfinished
@@ -253,9 +254,14 @@ class FmhaModule:
                 w.wait()
         f = self._fns[fn]
         coarse = f.reflection.get("iree.abi.model") == "coarse-fences"
-        lst = rt.VmVariantList(len(args) + 3)
+        lst = rt.VmVariantList(len(args) + len(scalars) + 3)
         for bv, _ in args:
             lst.push_ref(bv)
+        for x in scalars:
+            if isinstance(x, float):
+                lst.push_float(x)
+            else:
+                lst.push_int(int(x))
         slot = None
         if "iree.abi.transients.size" in f.reflection:
             ws, slot = self._workspace(fn, [bv for bv, _ in args], coarse)
@@ -329,6 +335,20 @@ class FmhaModule:
             (out, lse), fence = self._call(fn, args, 2)
             out, lse = self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
         return out.reshape(q.shape[:3] + (out.shape[-1],)), lse.reshape((b, hq, sq))
+
+
+    @property
+    def has_fwd(self) -> bool:
+        """Whether the module has ``fwd`` (any lengths and mask in one call, ``kernels.general``)."""
+        return "fwd" in self._fns
+
+    def run_fwd(self, q, k, v, dtype: str, scale: float, coords: tuple[int, int], *, keep_on_device: bool = False):
+        """One ``fwd`` call: q/k/v in the module's layout (4-D), ``coords`` CK's (y, x) for this
+        problem, already clipped to the lengths (``spec.clip_coords``). Returns (out, lse [B, Hq, Sq])."""
+        with self._lock:
+            args = [self._put(x, dtype) for x in (q, k, v)]
+            (out, lse), fence = self._call("fwd", args, 2, scalars=(float(scale), int(coords[0]), int(coords[1])))
+            return self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
 
 
 def dense_entry(dense: dict | None, sq: int, sk: int, causal: bool, with_lse: bool, batch: int | None = None,

@@ -33,30 +33,77 @@ import numpy as np
 from _timing import cuda_time, median_time
 
 
+def _row(B, Hq, Hk, Sq, D, mask="0", dtype="f16", Sk=None, label="", modules="any", flex=True):
+    """``modules`` (with --modules): "seqlens" takes a module with compiled-in lengths, "generic"
+    one without, "any" the first that fits; ``flex``: also time FlexAttention (masked rows)."""
+    return dict(B=B, Hq=Hq, Hk=Hk, Sq=Sq, Sk=Sq if Sk is None else Sk, D=D, mask=mask, dtype=dtype, label=label,
+                modules=modules, flex=flex)
+
+
 def presets(name):
+    """Rows of a run: batch, heads, lengths, head dim, CK mask string, dtype."""
     if name == "cpu":
-        return [dict(B=1, Hq=8, Hk=8, S=s, D=64, causal=c, mask=None, dtype="f32") for s in (1024, 4096) for c in (False, True)]
+        return [_row(1, 8, 8, s, 64, m, "f32") for s in (1024, 4096) for m in ("0", "b")]
+    if name == "cpu-general":
+        # the CPU rows of the issue "One fast path for every batch-mode problem"
+        return [_row(4, 32, 8, 1, 64, "b", "f32", Sk=4096, label="decode"),
+                _row(1, 8, 8, 256, 64, "b", "f32", Sk=2048, label="chunked prefill"),
+                _row(1, 8, 8, 1000, 64, "b", "f32", label="S=1000 causal"),
+                *(_row(1, 8, 8, s, 64, m, "f32", label="generic") for s in (1024, 4096) for m in ("0", "b"))]
+    if name == "general":
+        # the H200 table of that issue, then the square rows (unmasked and causal, f16 and bf16)
+        g, c = "generic", "seqlens"
+        rows = [_row(4, 16, 16, 4096, 128, "b", label="causal compiled-in", modules=c),
+                _row(4, 16, 16, 4096, 128, "b", label="causal S=4096", modules=g),
+                _row(4, 16, 16, 3000, 128, "b", label="causal S=3000", modules=g),
+                _row(4, 16, 16, 1000, 128, "0", label="unmasked S=1000", modules=g),
+                _row(16, 32, 8, 1, 128, "b", Sk=8192, label="decode B16 Sk8192", modules=g),
+                _row(1, 32, 8, 1, 128, "b", Sk=32768, label="decode B1 Sk32768", modules=g),
+                _row(4, 32, 8, 512, 128, "b", Sk=4096, label="chunked prefill", modules=g),
+                _row(4, 16, 16, 4096, 128, "b:1024,0", label="window", modules=g),
+                _row(4, 16, 16, 4096, 128, "b:1024,0", label="window compiled-in", modules=c),
+                _row(1, 16, 16, 128, 128, "0", label="smallest call", modules=g)]
+        for dt in ("f16", "bf16"):
+            for s in (1024, 2048, 4096, 8192):
+                for m in ("0", "b"):
+                    rows.append(_row(16384 // s, 16, 16, s, 128, m, dt, label="square", modules=c, flex=False))
+        return rows
     rows = []
     for d in (64, 128, 256):
         for s in (512, 1024, 2048, 4096, 8192, 16384):
-            for c in (False, True):
-                rows.append(dict(B=16384 // s, Hq=2048 // d, Hk=2048 // d, S=s, D=d, causal=c, mask=None, dtype="f16"))
+            for m in ("0", "b"):
+                rows.append(_row(16384 // s, 2048 // d, 2048 // d, s, d, m))
     for s in (512, 1024, 2048, 4096, 8192, 16384):
-        for c in (False, True):
-            rows.append(dict(B=16384 // s, Hq=16, Hk=16, S=s, D=128, causal=c, mask=None, dtype="bf16"))
-    rows.append(dict(B=4, Hq=16, Hk=2, S=4096, D=128, causal=True, mask=None, dtype="f16"))
-    rows.append(dict(B=4, Hq=16, Hk=16, S=4096, D=128, causal=False, mask="b:1024,0", dtype="f16"))
+        for m in ("0", "b"):
+            rows.append(_row(16384 // s, 16, 16, s, 128, m, "bf16"))
+    rows.append(_row(4, 16, 2, 4096, 128, "b"))
+    rows.append(_row(4, 16, 16, 4096, 128, "b:1024,0"))
     return rows
 
 
-def _torch_peers(q, k, v, causal, attn_mask, reps, cuda):
+def _peer_mask(mask: str, sq: int, sk: int):
+    """How torch's SDPA takes a CK mask: (is_causal, boolean attn_mask or None)."""
+    from fmha_iree.mask import Mask
+
+    m = Mask.from_str(mask)
+    vis = m.materialize(sq, sk)
+    if vis.all():
+        return False, None
+    if sq == sk and (vis == np.tril(np.ones((sq, sk), bool))).all():
+        return True, None
+    return False, vis
+
+
+def _torch_peers(q, k, v, mask, reps, cuda, flex=True):
+    """Every torch SDPA backend that takes the case (and, on CUDA, FlexAttention with a BlockMask
+    for masked rows), on the same inputs: ({name: seconds or None}, reference output)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    g = q.shape[1] // k.shape[1]
-    if g > 1:
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    backends = {"math": SDPBackend.MATH}
+    sq, sk = q.shape[2], k.shape[2]
+    causal, vis = _peer_mask(mask, sq, sk)
+    attn_mask = torch.from_numpy(vis).to(q.device) if vis is not None else None
+    gqa = q.shape[1] != k.shape[1]
     if cuda:
         backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                     "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -64,18 +111,15 @@ def _torch_peers(q, k, v, causal, attn_mask, reps, cuda):
         backends = {"default": None, "math": SDPBackend.MATH}
     res, out = {}, None
     for name, be in backends.items():
-        fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # noqa
+        fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+            q, k, v, attn_mask=attn_mask, is_causal=causal, enable_gqa=gqa)
         try:
             ctx = sdpa_kernel(be) if be is not None else None
             if ctx:
                 ctx.__enter__()
             try:
-                if cuda:
-                    o = fn()
-                    res[name] = cuda_time(fn, reps, warmup=0)
-                else:
-                    o = fn()
-                    res[name] = median_time(fn, reps)
+                o = fn()
+                res[name] = cuda_time(fn, reps, warmup=0) if cuda else median_time(fn, reps)
                 out = o if out is None else out
             finally:
                 if ctx:
@@ -83,7 +127,47 @@ def _torch_peers(q, k, v, causal, attn_mask, reps, cuda):
         except Exception as e:  # a backend this torch / device lacks for the shape
             res[name] = None
             print(f"  torch {name}: {str(e).splitlines()[0][:90]}")
+    if cuda and flex and (causal or vis is not None):
+        res["flex"] = _flex_time(q, k, v, mask, reps)
     return res, out
+
+
+def _flex_time(q, k, v, mask, reps):
+    """FlexAttention (torch.compile) with a BlockMask of the CK mask: fully masked blocks skipped."""
+    try:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        from fmha_iree.mask import Mask
+
+        sq, sk = q.shape[2], k.shape[2]
+        y, x = Mask.from_str(mask).clipped_coords(sq, sk)
+
+        def visible(b, h, qi, kj):
+            return (kj >= qi - y + 1) & (kj < qi + x)
+
+        bm = create_block_mask(visible, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=q.device)
+        flex = torch.compile(flex_attention)
+        fn = lambda: flex(q, k, v, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])  # noqa: E731
+        fn()
+        return cuda_time(fn, reps, warmup=1)
+    except Exception as e:  # torch build without Triton, or a shape flex refuses
+        print(f"  torch flex: {str(e).splitlines()[0][:90]}")
+        return None
+
+
+def _host_time(call, reps):
+    """Host seconds to issue one call (GPU calls return before the GPU is done)."""
+    def last(res):
+        return (res[-1] if isinstance(res, tuple) else res).wait()
+
+    last(call())
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        res = call()
+    t1 = time.perf_counter()
+    last(res)
+    return (t1 - t0) / reps
 
 
 def _device_time(call, reps):
@@ -113,25 +197,29 @@ def run(args):
     loaded = {}
     rows = []
     for p in presets(args.preset):
-        if args.max_seqlen and p["S"] > args.max_seqlen:
+        if args.max_seqlen and max(p["Sq"], p["Sk"]) > args.max_seqlen:
             continue
         if (args.hdim and p["D"] not in args.hdim) or (args.dtype and p["dtype"] not in args.dtype):
             continue
-        if args.mask != "all" and (p["mask"] is not None or p["causal"] != (args.mask == "causal")):
+        if args.mask != "all" and (p["mask"] != ("b" if args.mask == "causal" else "0")):
             continue
         dt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[p["dtype"]]
         torch.manual_seed(0)
-        q = torch.randn(p["B"], p["Hq"], p["S"], p["D"], dtype=dt)
-        k = torch.randn(p["B"], p["Hk"], p["S"], p["D"], dtype=dt)
-        v = torch.randn(p["B"], p["Hk"], p["S"], p["D"], dtype=dt)
-        mask = "b" if p["causal"] else (p["mask"] or "0")
+        q = torch.randn(p["B"], p["Hq"], p["Sq"], p["D"], dtype=dt)
+        k = torch.randn(p["B"], p["Hk"], p["Sk"], p["D"], dtype=dt)
+        v = torch.randn(p["B"], p["Hk"], p["Sk"], p["D"], dtype=dt)
+        mask = p["mask"]
         if args.modules:
-            key = (p["dtype"], p["D"], p["Hq"] // p["Hk"])
+            key = (p["dtype"], p["D"], p["Hq"] // p["Hk"], p["modules"])
             if key not in loaded:
                 from fmha_iree.runtime import load
 
-                match = [f for f in Path(args.modules).glob("*.json")
-                         if (lambda m: (m["problem"]["dtype"], m["problem"]["hdim"], m["problem"]["group"]) == key)(json.loads(f.read_text()))]
+                def fits(m):
+                    lens = bool((m.get("dense") or {}).get("seqlens"))
+                    return ((m["problem"]["dtype"], m["problem"]["hdim"], m["problem"]["group"]) == key[:3]
+                            and (p["modules"] == "any" or lens == (p["modules"] == "seqlens")))
+
+                match = sorted(f for f in Path(args.modules).glob("*.json") if fits(json.loads(f.read_text())))
                 if not match:
                     print(f"skip {p}: no module for {key} in {args.modules}")
                     continue
@@ -145,31 +233,33 @@ def run(args):
             call = lambda: f(qd, kd, vd, mask=mask)  # noqa
             t = _device_time(call, args.reps)
             t_lse = _device_time(lambda: f(qd, kd, vd, mask=mask, return_lse=True), args.reps)
+            host = _host_time(call, args.reps)
             out = call().to_torch()
         else:
             call = lambda: f(q, k, v, mask=mask)  # noqa
             t = median_time(call, args.reps)
-            t_lse = None
+            t_lse = host = None
             out = call()
-        attn_mask = None
-        if p["mask"]:
-            attn_mask = torch.from_numpy(Mask.from_str(p["mask"]).materialize(p["S"], p["S"]))
         dev = "cuda" if cuda else "cpu"
-        peers, ref = _torch_peers(q.to(dev), k.to(dev), v.to(dev), p["causal"],
-                                  attn_mask.to(dev) if attn_mask is not None else None, args.reps, cuda)
+        peers, ref = _torch_peers(q.to(dev), k.to(dev), v.to(dev), mask, args.reps, cuda, flex=p["flex"])
         err = (out.float() - ref.float().cpu()).abs().max().item() if ref is not None else float("nan")
-        visible = Mask.from_str(mask).materialize(min(p["S"], 2048), min(p["S"], 2048)).mean() if mask != "0" else 1.0
-        flops = 4 * p["B"] * p["Hq"] * p["S"] * p["S"] * p["D"] * (0.5 if p["causal"] else visible)
-        row = {**p, "fmha_iree_ms": t * 1e3, "fmha_iree_tflops": flops / t / 1e12, "max_abs_diff": err,
-               "fmha_iree_lse_ms": t_lse * 1e3 if t_lse else None}
+        visible = Mask.from_str(mask).materialize(min(p["Sq"], 4096), min(p["Sk"], 4096)).mean()
+        flops = 4 * p["B"] * p["Hq"] * p["Sq"] * p["Sk"] * p["D"] * visible
+        kv_bytes = 2 * p["B"] * p["Hk"] * p["Sk"] * p["D"] * q.element_size()
+        row = {**p, "fmha_iree_ms": t * 1e3, "fmha_iree_tflops": flops / t / 1e12, "kv_gb_per_s": kv_bytes / t / 1e9,
+               "max_abs_diff": err, "fmha_iree_lse_ms": t_lse * 1e3 if t_lse else None,
+               "host_issue_ms": host * 1e3 if host else None}
+        best = min((pt for pt in peers.values() if pt), default=None)
+        row["ratio_vs_best"] = best / t if best else None
         for name, pt in peers.items():
             row[f"torch_{name}_ms"] = pt * 1e3 if pt else None
             row[f"ratio_vs_{name}"] = pt / t if pt else None
         rows.append(row)
-        peer_txt = "  ".join(f"{n} {row[f'torch_{n}_ms']:.2f} ms ({row[f'ratio_vs_{n}']:.2f}x)" for n in peers if row[f"torch_{n}_ms"])
-        print(f"B={p['B']:<3} Hq={p['Hq']:<3} Hk={p['Hk']:<3} S={p['S']:<6} D={p['D']:<4} {p['dtype']} mask={mask:<9}"
-              f" fmha_iree {t * 1e3:9.2f} ms {row['fmha_iree_tflops']:7.2f} TFLOP/s"
-              + (f" (with lse {t_lse * 1e3:.2f} ms)" if t_lse else "") + f" | {peer_txt} | diff {err:.1e}", flush=True)
+        peer_txt = "  ".join(f"{n} {row[f'torch_{n}_ms']:.3f} ms ({row[f'ratio_vs_{n}']:.2f}x)" for n in peers if row[f"torch_{n}_ms"])
+        print(f"{p['label']:<18} B={p['B']:<3} H={p['Hq']}/{p['Hk']:<3} {p['Sq']}x{p['Sk']:<6} D={p['D']} {p['dtype']} "
+              f"mask={mask:<9} fmha_iree {t * 1e3:8.3f} ms {row['fmha_iree_tflops']:6.1f} TFLOP/s {row['kv_gb_per_s']:6.0f} GB/s"
+              + (f" (lse {t_lse * 1e3:.3f}, host {host * 1e3:.3f} ms)" if t_lse else "")
+              + f" | {peer_txt} | best {row['ratio_vs_best'] or 0:.2f}x | diff {err:.1e}", flush=True)
     return rows
 
 
@@ -177,7 +267,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="local-task")
     ap.add_argument("--modules", help="folder of precompiled modules (GPU deployment path)")
-    ap.add_argument("--preset", choices=("cpu", "fa"), default="cpu")
+    ap.add_argument("--preset", choices=("cpu", "cpu-general", "fa", "general"), default="cpu")
     ap.add_argument("--max-seqlen", type=int, default=0)
     ap.add_argument("--hdim", type=int, nargs="*", help="only these head dims")
     ap.add_argument("--dtype", nargs="*", help="only these dtypes (f16, bf16, f32)")
@@ -212,7 +302,7 @@ def main():
             import matplotlib.pyplot as plt
 
             fig, ax = plt.subplots(figsize=(8, 4))
-            labels = [f"S{r['S']} D{r['D']}{' c' if r['causal'] else ''}" for r in rows]
+            labels = [f"{r['Sq']}x{r['Sk']} D{r['D']} {r['mask']}" for r in rows]
             ax.bar(np.arange(len(rows)) - 0.2, [r["fmha_iree_tflops"] for r in rows], 0.4, label="fmha_iree")
             peer = next((k for k in rows[0] if k.startswith("torch_") and k.endswith("_ms")), None) if rows else None
             if peer:

@@ -151,9 +151,12 @@ def render_fwd(plan: Plan, func_name: str = "fwd") -> str:
     T, D, DV = p.dtype, p.dq, p.dv
     ty_q, ty_k, ty_v = _ty(["?", "?", "?", D], T), _ty(["?", "?", "?", D], T), _ty(["?", "?", "?", DV], T)
     s_ax, h_ax = (2, 1) if p.layout == "bhsd" else (1, 2)
-    b = fn.dim("%q", ty_q, 0)
-    sq, hq = fn.dim("%q", ty_q, s_ax), fn.dim("%q", ty_q, h_ax)
-    sk, hk = fn.dim("%k", ty_k, s_ax), fn.dim("%k", ty_k, h_ax)
+    # sizes below 2**31 (a problem is validated before it is called): IREE then passes derived
+    # sizes as single 32-bit push constants (fewer scalar registers per dispatch)
+    bounded = lambda v: fn.arith(f"util.assume.int {v}<umin = 0, umax = 2147483647> : index", "a")  # noqa: E731
+    b = bounded(fn.dim("%q", ty_q, 0))
+    sq, hq = bounded(fn.dim("%q", ty_q, s_ax)), bounded(fn.dim("%q", ty_q, h_ax))
+    sk, hk = bounded(fn.dim("%k", ty_k, s_ax)), bounded(fn.dim("%k", ty_k, h_ax))
     y = fn.arith("arith.index_cast %y : i64 to index", "y")
     x = fn.arith("arith.index_cast %x : i64 to index", "x")
     scale = "%scale" if T == "f32" else fn.arith(f"arith.truncf %scale : f32 to {T}", "sc")

@@ -158,7 +158,7 @@ def _prefill(c: _Ctx, tier: Tier, h: _Groups, qp: str, cr: _Carry, left: bool) -
     chained on its state. Dead groups and empty edges run as empty ops."""
     fn, p = c.fn, c.p
     for g, (bd, k2) in enumerate(zip(h.bounds, h.k2)):
-        row0 = fn.mul(g, h.m)
+        row0 = fn.mul(fn.opaque(g), h.m)
         at = (["0", "0", "0", row0], [c.b, c.hk, "1", h.m])
 
         def interior(bd=bd, k2=k2, row0=row0, cr=cr, at=at):
@@ -169,7 +169,7 @@ def _prefill(c: _Ctx, tier: Tier, h: _Groups, qp: str, cr: _Carry, left: bool) -
         cr = cr.with_state(fn.dispatch(cr.results(), interior))
         for e, lo in enumerate((bd.right_lo, bd.left_lo)[:2 if left else 1]):
             cr = cr.with_names(_masked(c, tier, cr, qp=qp, lo=lo, w=h.widths[g][e], m=h.m, row0=row0,
-                                       where=("groups", g, e), outs_at=(*at, True)))
+                                       where=("groups", fn.opaque(g), e), outs_at=(*at, True)))
     return cr
 
 

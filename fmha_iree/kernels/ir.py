@@ -81,6 +81,16 @@ class Fn:
             self.prologue.append(f"  {name} = arith.constant {int(value)} : index")
         return self._consts[key]
 
+    def opaque(self, value: int) -> str:
+        """An index the compiler cannot fold (an optimization barrier on a constant): ops that
+        differ only in such a value compile to one dispatch body instead of one per value."""
+        key = ("opaque", int(value))
+        if key not in self._consts:
+            name = f"%o{int(value)}"
+            self._consts[key] = name
+            self.prologue.append(f"  {name} = util.optimization_barrier {self.c(value)} : index")
+        return self._consts[key]
+
     def const(self, literal: str, ty: str, base: str) -> str:
         key = (ty, literal)
         if key not in self._consts:

@@ -1,0 +1,119 @@
+"""``fwd`` (``fmha_iree.kernels.general``: any lengths and any CK mask in one call) checked for
+numbers on the CPU, where CI runs: the GPU module's formulation built for llvm-cpu and driven
+through the API's batch-mode routing (``api.run_batch``), against the float64 reference.
+
+Covered: tails that are not multiples of any tile (1..127 rows / keys), Sq < Sk and Sq > Sk under
+every mask kind, rows that see no key (out 0, lse -inf), Sq = 1 against up to 8192 keys (the
+short-query tier and split-KV), several groups of rows (one live, several live, dead ones), GQA /
+MQA, both layouts, f32 / f16 / bf16, and LSE."""
+
+import numpy as np
+import pytest
+import torch
+
+import fmha_iree
+from fmha_iree.api import run_batch, uses_fwd
+from fmha_iree.compile import ASYNC_FLAGS, compile_flags, dense_abi, fwd_plan, source_mlir
+from fmha_iree.runtime import FmhaModule
+from fmha_iree.spec import KernelSpec, check_batch
+from fmha_iree.targets import Target
+
+from reference import assert_close, attention_ref, make_qkv, seed_of
+
+TILES = fmha_iree.TileConfig(m0=32, n0=32, k0=16, n1=64, k1=16, kv_chunk=64)
+
+
+@pytest.fixture(scope="module")
+def fwd_module():
+    import iree.compiler.tools as ict
+
+    mods = {}
+
+    def get(dtype, layout, group, dq, dv=None):
+        key = (dtype, layout, group, dq, dv)
+        if key not in mods:
+            spec = KernelSpec(dtype, layout, group, dq, dv or dq, TILES, Target.from_name("host"))
+            assert fwd_plan(spec, fused_step=True) is not None
+            vmfb = ict.compile_str(source_mlir(spec, fused_step=True), extra_args=compile_flags(spec) + ASYNC_FLAGS)
+            mods[key] = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True,
+                                   dense=dense_abi(spec, fused_step=True))
+        return mods[key]
+
+    return get
+
+
+def _check(mod, q, k, v, mask, *, layout="bhsd", dtype=torch.float32, what=""):
+    p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=None, cu_seqlen_k=None)
+    assert uses_fwd(p, mod), f"{what}: expected the fwd entry point"
+    out, lse = run_batch(p, True, TILES, lambda: mod, "gpu")
+    ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout)
+    assert_close(out, ref_out, dtype, what=f"fwd out {what}")
+    assert_close(lse, ref_lse, dtype, kind="lse", what=f"fwd lse {what}")
+    return out, lse
+
+
+MASKS = ["0", "b", "t", "b:20,0", "t:3,40", "b:0,0", "xb:9", "t:-1,5"]
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("sq,sk", [(77, 130), (130, 77), (1, 129), (127, 1), (200, 200)],
+                         ids=["77x130", "130x77", "1x129", "127x1", "200x200"])
+def test_fwd_every_mask_and_tail(fwd_module, mask, sq, sk):
+    q, k, v = make_qkv(seed_of("fwd", mask, sq, sk), B=2, Hq=4, Hk=2, Sq=sq, Sk=sk, Dq=64)
+    _check(fwd_module("f32", "bhsd", 2, 64), q, k, v, mask, what=f"{mask} {sq}x{sk}")
+
+
+@pytest.mark.parametrize("sq,sk,mask", [(700, 700, "b"), (1100, 1100, "t"), (300, 2000, "b"), (900, 640, "b:200,0"),
+                                        (513, 1500, "t:100,-1")],
+                         ids=["700-b", "1100-t", "300x2000-b", "900x640-window", "513x1500-t"])
+def test_fwd_groups_of_rows(fwd_module, sq, sk, mask):
+    """Lengths past one group of rows (512 here): several groups, interiors and both edges,
+    groups past Sq left empty."""
+    q, k, v = make_qkv(seed_of("fwd-groups", sq, sk, mask), B=1, Hq=2, Hk=2, Sq=sq, Sk=sk, Dq=64)
+    _check(fwd_module("f32", "bhsd", 1, 64), q, k, v, mask, what=f"{mask} {sq}x{sk}")
+
+
+def test_fwd_rows_that_see_nothing(fwd_module):
+    """Bottom-right causal with Sq > Sk: the first Sq - Sk rows see no key (out 0, lse -inf)."""
+    q, k, v = make_qkv(seed_of("fwd-empty"), B=1, Hq=2, Hk=2, Sq=150, Sk=60, Dq=64)
+    out, lse = _check(fwd_module("f32", "bhsd", 1, 64), q, k, v, "b", what="b 150x60")
+    assert (np.asarray(out)[:, :, :90] == 0).all()
+    assert np.isneginf(np.asarray(lse)[:, :, :90]).all()
+
+
+@pytest.mark.parametrize("sk", [1, 63, 1000, 8192])
+def test_fwd_decode(fwd_module, sk):
+    """One query row per head against up to 8192 keys: the short-query tier, split over the keys."""
+    q, k, v = make_qkv(seed_of("fwd-decode", sk), B=3, Hq=8, Hk=2, Sq=1, Sk=sk, Dq=64)
+    _check(fwd_module("f32", "bhsd", 4, 64), q, k, v, "b", what=f"decode Sk={sk}")
+
+
+@pytest.mark.parametrize("sq", [2, 5, 33])
+def test_fwd_short_queries_causal(fwd_module, sq):
+    q, k, v = make_qkv(seed_of("fwd-short", sq), B=2, Hq=8, Hk=2, Sq=sq, Sk=777, Dq=64)
+    _check(fwd_module("f32", "bhsd", 4, 64), q, k, v, "b", what=f"short Sq={sq}")
+
+
+@pytest.mark.parametrize("mask", ["0", "b", "b:64,0"])
+def test_fwd_mqa_bshd_dv(fwd_module, mask):
+    """MQA (one KV head), the bshd layout and Dv != Dq."""
+    q, k, v = make_qkv(seed_of("fwd-mqa", mask), B=2, Hq=4, Hk=1, Sq=99, Sk=301, Dq=64, Dv=32, layout="bshd")
+    _check(fwd_module("f32", "bshd", 4, 64, 32), q, k, v, mask, layout="bshd", what=f"mqa {mask}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask", ["0", "b", "t:7,7"])
+def test_fwd_half_precision(fwd_module, dtype, mask):
+    name = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    q, k, v = make_qkv(seed_of("fwd-half", name, mask), B=2, Hq=4, Hk=2, Sq=70, Sk=190, Dq=64, dtype=dtype)
+    _check(fwd_module(name, "bhsd", 2, 64), q, k, v, mask, dtype=dtype, what=f"{name} {mask}")
+
+
+def test_fwd_module_carries_its_entry_point(fwd_module):
+    """The module exports ``fwd``; batch problems with cu_seqlen padding still take the plan."""
+    mod = fwd_module("f32", "bhsd", 2, 64)
+    assert mod.has_fwd
+    q, k, v = make_qkv(seed_of("fwd-pad"), B=2, Hq=4, Hk=2, Sq=40, Sk=50, Dq=64)
+    cu = np.array([0, 30, 70], np.int32)
+    p = check_batch(q, k, v, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=cu)
+    assert not uses_fwd(p, mod)
