@@ -195,12 +195,12 @@ def causal_diag(seqlen: int, align: int) -> int:
     """Diagonal block C of the causal tree at length S (S / C a power of two, C a multiple of
     ``align``): S/2 up to S=1024, else 256. The masked diagonal is computed in full (S*C/2 of
     wasted work); each level adds a dispatch and merge inputs, cheap since the levels read their
-    blocks in place (session 6). H200, B*S = 16k, H=16, d128 f16, out-only, bench.py, one run
-    each (2026-11-30, session 6; docs/bench/h200_2026-11-30d_*): blocks read in place,
+    blocks in place (commit 90e71e0). H200, B*S = 16k, H=16, d128 f16, out-only, bench.py, one run
+    each (2026-11-30, commit 90e71e0; docs/bench/h200_2026-11-30d_*): blocks read in place,
     C=256 1.28 / 2.08 / 3.65 / 6.70 ms at S=2048..16384 against C=512/1024 (the earlier rule)
     1.37 / 2.17 / 3.92 / 6.93; with V^T blocks C=256 against C=512 1.67 / 2.40 / 3.81 / 6.37 vs
-    1.76 / 2.50 / 3.85 / 6.45. (Session 5, blocks copied: C=512 best, C=256 1.68 / 2.56 / 4.14 /
-    7.00; session 4, host waits and slow copies: S/2 up to 4096 and 2048 above.)"""
+    1.76 / 2.50 / 3.85 / 6.45. (commit 0312255, blocks copied: C=512 best, C=256 1.68 / 2.56 / 4.14 /
+    7.00; commit 30b39b7, host waits and slow copies: S/2 up to 4096 and 2048 above.)"""
     prefs = (seqlen // 2, seqlen) if seqlen <= 1024 else (256, seqlen // 2, seqlen)
     for c in prefs:
         n = seqlen // c if c and seqlen % c == 0 else 0
@@ -212,7 +212,7 @@ def causal_diag(seqlen: int, align: int) -> int:
 # Causal without LSE at a compiled-in length S up to this: the whole problem as ONE fused
 # attention op with a [G*S, S] mask (every block computed, no partials, no merge) against the tree
 # of dense blocks (which skips the masked half but pays for partials, copies and a merge). H200,
-# d128 f16, B*S = 16k, bench.py (2026-11-30, session 4, after the tree lost its host waits and
+# d128 f16, B*S = 16k, bench.py (2026-11-30, commit 30b39b7, after the tree lost its host waits and
 # slow copies): masked op 1.38 / 1.62 / 2.56 / 4.35 ms at S = 512 / 1024 / 2048 / 4096 against the
 # tree's 1.69 / 1.72 / 2.34 / 3.48 (timed with the LSE). The mask costs G*S^2 bytes.
 CAUSAL_MASKED_MAX = 1024

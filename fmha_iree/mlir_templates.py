@@ -417,10 +417,10 @@ def render_dense_out(*, func_name: str, dtype: str, layout: str, group: int, dq:
 
 
 # `transpose_v` pays from this compiled-in length on. H200, B*S = 16k, bench.py, one run
-# (2026-11-30, session 5; docs/bench/h200_2026-11-30c_*): f16 d128 S = 512 / 1024 / 2048 / 4096 /
+# (2026-11-30, commit 0312255; docs/bench/h200_2026-11-30c_*): f16 d128 S = 512 / 1024 / 2048 / 4096 /
 # 16384 0.52 / 0.88 / 1.61 / 3.08 / 11.95 ms -> 0.66 / 0.93 / 1.57 / 2.93 / 10.88; bf16 d128
 # 0.51 / 0.89 / 1.61 / 3.05 / 11.67 -> 0.57 / 0.87 / 1.49 / 2.65 / 9.69 (the transpose itself
-# 0.12 ms at B*S = 16k, H=16; 0.062 ms since session 7's 8 elements per thread, not re-measured here).
+# 0.12 ms at B*S = 16k, H=16; 0.062 ms since commit 59a747a's 8 elements per thread, not re-measured here).
 TRANSPOSE_V_MIN_SEQLEN = 2048
 
 
@@ -613,7 +613,7 @@ def _transpose_copy(name: str, src: str, src_ty: str, dst_ty: str, n: str, subgr
     the source's dims (the form IREE turns a transpose into), with IREE's shared-memory transpose
     tiles on GPUs, which it picks itself only for static shapes: 32 x 32 tiles staged through
     shared memory (`promote_operands`), 8 elements (16 bytes of f16) along the output's fastest
-    dim per thread, 4 x 32 threads. H200, [64, 4096, 128] f16 (2026-11-30, session 7;
+    dim per thread, 4 x 32 threads. H200, [64, 4096, 128] f16 (2026-11-30, commit 59a747a;
     docs/bench/h200_2026-11-30e_*): 0.062 ms in the module against 0.12 with 4 elements per
     thread (8 x 32 threads); IREE's own tiles 0.53 ms."""
     et = src_ty.rsplit("x", 1)[1][:-1]
@@ -796,7 +796,7 @@ def diag_lowering(lowering):
     """The causal tree's masked diagonal op's lowering: a GPU lowering of 256 or more rows per
     workgroup at half the rows and half the subgroups (its C x C blocks are short in keys; twice
     the workgroups fill the GPU better). H200, f16 d128 (M=256, 8 subgroups), causal_profile.py
-    (2026-11-30, session 7; docs/bench/h200_2026-11-30e_profile_*): the diagonal kernel 0.301 ->
+    (2026-11-30, commit 59a747a; docs/bench/h200_2026-11-30e_profile_*): the diagonal kernel 0.301 ->
     0.281 ms at S=2048 and 0.303 -> 0.283 ms at S=4096; with 8 subgroups of 16 rows instead
     0.40 ms. Other lowerings unchanged (not measured)."""
     if not isinstance(lowering, Mapping) or lowering.get("backend") == "cpu":

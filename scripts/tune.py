@@ -8,7 +8,7 @@ Three verbs:
     python scripts/tune.py run tune_out --out DIR [--reps 20] [--only NAME,...]
     python scripts/tune.py write RESULTS.json [--out fmha_iree/tuned_cuda.json]
 
-Since 2026-11-30 (session 4) ``compile`` builds every module as the package builds CUDA modules,
+Since 2026-11-30 (commit 30b39b7) ``compile`` builds every module as the package builds CUDA modules,
 with IREE's polynomial exp2 replaced by ``ex2.approx`` (``fmha_iree/ptx.py``; ``--iree-exp2`` to
 keep IREE's). The current ``tuned_cuda.json`` entries were chosen by the sweep of IREE's fused
 ``attention`` op in ``scripts/study/kernel_variants_*.py`` (each entry names its command); this

@@ -1,8 +1,8 @@
 """H200: torch.profiler kernel breakdown of one causal call (and the unmasked one) through the
 package on gpu_modules/f16_d128.vmfb (or $FMHA_PROFILE_MODULE), B*S = 16k, H=16, D=128 f16.
-$FMHA_PROFILE_MASKS (session 6): other masks, separated by ";" (default "0;b"; each causal-like mask
+$FMHA_PROFILE_MASKS (commit 90e71e0): other masks, separated by ";" (default "0;b"; each causal-like mask
 is also timed with the LSE); $FMHA_PROFILE_KV_HEADS: K/V heads (default 16, GQA below);
-$FMHA_PROFILE_DTYPE (session 7): bf16 for a bf16 module.
+$FMHA_PROFILE_DTYPE (commit 59a747a): bf16 for a bf16 module.
 Usage: causal_profile.py [S...]"""
 import os, sys, time
 import torch
@@ -36,7 +36,7 @@ for S in [int(s) for s in sys.argv[1:]] or [4096, 16384]:
                 tot[e.name[:90]] = (c + 1, s + t / 1e3)
                 spans.append((e.time_range.start, e.time_range.end))
         ks = sum(s for _, s in tot.values()) / 5
-        # session 8: GPU idle between consecutive kernels (first to last kernel of the 5 calls)
+        # commit 533343d: GPU idle between consecutive kernels (first to last kernel of the 5 calls)
         spans.sort()
         idle = sum(max(0, b[0] - a[1]) for a, b in zip(spans, spans[1:])) / 5 / 1e3
         print(f"== S={S} B={B} mask={mask} lse={lse}: wall {wall:.3f} ms/call, kernels {ks:.3f} ms/call, "

@@ -1,7 +1,7 @@
 """Build gpu_vt/<RULE>[_novt]/<dtype>_d128[_g<G>].vmfb: the package's sm_80 module (--seqlens
 2048..16384) with the causal tree's diagonal block C fixed by RULE (256 / 512) and its V^T blocks
 forced on, or off with `novt`, to time with scripts/bench.py --modules gpu_vt/<dir> --mask causal.
-Session 6 (docs/bench/h200_2026-11-30d_causal_*). Usage: causal_tree_build.py RULE DTYPE HQ:HK [novt]"""
+Commit 90e71e0 (docs/bench/h200_2026-11-30d_causal_*). Usage: causal_tree_build.py RULE DTYPE HQ:HK [novt]"""
 import functools
 import sys
 from pathlib import Path

@@ -1,11 +1,11 @@
-"""Session 8 study (H200): is a call's host side the limit? Per call of the package on a module
+"""Study at commit 533343d (H200): is a call's host side the limit? Per call of the package on a module
 ($FMHA_PROFILE_MODULE, default gpu_modules/f16_d128.vmfb; $FMHA_PROFILE_DTYPE f16/bf16), B*S = 16k,
 H=16, D=128, out only, device-resident inputs: the host time to issue N back-to-back calls (the
 calls return once queued; a call waits only for a workspace slot, FmhaModule.WORKSPACE_SLOTS) and
 the time until the last result is ready, unmasked and causal; $FMHA_WS_SLOTS overrides the slots.
 $FMHA_PROFILE_HDIM (default 128; Hq = 2048 / D), $FMHA_PROFILE_KV_HEADS (default Hq) and
 $FMHA_PROFILE_MASKS ("0;b") as in causal_profile.py: the "done" column is the 20-call timing of the
-GQA rows in docs/BENCHMARKS.md (session 8; those ran from an inline copy of this loop).
+GQA rows in docs/BENCHMARKS.md (commit 533343d; those ran from an inline copy of this loop).
 Usage: host_rate.py [S...]"""
 import os, sys, time
 import torch

@@ -1,4 +1,4 @@
-"""Build the 2026-11-30 (session 4) kernel variants of ONE fused `attention` op (f16, [BH, S, D]
+"""Build the 2026-11-30 (commit 30b39b7) kernel variants of ONE fused `attention` op (f16, [BH, S, D]
 static), each twice: as IREE emits it and with its exp2 expansions replaced by ex2.approx
 (fmha_iree.ptx.native_exp2, substituted back with --iree-hal-substitute-executable-objects-from).
 Writes gpu_exp3/<name>[_ex2].vmfb and gpu_exp3/index.json.

@@ -1,4 +1,4 @@
-"""Session 7 study: tile configs of V's transpose [BH, S, Dv] -> [BH, Dv, S] (the copy the
+"""Study at commit 59a747a: tile configs of V's transpose [BH, S, Dv] -> [BH, Dv, S] (the copy the
 transpose_v dense path and the V^T block templates start with), one function per config.
 
   transpose_tiles.py build OUT.vmfb        (here: compiles for sm_80)

@@ -1,4 +1,4 @@
-"""Session 8 study: the causal tree's ops at other lowerings, as sm_80 modules (S = 2048, 4096)
+"""Study at commit 533343d: the causal tree's ops at other lowerings, as sm_80 modules (S = 2048, 4096)
 to profile on the H200 with causal_profile.py ($FMHA_PROFILE_MODULE=DIR/<variant>.vmfb).
 
   tree_lowerings.py DIR [VARIANT...]   (here; $FMHA_STUDY_DTYPE: bf16 for bf16 modules)
@@ -7,7 +7,7 @@ A variant maps op-name prefixes ("dg": the masked diagonal (both halves when spl
 level) to lowering fields replacing those the package gives that op (after diag_lowering for the
 diagonal). The f16 d128 package lowering: levels M256 / K2=32 / 8 warps, diagonal M128 / K2=32 /
 4 warps. The variants split / padmerge / padmerge_split need `git apply scripts/study/diag_split.patch`
-(render_causal_tree's `split` and `merge_pad`, not kept; docs/BENCHMARKS.md, session 8).
+(render_causal_tree's `split` and `merge_pad`, not kept; docs/BENCHMARKS.md, commit 533343d).
 """
 import sys
 
@@ -38,7 +38,7 @@ VARIANTS = {
     "norm": {"tree": {"normalize": True}, "flags": ["--iree-dispatch-creation-enable-aggressive-fusion"]},
     "norm_noflag": {"tree": {"normalize": True}},
     # IREE's shared-memory prefetch (software pipelining of the K2 loop), every tree op; last
-    # measured in session 4, before the native exp2, when the kernels were ALU-bound
+    # measured in commit 30b39b7, before the native exp2, when the kernels were ALU-bound
     "pf2": {"lv": {"prefetch_stages": 2}, "dg": {"prefetch_stages": 2}},
     "pf3": {"lv": {"prefetch_stages": 3}, "dg": {"prefetch_stages": 3}},
     # the same through iree-compile's flag (every dispatch of the module)

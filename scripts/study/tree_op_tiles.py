@@ -1,4 +1,4 @@
-"""Session 7 study: variants of the causal tree's ops and of V's transpose, as f16 d128 sm_80
+"""Study at commit 59a747a: variants of the causal tree's ops and of V's transpose, as f16 d128 sm_80
 modules (S = 2048, 4096) to profile on the H200 with causal_profile.py.
 
   tree_op_tiles.py DIR [VARIANT...]   (here: writes DIR/<variant>.vmfb and .json;
