@@ -203,6 +203,8 @@ def run(args):
             continue
         if args.mask != "all" and (p["mask"] != ("b" if args.mask == "causal" else "0")):
             continue
+        if args.label and not any(w in p["label"] for w in args.label):
+            continue
         dt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[p["dtype"]]
         torch.manual_seed(0)
         q = torch.randn(p["B"], p["Hq"], p["Sq"], p["D"], dtype=dt)
@@ -272,6 +274,7 @@ def main():
     ap.add_argument("--hdim", type=int, nargs="*", help="only these head dims")
     ap.add_argument("--dtype", nargs="*", help="only these dtypes (f16, bf16, f32)")
     ap.add_argument("--mask", choices=("all", "none", "causal"), default="all", help="only unmasked / causal rows")
+    ap.add_argument("--label", nargs="*", help="only rows whose label contains one of these words")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--specialize", action="store_true",
                     help="fmha_fwd(..., specialize=True): modules fixed to each shape (compiled in the warm-up)")

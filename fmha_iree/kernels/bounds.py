@@ -10,6 +10,12 @@ the rows ``a .. b`` of a group:
   of the union ``[lo(a), hi(b))``, computed with a mask. Their widths are at most ``b - a`` and
   ``b - a + L - 1``.
 
+An edge is computed over an aligned window (``edge_window``): ``round_up(width, unit)`` keys from
+``max(0, min(lo, limit - that))``, so that its op's key count is a proven multiple of the tile
+(IREE then drops the per-tile bounds checks: H200, 2026-12-01, the causal S=4096 edges took 0.69
+instead of 1.04 ms); keys of the window outside the edge are masked out. A window needs
+``limit`` (the keys that can be read) of at least its width.
+
 Keys outside the union are never read: CK's ``GetTileRangeAlongX`` at the group's granularity.
 The same formulas run on the host (the exported function's index arithmetic, per group) and on
 the device (the mask generator, per element), so the two agree by construction.
@@ -21,7 +27,7 @@ import dataclasses
 
 from .ir import Fn
 
-__all__ = ["Bounds", "group_bounds", "row_lo", "row_hi"]
+__all__ = ["Bounds", "group_bounds", "row_lo", "row_hi", "edge_window"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,3 +64,10 @@ def group_bounds(fn: Fn, *, g, rows: str, sq: str, sk: str, y: str, x: str, cols
     int_hi = fn.add(lo_b, fn.mul(n, cols))
     return Bounds(first=a, last=b, int_lo=lo_b, n_cols=n, int_hi=int_hi, left_lo=lo_a, left_hi=lo_b,
                   right_lo=int_hi, right_hi=fn.max(hi_b, int_hi))
+
+
+def edge_window(fn: Fn, lo, hi, limit, unit: int) -> tuple[str, str]:
+    """(start, width) of the aligned window over the edge ``[lo, hi)``: ``width = round_up(hi - lo,
+    unit)`` keys from ``max(0, min(lo, limit - width))`` (valid when ``width <= limit``)."""
+    width = fn.round_up(fn.sub(hi, lo), unit)
+    return fn.max(fn.min(lo, fn.sub(limit, width)), 0), width

@@ -1,16 +1,18 @@
 """From online-softmax state to results: split-KV slots combined, then normalized to the ABI.
 
 State rows are ``(s, g)`` pairs (row ``s * G + g`` of KV head ``h`` is query head ``h * G + g`` at
-position ``s``), ``max`` in log2 units. ``normalize`` writes ``out = acc / sum`` in the input type
+position ``s``), ``max`` in log2 units. ``normalize_one`` (one slot) and ``normalize_slots``
+(split-KV slots, combined first) write ``out = acc / sum`` in the input type
 and ``lse = (max + log2 sum) * ln 2``; rows whose sum is 0 (they see no key) get 0 and ``-inf``.
 """
 
 from __future__ import annotations
 
+from .elementwise import copy_attrs
 from .ir import Fn, tensor_type
 from .state import State
 
-__all__ = ["normalize"]
+__all__ = ["normalize_one", "normalize_slots"]
 
 _FMIN = "-3.40282347E+38"
 
@@ -122,31 +124,50 @@ def _out_layout(layout: str, G: int, dv: int, dtype: str, b: str, hk: str, sq: s
             "[[0], [1], [2, 3], [4]]")
 
 
-def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout: str) -> tuple[str, str, str, str]:
-    """``normalize`` for a one-slot state: plain elementwise ops on slot 0."""
+def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout: str,
+                  lowering=None) -> tuple[str, str, str, str]:
+    """A one-slot state to ``out`` / ``lse``: plain elementwise ops on slot 0 (tiled by
+    ``elementwise.copy_attrs`` for ``lowering``)."""
     G, dv = int(group), st.dv
     b, hk = st.lead[0], st.lead[1]
-    rows = fn.mul(sq, G)
-    a4, m3 = tensor_type(["?", "?", "?", dv], "f32"), tensor_type(["?", "?", "?"], "f32")
-    acc = fn.let(f"tensor.extract_slice {st.acc}[0, 0, 0, 0, 0] [{b}, {hk}, 1, {rows}, {dv}] [1, 1, 1, 1, 1] : {st.acc_type} to {a4}", "sl")
-    mx = fn.let(f"tensor.extract_slice {st.mx}[0, 0, 0, 0] [{b}, {hk}, 1, {rows}] [1, 1, 1, 1] : {st.mx_type} to {m3}", "sl")
-    sm = fn.let(f"tensor.extract_slice {st.sm}[0, 0, 0, 0, 0] [{b}, {hk}, 1, {rows}, 1] [1, 1, 1, 1, 1] : {st.sm_type} to {m3}", "sl")
+    # the whole state viewed as rows (s, g) first, then sliced: a slice of the first Sq * G rows
+    # expanded afterwards is a copy IREE runs as one-workgroup `slow_memcpy` dispatches
+    per = fn.floordiv(st.lead[3], G)
+    a6 = tensor_type(["?", "?", "?", "?", G, dv], "f32")
+    m5, s6 = tensor_type(["?", "?", "?", "?", G], "f32"), tensor_type(["?", "?", "?", "?", G, 1], "f32")
     a5, m4 = tensor_type(["?", "?", "?", G, dv], "f32"), tensor_type(["?", "?", "?", G], "f32")
-    acc5 = fn.let(f"tensor.expand_shape {acc} [[0], [1], [2, 3], [4]] output_shape [{b}, {hk}, {sq}, {G}, {dv}] : {a4} into {a5}", "ex")
-    mx4, sm4 = (fn.let(f"tensor.expand_shape {x} [[0], [1], [2, 3]] output_shape [{b}, {hk}, {sq}, {G}] : {m3} into {m4}", "ex")
-                for x in (mx, sm))
+
+    def views():
+        acc6 = fn.let(f"tensor.expand_shape {st.acc} [[0], [1], [2], [3, 4], [5]] output_shape [{b}, {hk}, {st.lead[2]}, {per}, {G}, {dv}] "
+                      f": {st.acc_type} into {a6}", "ex")
+        mx5 = fn.let(f"tensor.expand_shape {st.mx} [[0], [1], [2], [3, 4]] output_shape [{b}, {hk}, {st.lead[2]}, {per}, {G}] "
+                     f": {st.mx_type} into {m5}", "ex")
+        sm6 = fn.let(f"tensor.expand_shape {st.sm} [[0], [1], [2], [3, 4], [5]] output_shape [{b}, {hk}, {st.lead[2]}, {per}, {G}, 1] "
+                     f": {st.sm_type} into {s6}", "ex")
+        return (fn.let(f"tensor.extract_slice {acc6}[0, 0, 0, 0, 0, 0] [{b}, {hk}, 1, {sq}, {G}, {dv}] [1, 1, 1, 1, 1, 1] : {a6} to {a5}", "sl"),
+                fn.let(f"tensor.extract_slice {mx5}[0, 0, 0, 0, 0] [{b}, {hk}, 1, {sq}, {G}] [1, 1, 1, 1, 1] : {m5} to {m4}", "sl"),
+                fn.let(f"tensor.extract_slice {sm6}[0, 0, 0, 0, 0, 0] [{b}, {hk}, 1, {sq}, {G}, 1] [1, 1, 1, 1, 1, 1] : {s6} to {m4}", "sl"))
+
     o5_ty, sizes, sdims, reassoc = _out_layout(layout, G, dv, dtype, b, hk, sq)
     d5 = "d0, d1, d2, d3, d4"
     st_map, ml_map = ", ".join(sdims), ", ".join(sdims[:4])
     par = lambda n: ", ".join(['"parallel"'] * n)  # noqa: E731
-    o_e = fn.let(f"tensor.empty({sizes}) : {o5_ty}", "e")
+    attrs = copy_attrs(lowering, rank=5, row_dim=3 if layout == "bhsd" else 1, inner=dv)
     cast = (f"    %n1_y = arith.truncf %n1_v : f32 to {dtype}\n" if dtype != "f32" else "    %n1_y = arith.addf %n1_v, %n1_z : f32\n")
-    o5 = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({st_map})>, affine_map<({d5}) -> ({ml_map})>, "
-                f"affine_map<({d5}) -> ({d5})>], iterator_types = [{par(5)}]}} ins({acc5}, {sm4} : {a5}, {m4}) "
-                f"outs({o_e} : {o5_ty}) {{\n  ^bb0(%n1_a: f32, %n1_l: f32, %n1_o: {dtype}):\n"
-                "    %n1_z = arith.constant 0.0 : f32\n    %n1_q = arith.divf %n1_a, %n1_l : f32\n"
-                "    %n1_p = arith.cmpf ogt, %n1_l, %n1_z : f32\n    %n1_v = arith.select %n1_p, %n1_q, %n1_z : f32\n"
-                f"{cast}    linalg.yield %n1_y : {dtype}\n  }} -> {o5_ty}", "n1")
+
+    def out_region():
+        # an explicit dispatch, so that IREE keeps the op's rank and its lowering (``attrs``)
+        acc5, _, sm4 = views()
+        o_e = fn.let(f"tensor.empty({sizes}) : {o5_ty}", "e")
+        return [fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({st_map})>, affine_map<({d5}) -> ({ml_map})>, "
+                       f"affine_map<({d5}) -> ({d5})>], iterator_types = [{par(5)}]}} ins({acc5}, {sm4} : {a5}, {m4}) "
+                       f"outs({o_e} : {o5_ty}){attrs} {{\n  ^bb0(%n1_a: f32, %n1_l: f32, %n1_o: {dtype}):\n"
+                       "    %n1_z = arith.constant 0.0 : f32\n    %n1_q = arith.divf %n1_a, %n1_l : f32\n"
+                       "    %n1_p = arith.cmpf ogt, %n1_l, %n1_z : f32\n    %n1_v = arith.select %n1_p, %n1_q, %n1_z : f32\n"
+                       f"{cast}    linalg.yield %n1_y : {dtype}\n  }} -> {o5_ty}", "n1")]
+
+    o5 = fn.dispatch([(o5_ty, [x.strip() for x in sizes.split(",")])], out_region)[0]
+    _, mx4, sm4 = views()
     o_ty = tensor_type(["?", "?", "?", dv], dtype)
     out = fn.let(f"tensor.collapse_shape {o5} {reassoc} : {o5_ty} into {o_ty}", "out")
     l4_ty = tensor_type(["?", "?", G, "?"], "f32")
@@ -163,22 +184,3 @@ def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout:
     lse_ty = tensor_type(["?", "?", "?"], "f32")
     lse = fn.let(f"tensor.collapse_shape {l4} [[0], [1, 2], [3]] : {l4_ty} into {lse_ty}", "lse")
     return out, o_ty, lse, lse_ty
-
-
-def normalize(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout: str) -> tuple[str, str, str, str]:
-    """State to ``out`` / ``lse``: plain elementwise ops for one slot, per-element loops over
-    slots (``normalize_slots``) for split-KV states."""
-    kw = dict(sq=sq, group=group, dtype=dtype, layout=layout)
-    res = {}
-
-    def one():
-        res["one"] = normalize_one(fn, st, **kw)
-        return [res["one"][0], res["one"][2]]
-
-    def many():
-        r = normalize_slots(fn, st, **kw)
-        return [r[0], r[2]]
-
-    o_ty, l_ty = tensor_type(["?", "?", "?", st.dv], dtype), tensor_type(["?", "?", "?"], "f32")
-    out, lse = fn.if_else(fn.cmp("eq", st.lead[2], 1), [o_ty, l_ty], one, many)
-    return out, o_ty, lse, l_ty

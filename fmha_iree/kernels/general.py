@@ -2,8 +2,8 @@
 
 Signature (``layout`` "bhsd" shown; "bshd" swaps the S and H axes of q, k, v and out)::
 
-    fwd(q [B, Hq, Sq, Dq], k [B, Hk, Sk, Dq], v [B, Hk, Sk, Dv], scale: f32, y: i64, x: i64,
-        workspace) -> (out [B, Hq, Sq, Dv], lse [B, Hq, Sq] f32)
+    fwd(q [B, Hq, Sq, Dq], k [B, Hk, Sk, Dq], v [B, Hk, Sk, Dv], scale: f32, y: i64, x: i64)
+        -> (out [B, Hq, Sq, Dv], lse [B, Hq, Sq] f32, scratch...)
 
 ``(y, x)`` are CK's mask coordinates for this problem (row ``s`` sees keys
 ``s - y + 1 <= j < s + x``); every size is a runtime value. Q is copied once into padded rows
@@ -19,6 +19,22 @@ in place. The function's index arithmetic (run by IREE on the host) cuts the pro
   state slot, slots merged through their max/sum (``finalize.combine_slots``).
 * short queries (``Sq * G <= Plan.short_rows``) take the split-KV path with their own lowering
   (``Plan.short``: 16-row tiles).
+
+Edges are computed over windows whose key counts are multiples of ``Plan.cols``
+(``bounds.edge_window``); a problem whose widest window does not fit in Sk (an edge spanning nearly
+all of a short Sk) runs one group over copies of K and V padded to a multiple of ``Plan.cols``.
+
+The host picks one path (an ``scf.if`` chain over straight-line variants: each group count with
+or without left edges, split-KV with or without leftover columns, the padded fallback) and each
+path is the whole call:
+its own Q copy, masks, state, ops and normalize. A call is then one execution region whose
+allocations wait on nothing but its inputs. The tensors it works in (``scratch``: padded Q, masks,
+state) are returned after ``lse`` and dropped by the caller: as results they are allocated like
+the outputs and freed when released; as transients, IREE 3.13's CUDA HAL would free them with a
+host wait for the call's last kernel (its ``queue_dealloca`` blocks on its semaphores), so the host
+could not queue a call before the one before it had finished. (A caller-owned workspace,
+``iree.abi.transients``, miscompiled here: IREE 3.13's transient emplacement placed offset
+arithmetic inside an execution region.)
 """
 
 from __future__ import annotations
@@ -26,9 +42,10 @@ from __future__ import annotations
 import dataclasses
 
 from .attention import Operand
+from .elementwise import copy_attrs
 from .ir import Fn, tensor_type
 
-__all__ = ["Tier", "Plan", "render_fwd"]
+__all__ = ["Tier", "Plan", "render_fwd", "kv_operand", "kv_padded", "q_padded"]
 
 @dataclasses.dataclass(frozen=True)
 class Tier:
@@ -51,7 +68,7 @@ class Plan:
     main: Tier
     short: Tier | None
     cols: int = 64  # L: interior K2 is a multiple of it (a multiple of every tier's K2 tile)
-    rows: int = 512  # prefill group rows at least (a multiple of main.tile_rows)
+    rows: int = 512  # prefill group state rows (rows * G) at least
     fill_wgs: int = 132  # groups grow until one op has this many workgroups (the GPU's SMs / CUs)
     max_groups: int = 16  # groups unrolled in the function (rows grow past rows * max_groups)
     short_rows: int = 16  # Sq * G up to this takes the short tier
@@ -76,6 +93,7 @@ class _Ctx:
     scale: str
     k: Operand
     v: Operand
+    limit: str  # keys of k / v that can be read (Sk, or the padded length of padded copies)
 
 
 def _ty(shape, elt):
@@ -109,6 +127,40 @@ def kv_operand(c: _Ctx, which: str, lo: str, keys, pieces: str | None = None) ->
     return Operand(ex, ty5, ("b0", "b2", "k2", "b1", kdim))
 
 
+def kv_padded(c: _Ctx, which: str) -> Operand:
+    """K or V copied into ``c.limit`` keys (two dispatches: a fill, then the copy stored into its
+    keys). Past Sk, V holds zeros (a masked key's weight is 0, and 0 * V must be 0) and K ones (any
+    finite value; a different one from V's, or IREE 3.13 folds the two fills into one buffer and
+    stores both copies into it)."""
+    fn, T = c.fn, c.p.dtype
+    src = c.k if which == "k" else c.v
+    d = c.p.dq if which == "k" else c.p.dv
+    ty = _ty(["?", "?", "?", d], T)
+    bhsd = c.p.layout == "bhsd"
+    full = [c.b, c.hk, c.limit] if bhsd else [c.b, c.limit, c.hk]
+    part = [c.b, c.hk, c.sk] if bhsd else [c.b, c.sk, c.hk]
+
+    def zeros():
+        e = fn.let(f"tensor.empty({', '.join(full)}) : {ty}", "e")
+        z = fn.let(f"arith.constant {'1.0' if which == 'k' else '0.0'} : {T}", "z")
+        return [fn.let(f"linalg.fill ins({z} : {T}) outs({e} : {ty}) -> {ty}", "kz")]
+
+    dest = fn.dispatch([(ty, full)], zeros)[0]
+    attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=2 if bhsd else 1, inner=d)
+
+    def region():
+        e = fn.let(f"tensor.empty({', '.join(part)}) : {ty}", "e")
+        m4, par = "d0, d1, d2, d3", ", ".join(['"parallel"'] * 4)
+        cp = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({m4}) -> ({m4})>, affine_map<({m4}) -> ({m4})>], "
+                    f"iterator_types = [{par}]}} ins({src.name} : {ty}) outs({e} : {ty}){attrs} {{\n"
+                    f"  ^bb0(%kc_in: {T}, %kc_out: {T}):\n    linalg.yield %kc_in : {T}\n  }} -> {ty}", "kc")
+        return [fn.let(f"tensor.insert_slice {cp} into {dest}[0, 0, 0, 0] [{', '.join(part)}, {d}] [1, 1, 1, 1] "
+                       f": {ty} into {ty}", "ins")]
+
+    out = fn.dispatch([(ty, full)], region)[0]
+    return Operand(out, ty, src.dims)
+
+
 def q_padded(c: _Ctx, q_arg: str, m_pad: str) -> str:
     """Q as ``[B, Hk, m_pad, Dq]``, rows ``(s, g)`` (row ``s * G + g``); rows past ``Sq * G`` are
     left unwritten (every row is independent: a padding row only ever reaches its own output row,
@@ -116,24 +168,27 @@ def q_padded(c: _Ctx, q_arg: str, m_pad: str) -> str:
     lowers an unstructured copy into a slice to a one-workgroup ``slow_memcpy``)."""
     fn, G, D, T = c.fn, c.p.group, c.p.dq, c.p.dtype
     q_ty = _ty(["?", "?", "?", D], T)
-    if c.p.layout == "bhsd":  # q [B, Hk*G, Sq, D] read as (b, h, g, s, d)
+    # the loops run in the source's order (IREE turns a copy around that way itself, and the
+    # tile of ``copy_attrs`` is given for it): (b, h, g, s, d) for bhsd, (b, s, h, g, d) for bshd
+    if c.p.layout == "bhsd":  # q [B, Hk*G, Sq, D] as [B, Hk, G, Sq, D]
         src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1, 2], [3], [4]] output_shape [{c.b}, {c.hk}, {G}, {c.sq}, {D}] "
                      f": {q_ty} into {_ty(['?', '?', G, '?', D], T)}", "q")
-        src_ty, src_map = _ty(["?", "?", G, "?", D], T), "d0, d1, d3, d2, d4"
-    else:  # q [B, Sq, Hk*G, D] read as (b, s, h, g, d)
+        src_ty, dst_map, s_dim = _ty(["?", "?", G, "?", D], T), "d0, d1, d3, d2, d4", 3
+    else:  # q [B, Sq, Hk*G, D] as [B, Sq, Hk, G, D]
         src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1], [2, 3], [4]] output_shape [{c.b}, {c.sq}, {c.hk}, {G}, {D}] "
                      f": {q_ty} into {_ty(['?', '?', '?', G, D], T)}", "q")
-        src_ty, src_map = _ty(["?", "?", "?", G, D], T), "d0, d2, d1, d3, d4"
+        src_ty, dst_map, s_dim = _ty(["?", "?", "?", G, D], T), "d0, d2, d1, d3, d4", 1
     dest = fn.let(f"tensor.empty({c.b}, {c.hk}, {m_pad}) : {q_ty}", "qp")
     rows = fn.mul(c.sq, G)
     t_ty = _ty(["?", "?", "?", G, D], T)
+    attrs = copy_attrs(c.p.main.lowering, rank=5, row_dim=s_dim, inner=D)
 
     def region():
         e = fn.let(f"tensor.empty({c.b}, {c.hk}, {c.sq}) : {t_ty}", "e")
         d5 = "d0, d1, d2, d3, d4"
         par = ", ".join(['"parallel"'] * 5)
-        cp = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({src_map})>, affine_map<({d5}) -> ({d5})>], "
-                    f"iterator_types = [{par}]}} ins({src} : {src_ty}) outs({e} : {t_ty}) {{\n"
+        cp = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({d5})>, affine_map<({d5}) -> ({dst_map})>], "
+                    f"iterator_types = [{par}]}} ins({src} : {src_ty}) outs({e} : {t_ty}){attrs} {{\n"
                     f"  ^bb0(%qc_in: {T}, %qc_out: {T}):\n    linalg.yield %qc_in : {T}\n  }} -> {t_ty}", "qc")
         flat = fn.let(f"tensor.collapse_shape {cp} [[0], [1], [2, 3], [4]] : {t_ty} into {q_ty}", "qc")
         return [fn.let(f"tensor.insert_slice {flat} into {dest}[0, 0, 0, 0] [{c.b}, {c.hk}, {rows}, {D}] [1, 1, 1, 1] "
@@ -162,11 +217,9 @@ def render_fwd(plan: Plan, func_name: str = "fwd") -> str:
     scale = "%scale" if T == "f32" else fn.arith(f"arith.truncf %scale : f32 to {T}", "sc")
     kd = ("b0", "b1", "k2", "k1") if p.layout == "bhsd" else ("b0", "k2", "b1", "k1")
     vd = kd[:3] + ("n",)
-    c = _Ctx(fn, p, b, hk, hq, sq, sk, y, x, scale, Operand("%k", ty_k, kd), Operand("%v", ty_v, vd))
-    out, out_ty, lse, lse_ty = body(c)
-    # No caller-owned workspace (iree.abi.transients): IREE 3.13's transient emplacement
-    # miscompiles this function's packed intermediates (offset arithmetic placed inside an execution
-    # region; sizes used before they are defined), so IREE allocates them per call.
+    c = _Ctx(fn, p, b, hk, hq, sq, sk, y, x, scale, Operand("%k", ty_k, kd), Operand("%v", ty_v, vd), sk)
+    results = body(c)
+    names, types = ", ".join(n for n, _ in results), ", ".join(t for _, t in results)
     args = f"%q: {ty_q}, %k: {ty_k}, %v: {ty_v}, %scale: f32, %y: i64, %x: i64"
-    return (f"util.func public @{func_name}({args}) -> ({out_ty}, {lse_ty}) {{\n" + fn.text()
-            + f"\n  util.return {out}, {lse} : {out_ty}, {lse_ty}\n}}\n")
+    return (f"util.func public @{func_name}({args}) -> ({types}) {{\n" + fn.text()
+            + f"\n  util.return {names} : {types}\n}}\n")

@@ -2,21 +2,21 @@
 interior op plus masked edges chained through its state; or one group split over the keys.
 
 Layout of the emitted function: host arithmetic for every path first (``ir.Fn``), then the
-tensors all paths share (padded Q, the edge masks, the state), then the choice of path
-(``scf.if``) holding only explicit dispatch regions that write into those tensors, then one
-normalize of the state. The state and the mask tensor are threaded through every branch, so
-IREE updates them in place (a branch that updated a tensor it does not yield would make IREE
-copy it first).
+choice of path (an ``scf.if`` chain), each path the whole call in straight-line explicit dispatch
+regions (no ``scf.if`` inside a path: IREE copies a tensor that a nested branch updates, and
+allocates the copy with a host wait for the work before it). The state and the masks are
+threaded through a path's ops, so IREE updates them in place.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .attention import Operand, online_attention
-from .bounds import Bounds, group_bounds
-from .finalize import normalize
-from .general import Tier, _Ctx, kv_operand, q_padded
+from .bounds import Bounds, edge_window, group_bounds
+from .finalize import normalize_one, normalize_slots
+from .general import Tier, _Ctx, kv_operand, kv_padded, q_padded
 from .ir import tensor_type as _ty
 from .masks import MASK_TYPE, edge_masks
 from .state import State, fresh_outs, new_state
@@ -58,8 +58,9 @@ class _Groups:
     width: str
     bounds: list[Bounds]
     k2: list[str]
-    widths: list[tuple[str, str]]  # (right, left) edge widths per group
+    windows: list[tuple[tuple[str, str], tuple[str, str]]]  # per group (right, left): (start, keys)
     any_left: str  # i1: some group has a left edge
+    fits: str  # i1: every window fits the keys that can be read
 
 
 @dataclasses.dataclass
@@ -76,7 +77,8 @@ class _Pieces:
     rest_lo: str
     n_slots: str
     edge_slots: tuple[str, str]
-    widths: tuple[str, str]
+    windows: tuple[tuple[str, str], tuple[str, str]]  # (right, left): (start, keys)
+    fits: str
 
 
 def _q_rows(c: _Ctx, qp: str, row0, m: str) -> Operand:
@@ -92,25 +94,36 @@ def _attend(c: _Ctx, tier: Tier, q: Operand, k: Operand, v: Operand, outs: list[
                             lowering=tier.lowering, dv=c.p.dv, mask=mask)
 
 
+def _window(c: _Ctx, lo: str, hi: str, live: str | None = None) -> tuple[str, str]:
+    """The aligned window (start, keys) of the edge ``[lo, hi)``, empty when not ``live``."""
+    fn, unit = c.fn, c.p.cols
+    hi = hi if live is None else fn.select(live, hi, lo)
+    start, keys = edge_window(fn, lo, hi, c.limit, unit)
+    return start, fn.assume_div(keys, unit)
+
+
 def _groups_host(c: _Ctx, tier: Tier, n: int) -> _Groups:
-    """Host values of ``n`` groups of ``rows = ceil(Sq / n)`` rows (rounded to the tile); a group
-    past Sq is dead: empty key ranges, so its ops only (re)write padding rows."""
+    """Host values of ``n`` groups of ``rows = ceil(Sq / n)`` rows (rounded so that ``rows * G`` is
+    a whole tile); a group past Sq is dead: empty key ranges, so its ops only (re)write padding
+    rows."""
     fn, p = c.fn, c.p
-    rows = fn.max(fn.round_up(fn.ceildiv(c.sq, n), tier.tile_rows), tier.tile_rows)
+    unit = tier.tile_rows // math.gcd(tier.tile_rows, p.group)
+    rows = fn.max(fn.round_up(fn.ceildiv(c.sq, n), unit), unit)
     m = fn.assume_div(fn.mul(rows, p.group), tier.tile_rows)
-    bounds, k2, widths = [], [], []
-    width, any_left = fn.c(1), fn.cmp("slt", fn.c(1), fn.c(0))
+    bounds, k2, windows = [], [], []
+    width, any_left = fn.c(p.cols), fn.cmp("slt", fn.c(1), fn.c(0))
     for g in range(n):
         live = fn.cmp("slt", fn.mul(g, rows), c.sq)
         bd = group_bounds(fn, g=g, rows=rows, sq=c.sq, sk=c.sk, y=c.y, x=c.x, cols=p.cols)
         bounds.append(bd)
         k2.append(fn.assume_div(fn.mul(fn.select(live, bd.n_cols, 0), p.cols), p.cols))
-        wr = fn.select(live, fn.sub(bd.right_hi, bd.right_lo), 0)
-        wl = fn.select(live, fn.sub(bd.left_hi, bd.left_lo), 0)
-        widths.append((wr, wl))
-        width = fn.max(width, fn.max(wr, wl))
-        any_left = fn.arith(f"arith.ori {any_left}, {fn.cmp('sgt', wl, 0)} : i1", "p")
-    return _Groups(rows, fn.c(n), m, fn.mul(m, n), width, bounds, k2, widths, any_left)
+        wr, wl = _window(c, bd.right_lo, bd.right_hi, live), _window(c, bd.left_lo, bd.left_hi, live)
+        windows.append((wr, wl))
+        width = fn.max(width, fn.max(wr[1], wl[1]))
+        any_left = fn.arith(f"arith.ori {any_left}, {fn.cmp('sgt', wl[1], 0)} : i1", "p")
+    fits = fn.cmp("sle", width, c.limit)  # the widest window, so every one
+    width = fn.assume_div(width, p.cols)
+    return _Groups(rows, fn.c(n), m, fn.mul(m, n), width, bounds, k2, windows, any_left, fits)
 
 
 def _pieces_host(c: _Ctx, tier: Tier) -> _Pieces:
@@ -125,15 +138,16 @@ def _pieces_host(c: _Ctx, tier: Tier) -> _Pieces:
     rest = fn.sub(bd.n_cols, fn.mul(per_cols, pieces))
     per = fn.assume_div(fn.mul(per_cols, L), L)
     done = fn.add(pieces, rest)
-    widths = (fn.sub(bd.right_hi, bd.right_lo), fn.sub(bd.left_hi, bd.left_lo))
-    return _Pieces(m, m_pad, fn.max(fn.max(widths[0], widths[1]), 1), bd, pieces, per, rest, fn.add(bd.int_lo, fn.mul(pieces, per)),
-                   fn.add(done, 2), (done, fn.add(done, 1)),
-                   (fn.sub(bd.right_hi, bd.right_lo), fn.sub(bd.left_hi, bd.left_lo)))
+    wr, wl = _window(c, bd.right_lo, bd.right_hi), _window(c, bd.left_lo, bd.left_hi)
+    width = fn.max(fn.max(wr[1], wl[1]), L)
+    fits = fn.cmp("sle", width, c.limit)
+    return _Pieces(m, m_pad, fn.assume_div(width, L), bd, pieces, per, rest, fn.add(bd.int_lo, fn.mul(pieces, per)),
+                   fn.add(done, 2), (done, fn.add(done, 1)), (wr, wl), fits)
 
 
 def _masked(c: _Ctx, tier: Tier, cr: _Carry, *, qp: str, lo: str, w: str, m: str, row0, where: tuple,
             outs_at: tuple[list, list, bool]) -> list[str]:
-    """An edge op over keys ``[lo, lo + w)`` with mask tile ``where`` = (path, group, edge),
+    """An edge op over the window ``[lo, lo + w)`` with mask tile ``where`` = (path, group, edge),
     reading the state rows at ``outs_at`` = (offsets, sizes, chained: else fresh) and inserted
     there."""
     fn = c.fn
@@ -167,15 +181,15 @@ def _prefill(c: _Ctx, tier: Tier, h: _Groups, qp: str, cr: _Carry, left: bool) -
             return cr.state.insert(fn, res, *at)
 
         cr = cr.with_state(fn.dispatch(cr.results(), interior))
-        for e, lo in enumerate((bd.right_lo, bd.left_lo)[:2 if left else 1]):
-            cr = cr.with_names(_masked(c, tier, cr, qp=qp, lo=lo, w=h.widths[g][e], m=h.m, row0=row0,
+        for e, (lo, w) in enumerate(h.windows[g][:2 if left else 1]):
+            cr = cr.with_names(_masked(c, tier, cr, qp=qp, lo=lo, w=w, m=h.m, row0=row0,
                                        where=("groups", fn.opaque(g), e), outs_at=(*at, True)))
     return cr
 
 
-def _split(c: _Ctx, tier: Tier, h: _Pieces, qp: str, cr: _Carry, tag: str) -> _Carry:
-    """One group of all rows; its interior in ``P`` pieces (+ ``r`` single columns) and its two
-    edges, each into its own state slot (combined by ``normalize``)."""
+def _split(c: _Ctx, tier: Tier, h: _Pieces, qp: str, cr: _Carry, tag: str, rest: bool) -> _Carry:
+    """One group of all rows; its interior in ``P`` pieces (with ``rest``: + ``r`` > 0 single
+    columns) and its two edges, each into its own state slot (combined by ``normalize_slots``)."""
     fn, p = c.fn, c.p
     L, bd, m = p.cols, h.bounds, h.m
     d3 = ("b0", "b1", "b2", "m")
@@ -194,9 +208,10 @@ def _split(c: _Ctx, tier: Tier, h: _Pieces, qp: str, cr: _Carry, tag: str) -> _C
             return cr.state.insert(fn, res, ["0", "0", h.pieces, "0"], [c.b, c.hk, h.rest, m])
         return fn.dispatch(cr.results(), region)
 
-    cr = cr.with_names(fn.if_else(fn.cmp("sgt", h.rest, 0), cr.types(), rest_op, lambda cr=cr: cr.names()))
-    for e, lo in enumerate((bd.right_lo, bd.left_lo)):
-        w, slot = h.widths[e], h.edge_slots[e]
+    if rest:
+        cr = cr.with_names(rest_op())
+    for e, (lo, w) in enumerate(h.windows):
+        slot = h.edge_slots[e]
         at = (["0", "0", slot, "0"], [c.b, c.hk, "1", m], False)
         cr = cr.with_names(_masked(c, tier, cr, qp=qp, lo=lo, w=w, m=m, row0=0, where=(tag, 0, e), outs_at=at))
     return cr
@@ -205,66 +220,91 @@ def _split(c: _Ctx, tier: Tier, h: _Pieces, qp: str, cr: _Carry, tag: str) -> _C
 _VARIANTS = (1, 2, 4, 8, 16)
 
 
-def body(c: _Ctx):
-    """Emit the whole function body; returns (out, out type, lse, lse type)."""
+def body(c: _Ctx) -> list[tuple[str, str]]:
+    """Emit the whole function body; returns its results as (name, type): out, lse, then the
+    scratch tensors (``scratch_types``)."""
     fn, p = c.fn, c.p
     main = p.main
     variants = [n for n in _VARIANTS if n <= p.max_groups]
     grps = {n: _groups_host(c, main, n) for n in variants}
     spl = _pieces_host(c, main)
-    # the group count: rows of at least p.rows, and enough that one group's op fills the GPU
-    # (B * Hk * rows * G / tile_rows >= fill_wgs); a single group when no row is limited
+    # the group count: groups of at least p.rows state rows (rows * G), and enough that one
+    # group's op fills the GPU (B * Hk * rows * G / tile_rows >= fill_wgs); a single group when
+    # no row is limited
     unlimited = fn.andi(fn.cmp("sge", c.y, c.sq), fn.cmp("sge", c.x, c.sk))
     fill = fn.ceildiv(fn.c(p.fill_wgs * main.tile_rows), fn.mul(fn.mul(c.b, c.hk), p.group))
-    target = fn.max(fn.c(p.rows), fill)
+    target = fn.max(fn.c(-(-p.rows // p.group)), fill)
     need = fn.select(unlimited, fn.c(1), fn.ceildiv(c.sq, target))
-    picks = [fn.cmp("sle", need, n) for n in variants[:-1]]  # variant k when need <= n_k (first such)
-
-    def pick(values):
-        """The chosen variant's value among ``values`` (one per variant)."""
-        out = values[-1]
-        for cond, v in zip(reversed(picks), reversed(values[:-1])):
-            out = fn.select(cond, v, out)
-        return out
-
-    g_m_pad, g_m, g_width, g_rows = (pick([getattr(grps[n], a) for n in variants]) for a in ("m_pad", "m", "width", "rows"))
-    g_groups = pick([fn.c(n) for n in variants])
     few = fn.andi(fn.cmp("eq", need, 1),
                   fn.cmp("slt", fn.mul(fn.mul(c.b, c.hk), fn.floordiv(spl.m_pad, main.tile_rows)), p.split_below))
-    short = fn.cmp("sle", fn.mul(c.sq, p.group), p.short_rows) if p.short else None
-    sho = _pieces_host(c, p.short) if p.short else None
-    # the chosen path's sizes, for the tensors every path shares
-    split_sizes = (spl.m_pad, spl.m, spl.width, spl.n_slots)
-    if sho is not None:
-        split_sizes = tuple(fn.select(short, a, b) for a, b in zip((sho.m_pad, sho.m, sho.width, sho.n_slots), split_sizes))
-    any_split = few if short is None else fn.arith(f"arith.ori {short}, {few} : i1", "p")
-    m_pad, m_rows, width, n_slots = (fn.select(any_split, s_, g_) for s_, g_ in zip(
-        split_sizes, (g_m_pad, g_m, g_width, fn.c(1))))
-    # every tensor defined before the first dispatch: IREE 3.13's transient emplacement places the
-    # combined size of transients at the first one (a later definition then fails to dominate it)
-    state = new_state(fn, [c.b, c.hk, n_slots, m_pad], p.dv)
-    groups = fn.select(any_split, fn.c(1), g_groups)
-    rows = fn.select(any_split, c.sq, g_rows)
-    mask = edge_masks(fn, groups=groups, rows=rows, m_rows=m_rows, width=width, group=p.group, sq=c.sq, sk=c.sk,
-                      y=c.y, x=c.x, cols=p.cols, anchor=(c.k.name, c.k.type, p.dtype))
-    cr = _Carry(state, mask)
-    qp = q_padded(c, "%q", m_pad)
-
-    def groups_path(k: int):
-        n = variants[k]
+    # (condition, path) in order, the last one unconditional; a path whose edge windows do not
+    # fit the keys (an edge spanning nearly all of a short Sk) yields to the next one, and the
+    # last runs one group over zero-padded copies of K and V
+    paths = []
+    if p.short:
+        sho = _pieces_host(c, p.short)
+        short = fn.andi(fn.cmp("sle", fn.mul(c.sq, p.group), p.short_rows), sho.fits)
+        paths += [(fn.andi(short, fn.cmp("sgt", sho.rest, 0)), lambda: _split_path(c, p.short, sho, "short", True)),
+                  (short, lambda: _split_path(c, p.short, sho, "short", False))]
+    few = fn.andi(few, spl.fits)
+    paths += [(fn.andi(few, fn.cmp("sgt", spl.rest, 0)), lambda: _split_path(c, main, spl, "split", True)),
+              (few, lambda: _split_path(c, main, spl, "split", False))]
+    for k, n in enumerate(variants):
         h = grps[n]
-        run = lambda: fn.if_else(h.any_left, cr.types(), lambda: _prefill(c, main, h, qp, cr, True).names(),  # noqa: E731
-                                 lambda: _prefill(c, main, h, qp, cr, False).names())
-        if k == len(variants) - 1:
+        cond = fn.andi(fn.cmp("sle", need, n), h.fits) if k < len(variants) - 1 else h.fits
+        paths += [(fn.andi(cond, h.any_left), lambda h=h: _groups_path(c, main, h, True)),
+                  (cond, lambda h=h: _groups_path(c, main, h, False))]
+    padded = dataclasses.replace(c, limit=fn.assume_div(fn.round_up(c.sk, p.cols), p.cols))
+    one = _groups_host(padded, main, 1)
+    paths += [(one.any_left, lambda: _padded_path(padded, main, one, True)),
+              (None, lambda: _padded_path(padded, main, one, False))]
+    o_ty, l_ty = _ty(["?", "?", "?", p.dv], p.dtype), _ty(["?", "?", "?"], "f32")
+    types = [o_ty, l_ty, *scratch_types(p)]
+
+    def chain(i: int):
+        cond, run = paths[i]
+        if cond is None:
             return run()
-        return fn.if_else(picks[k], cr.types(), run, lambda: groups_path(k + 1))
+        return fn.if_else(cond, types, run, lambda: chain(i + 1))
 
-    def main_path():
-        return fn.if_else(few, cr.types(), lambda: _split(c, main, spl, qp, cr, "split").names(),
-                          lambda: groups_path(0))
+    names = chain(0)
+    return list(zip(names, types))
 
-    if short is None:
-        names = main_path()
-    else:
-        names = fn.if_else(short, cr.types(), lambda: _split(c, p.short, sho, qp, cr, "short").names(), main_path)
-    return normalize(fn, cr.with_names(names).state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout)
+
+def scratch_types(p) -> list[str]:
+    """Types of the tensors a path works in, returned after ``out`` and ``lse``: padded Q, the
+    edge masks, the state (acc, max, sum)."""
+    st = State("", "", "", ("", "", "", ""), p.dv)
+    return [_ty(["?", "?", "?", p.dq], p.dtype), MASK_TYPE, *st.types()]
+
+
+def _groups_path(c: _Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
+    """The whole call as ``h``'s groups of rows: Q copy, edge masks, ops, normalize (each path
+    defines its own tensors, so a call's work is one execution region whose allocations wait on
+    nothing but the call's inputs)."""
+    fn, p = c.fn, c.p
+    mask = edge_masks(fn, groups=h.groups, rows=h.rows, m_rows=h.m, width=h.width, group=p.group, sq=c.sq, sk=c.sk,
+                      y=c.y, x=c.x, cols=p.cols, anchor=(c.k.name, c.k.type, p.dtype), limit=c.limit)
+    qp = q_padded(c, "%q", h.m_pad)
+    cr = _prefill(c, tier, h, qp, _Carry(new_state(fn, [c.b, c.hk, fn.opaque(1), h.m_pad], p.dv), mask), left)
+    out, _, lse, _ = normalize_one(fn, cr.state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout,
+                                  lowering=tier.lowering)
+    return [out, lse, qp, mask, *cr.state.names()]
+
+
+def _padded_path(c: _Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
+    """``_groups_path`` over copies of K and V zero-padded to ``c.limit`` keys (so that every edge
+    window can be read); the copies are transients of this path."""
+    kp, vp = (kv_padded(c, which) for which in ("k", "v"))
+    return _groups_path(dataclasses.replace(c, k=kp, v=vp), tier, h, left)
+
+
+def _split_path(c: _Ctx, tier: Tier, h: _Pieces, tag: str, rest: bool) -> list[str]:
+    """The whole call as one group split over the keys (``_split``), slots combined at the end."""
+    fn, p = c.fn, c.p
+    mask = edge_masks(fn, groups=fn.c(1), rows=c.sq, m_rows=h.m, width=h.width, group=p.group, sq=c.sq, sk=c.sk,
+                      y=c.y, x=c.x, cols=p.cols, anchor=(c.k.name, c.k.type, p.dtype), limit=c.limit)
+    qp = q_padded(c, "%q", h.m_pad)
+    cr = _split(c, tier, h, qp, _Carry(new_state(fn, [c.b, c.hk, h.n_slots, h.m_pad], p.dv), mask), tag, rest)
+    out, _, lse, _ = normalize_slots(fn, cr.state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout)
+    return [out, lse, qp, mask, *cr.state.names()]
