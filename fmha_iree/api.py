@@ -257,6 +257,13 @@ def fmha_fwd_varlen(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     tiles, get_module, family = _compiled(p, tiles, device)
+    return run_varlen(p, (q_start, q_len, k_start, k_len, lse_start, total_q), return_lse, tiles, get_module, family)
+
+
+def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, family: str):
+    """A checked group-mode problem (``check_varlen``'s two results) on a module: the tile plan
+    over its sequences (shared by ``fmha_fwd_varlen`` and deployed modules)."""
+    q_start, q_len, k_start, k_len, lse_start, total_q = starts
     zeros = np.zeros(len(q_len), np.int64)
     seqs = Sequences(zeros, q_start, q_len, k_start, k_len, lse_start)
     out, lse = _execute(p, seqs, (p.sq, p.hq, p.dv), (p.hq, total_q), (1, p.sq), (1, total_q), tiles, get_module, family)

@@ -405,14 +405,35 @@ class DeployedFmha:
         self.tiles = TileConfig(ck["kM0"], ck["kN0"], ck["kK0"], ck["kN1"], ck["kK1"], kv_chunk=t["kv_chunk"])
 
     def __call__(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None):
+        """Batch mode, as :func:`fmha_iree.fmha_fwd`."""
         from .api import run_batch
         from .spec import check_batch
 
         pr = self.manifest["problem"]
-        if mask is None:
-            mask = pr.get("mask")
-        p = check_batch(q, k, v, mask=mask, scale=scale, layout=pr["layout"], cu_seqlen_q=cu_seqlen_q,
-                        cu_seqlen_k=cu_seqlen_k)
+        p = check_batch(q, k, v, mask=pr.get("mask") if mask is None else mask, scale=scale, layout=pr["layout"],
+                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
+        self._check(p, return_lse)
+        return run_batch(p, return_lse, self.tiles, lambda: self.module, self.manifest["target"]["family"])
+
+    def varlen(self, q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
+               seqstart_padded_k=None, mask=None, scale=None, return_lse=False):
+        """Group mode, as :func:`fmha_iree.fmha_fwd_varlen` (``q`` ``[Tq, Hq, Dq]`` ...): needs a
+        module compiled with ``--layout bshd`` (packed tokens are bshd rows of one sequence)."""
+        from .api import run_varlen
+        from .spec import check_varlen
+
+        pr = self.manifest["problem"]
+        if pr["layout"] != "bshd":
+            raise ValueError(f"group mode needs a module compiled with --layout bshd; this one has layout {pr['layout']!r}")
+        p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
+                                 seqstart_padded_k=seqstart_padded_k, mask=pr.get("mask") if mask is None else mask,
+                                 scale=scale)
+        self._check(p, return_lse)
+        return run_varlen(p, starts, return_lse, self.tiles, lambda: self.module, self.manifest["target"]["family"])
+
+    def _check(self, p, return_lse):
+        """Refuse a problem the module was not compiled for, before anything runs."""
+        pr = self.manifest["problem"]
         if p.q.dtype != pr["dtype"]:
             raise TypeError(f"q has dtype {p.q.dtype} but the module was compiled for {pr['dtype']}")
         if p.hq // p.hk != pr["group"]:
@@ -424,7 +445,6 @@ class DeployedFmha:
                 raise ValueError(f"{'q' if key == 'heads' else 'k'} has {have} heads; the module was compiled for {pr[key]}")
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-        return run_batch(p, return_lse, self.tiles, lambda: self.module, self.manifest["target"]["family"])
 
 
 def load(path, device: str = "local-task") -> DeployedFmha:

@@ -195,3 +195,33 @@ def test_host_module_runs_with_runtime_only(tmp_path):
     ref_out, ref_lse = attention_ref(q, k, v, mask="b")
     assert_close(out, ref_out, np.float32, what="deployed out")
     assert_close(lse, ref_lse, np.float32, kind="lse", what="deployed lse")
+
+
+def test_deployed_module_runs_group_mode(tmp_path):
+    """A module compiled with `--layout bshd` serves group mode (`DeployedFmha.varlen`) with each
+    sequence's own lengths and mask; other layouts and wrong heads are refused before running."""
+    from test_varlen import varlen_ref
+
+    from fmha_iree.runtime import DeployedFmha, load
+
+    vmfb = tmp_path / "fmha_thd.vmfb"
+    subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "host", "--dtype", "f32",
+                    "--hdim", "64", "--heads", "4:2", "--layout", "bshd", "--mask", "b", "-o", str(vmfb)],
+                   check=True, capture_output=True)
+    f = load(vmfb, device="local-task")
+    rng = np.random.default_rng(11)
+    sq, sk = np.array([0, 5, 5, 38, 101], np.int32), np.array([0, 9, 20, 20, 150], np.int32)
+    q = rng.standard_normal((101, 4, 64), dtype=np.float32)
+    k = rng.standard_normal((150, 2, 64), dtype=np.float32)
+    v = rng.standard_normal((150, 2, 64), dtype=np.float32)
+    for mask in (None, "t:3,5", "0"):
+        out, lse = f.varlen(q, k, v, sq, sk, mask=mask, return_lse=True)
+        ref_out, ref_lse = varlen_ref(q, k, v, sq, sk, mask="b" if mask is None else mask)
+        assert_close(out, ref_out, np.float32, what=f"deployed varlen out {mask}")
+        assert_close(lse, ref_lse, np.float32, kind="lse", what=f"deployed varlen lse {mask}")
+    man = f.manifest
+    bhsd = DeployedFmha({**man, "problem": {**man["problem"], "layout": "bhsd"}}, f.module)
+    with pytest.raises(ValueError, match="layout bshd"):
+        bhsd.varlen(q, k, v, sq, sk)
+    with pytest.raises(ValueError, match="heads"):
+        f.varlen(q[:, :2], k, v, sq, sk)
