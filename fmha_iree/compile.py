@@ -1,10 +1,8 @@
 """Compile a kernel specialization to an IREE module, with an in-memory and an on-disk cache.
 
-The disk cache lives under ``$FMHA_IREE_CACHE`` (default ``~/.cache/fmha_iree``), namespaced by a
-fingerprint of this package's source, the toolchain versions (iree-base-compiler, iree-turbine,
-torch) and, for ``host`` CPU targets, the host CPU. Each entry holds the ``.vmfb`` and a JSON record
-of the spec and the exact compile command. Entries are written atomically (temp file + rename)
-under a file lock, so concurrent processes compile a module once.
+The disk cache (``cache.DiskCache``: where it lives, how entries are checked and protected) is
+namespaced by a fingerprint of this package's source and the toolchain versions (iree-base-compiler,
+iree-turbine, torch); keys add the spec, the flags and, for ``host`` CPU targets, the host CPU.
 """
 
 from __future__ import annotations
@@ -14,8 +12,10 @@ import hashlib
 import json
 import os
 import threading
+import warnings
 from pathlib import Path
 
+from .cache import DiskCache, cache_root
 from .spec import KernelSpec
 
 __all__ = ["compile_flags", "compile_spec", "get_vmfb", "cache_dir", "stats", "toolchain"]
@@ -70,7 +70,7 @@ def source_fingerprint() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FMHA_IREE_CACHE", Path.home() / ".cache" / "fmha_iree")) / source_fingerprint()
+    return cache_root() / source_fingerprint()
 
 
 # llvm-cpu: about 15% off a step call on the dev CPU (f32, S=1024, 2026-11-29), results within 1e-7
@@ -412,27 +412,34 @@ def _atomic_write(path: Path, data: bytes):
 
 
 def get_vmfb(spec: KernelSpec) -> bytes:
-    """The compiled module for ``spec``: from memory, else disk, else compiled and stored."""
+    """The compiled module for ``spec``: from memory, else the disk cache, else compiled (and
+    stored there when the cache can be used; else kept in memory, with a warning)."""
     flags = compile_flags(spec)
     key = _cache_key(spec, flags)
     with _lock:
         if key in _memory:
             _stats["memory_hits"] += 1
             return _memory[key]
-    from filelock import FileLock
-
-    d = cache_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    vmfb_path = d / f"{key}.vmfb"
-    with FileLock(str(d / f"{key}.lock")):
-        if vmfb_path.exists():
-            vmfb = vmfb_path.read_bytes()
-            with _lock:
-                _stats["disk_hits"] += 1
-        else:
-            vmfb, record = compile_spec(spec)
-            _atomic_write(d / f"{key}.json", json.dumps(record, indent=2).encode())
-            _atomic_write(vmfb_path, vmfb)
+    disk = DiskCache(cache_dir())
+    why = disk.problem()
+    vmfb = None
+    if why is None:
+        try:
+            with disk.lock(key):
+                vmfb = disk.load(key, spec.as_dict())
+                if vmfb is not None:
+                    with _lock:
+                        _stats["disk_hits"] += 1
+                else:
+                    vmfb, record = compile_spec(spec)
+                    disk.store(key, vmfb, record)
+        except OSError as e:  # read-only or vanished cache folder: keep what was compiled
+            why = f"{disk.folder}: {e}"
+    if why is not None:
+        warnings.warn(f"fmha_iree: not using the disk cache ({why}); compiled modules stay in memory",
+                      RuntimeWarning, stacklevel=2)
+        if vmfb is None:
+            vmfb, _ = compile_spec(spec)
     with _lock:
         _memory[key] = vmfb
     return vmfb
