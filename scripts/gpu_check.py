@@ -48,7 +48,10 @@ def main():
             q = torch.randn(B, hq, sq, d, dtype=dt)
             k = torch.randn(B, hk, sk, d, dtype=dt)
             v = torch.randn(B, hk, sk, d, dtype=dt)
-            p = check_batch(q, k, v, mask=mask, scale=None, layout=pr["layout"], cu_seqlen_q=None, cu_seqlen_k=None)
+            # the module's layout: bhsd as made above, bshd with S and H swapped (out too)
+            lay = (lambda x: x) if pr["layout"] == "bhsd" else (lambda x: x.transpose(1, 2).contiguous())
+            p = check_batch(lay(q), lay(k), lay(v), mask=mask, scale=None, layout=pr["layout"], cu_seqlen_q=None,
+                            cu_seqlen_k=None)
             kind = dense_kind(p, f.module.dense)
             path_kind = f.module.dense_entry(sq, sk, kind[0] == "causal", True, window=kind[1]) if kind else "plan"
             vis = torch.from_numpy(Mask.from_str(mask).materialize(sq, sk))
@@ -57,16 +60,17 @@ def main():
             ref = torch.softmax(s, -1).nan_to_num(0) @ v.double().repeat_interleave(g, 1)
             rl = torch.logsumexp(s, -1)
             for src in ("host", "device"):
-                ins = (q, k, v) if src == "host" else tuple(fmha_iree.to_device(x, args.device) for x in (q, k, v))
+                ins = tuple(lay(x) for x in (q, k, v))
+                ins = ins if src == "host" else tuple(fmha_iree.to_device(x, args.device) for x in ins)
                 out, lse = f(*ins, mask=mask, return_lse=True)
                 if src == "device":
                     out, lse = out.to_torch(), lse.to_torch()
-                err = (out.double() - ref).abs().max().item()
+                err = (lay(out).double() - ref).abs().max().item()
                 lerr = (lse.double() - rl).nan_to_num(0, 0, 0).abs().max().item()
                 # without the LSE: compiled-in lengths take dense_o_s<S>
                 out2 = f(*ins, mask=mask)
                 out2 = out2.to_torch() if src == "device" else out2
-                err = max(err, (out2.double() - ref).abs().max().item())
+                err = max(err, (lay(out2).double() - ref).abs().max().item())
                 worst = max(worst, err)
                 print(f"  {pr['dtype']} d{d} g{g} B={B} Sq={sq} Sk={sk} mask={mask:<8} path={path_kind:<12} {src:<6}: "
                       f"max|out-ref|={err:.2e} max|lse-ref|={lerr:.2e}", flush=True)
