@@ -25,6 +25,8 @@ import numpy as np
 
 __all__ = ["Mask", "as_mask"]
 
+_NO_LIMIT = 2**31 - 1  # window sides from here on see every key (lengths stay below it)
+
 
 @dataclasses.dataclass(frozen=True)
 class Mask:
@@ -41,8 +43,11 @@ class Mask:
                 raise TypeError(f"mask {name} must be an int, got {type(val).__name__}")
             if val < -1:
                 raise ValueError(f"mask {name} must be >= -1 (-1 = unlimited), got {val}")
-        object.__setattr__(self, "left", int(self.left))
-        object.__setattr__(self, "right", int(self.right))
+            if val >= 2**63:
+                raise ValueError(f"mask {name} = {val} fits no 64-bit integer (use -1 for unlimited)")
+            # a side reaching past every length the int32 plan descriptors hold is unlimited (as a
+            # value it would wrap there: b:2147483647,0 used to differ from b)
+            object.__setattr__(self, name, -1 if val >= _NO_LIMIT else int(val))
         object.__setattr__(self, "top_left", bool(self.top_left))
 
     # -- constructors ---------------------------------------------------------------------------

@@ -93,3 +93,19 @@ def test_masks_with_custom_tiles(tile_name, mask, sq, sk):
     q, k, v = make_qkv(seed_of("tiles", tile_name, mask, sq, sk), B=1, Hq=2, Sq=sq, Sk=sk,
                        Dq=MAIN["Dq"], dtype=MAIN["dtype"])
     check_fwd(q, k, v, mask=mask, tiles=TILES[tile_name], what=f"{tile_name} mask={mask}")
+
+
+# Window sides as large as a user may type: past every length they mean "unlimited" (they used to
+# wrap in the int32 plan descriptors: b:2147483647,0 differed from b by 2.8); a side no 64-bit
+# integer holds is refused naming the mask.
+@pytest.mark.parametrize("mask", ["b:2147483647,0", "t:2147483648,3", "b:5,99999999999999", "t:4611686018427387904,-1"])
+def test_huge_window_sides(mask):
+    q, k, v = make_qkv(seed_of("huge", mask), B=1, Hq=2, Sq=130, Sk=77, Dq=MAIN["Dq"], dtype=MAIN["dtype"])
+    check_fwd(q, k, v, mask=mask, layout=MAIN["layout"], what=f"mask={mask}")
+
+
+@pytest.mark.parametrize("mask", [f"b:{2**64},0", f"t:3,{2**63}"])
+def test_window_side_past_int64_is_refused(mask):
+    q, k, v = make_qkv(seed_of("huge", "bad"), B=1, Hq=2, Sq=7, Sk=7, Dq=MAIN["Dq"], dtype=MAIN["dtype"])
+    with pytest.raises(ValueError, match="mask"):
+        fmha_iree.fmha_fwd(q, k, v, mask=mask)
