@@ -8,7 +8,7 @@ import numpy as np
 
 from . import compile as _compile
 from .plan import Plan, Sequences, build_plan, units_budget
-from .runtime import DeviceTensor, FmhaModule, dense_entry
+from .runtime import DeviceTensor, FmhaModule, dense_entry, get_device
 from .spec import BatchProblem, KernelSpec, Operand, check_batch, check_tiles, check_varlen
 from .targets import resolve_device
 
@@ -108,6 +108,7 @@ def _compiled(p: BatchProblem, tiles, device, specialize: bool = False):
     spec = p.kernel(tiles, target)
     if specialize:
         spec = _specialized(p, spec)
+    get_device(device_uri)  # opened before anything compiles: an unavailable device is a ValueError now
     return tiles, lambda: _module(spec, device_uri), target.family
 
 

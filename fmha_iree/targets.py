@@ -92,7 +92,11 @@ def resolve_device(device) -> tuple[str, Target]:
     if not isinstance(device, str):
         raise TypeError(f"device must be a str such as 'local-task', 'hip://0' or 'cuda://0', got {type(device).__name__}")
     d = device.strip()
-    driver = d.split("://", 1)[0]
+    driver, sep, index = d.partition("://")
+    # a device index is digits (the CPU drivers have one device, 0); IREE would take anything
+    # here and fail only when the module is loaded, after the compile
+    if sep and not (index.isdigit() and (driver not in _CPU_DRIVERS or int(index) == 0)):
+        raise ValueError(f"device {device!r} is malformed: expected 'local-task', 'local-sync', 'hip://N' or 'cuda://N'")
     if driver in _CPU_DRIVERS:
         return d, Target("llvm-cpu", "host")
     if driver == "hip":

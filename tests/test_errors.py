@@ -71,6 +71,8 @@ CASES = [
     ("cu_k-2d", good(B=2), dict(cu_seqlen_k=cu(0, 1, 2)[None]), "cu_seqlen_k"),
     ("device-unknown", good(), dict(device="nope"), "device"),
     ("device-bad-driver", good(), dict(device="nope://0"), "device"),
+    ("device-bad-index", good(), dict(device="cuda://banana"), "device"),
+    ("device-cpu-index", good(), dict(device="local-task://99"), "device"),
     ("tiles-wrong-type", good(), dict(tiles="128x128"), "tiles"),
 ]
 
@@ -138,3 +140,23 @@ def test_device_tensor_misuse(main_problem):
     assert isinstance(out, fmha_iree.DeviceTensor)
     check_fwd(q, k, v, mask="b", what="after DeviceTensor misuse")
     assert torch.allclose(out.to_torch(), fmha_iree.fmha_fwd(q, k, v, mask="b"))
+
+
+def test_unavailable_device_is_refused_before_compiling(main_problem):
+    """A device that cannot be opened (no GPU here) is a ValueError naming it within seconds,
+    before anything compiles."""
+    import time
+
+    from fmha_iree.runtime import get_device
+
+    try:
+        get_device("cuda://0")
+    except ValueError:
+        pass
+    else:
+        pytest.skip("this machine has a CUDA device")
+    q, k, v = main_problem
+    before, t0 = compiles(), time.perf_counter()
+    with pytest.raises(ValueError, match="device 'cuda://0'"):
+        fmha_iree.fmha_fwd(q, k, v, device="cuda://0")
+    assert time.perf_counter() - t0 < 5 and compiles() == before
