@@ -23,7 +23,7 @@ import threading
 import warnings
 from pathlib import Path
 
-__all__ = ["DiskCache", "cache_root"]
+__all__ = ["DiskCache", "atomic_write", "cache_root"]
 
 
 def cache_root() -> Path:
@@ -34,9 +34,11 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "fmha_iree"
 
 
-def _write(path: Path, data: bytes):
+def atomic_write(path: Path, data: bytes, mode: int = 0o666):
+    """Write ``data`` to ``path`` through a temp file and a rename (created with ``mode``, less the
+    umask)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
@@ -97,5 +99,5 @@ class DiskCache:
     def store(self, key: str, vmfb: bytes, record: dict):
         """Write the module, then its record (the record last: an entry without one is not valid)."""
         rec = {**record, "key": key, "sha256": hashlib.sha256(vmfb).hexdigest()}
-        _write(self.folder / f"{key}.vmfb", vmfb)
-        _write(self.folder / f"{key}.json", json.dumps(rec, indent=2).encode())
+        atomic_write(self.folder / f"{key}.vmfb", vmfb, 0o600)
+        atomic_write(self.folder / f"{key}.json", json.dumps(rec, indent=2).encode(), 0o600)

@@ -15,7 +15,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from .cache import DiskCache, cache_root
+from .cache import DiskCache, atomic_write, cache_root
 from .spec import KernelSpec
 
 __all__ = ["compile_flags", "compile_spec", "get_vmfb", "cache_dir", "stats", "toolchain"]
@@ -405,12 +405,6 @@ def _compile_native_exp2(mlir: str, flags: list[str]) -> tuple[bytes, dict]:
     return vmfb, report
 
 
-def _atomic_write(path: Path, data: bytes):
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def get_vmfb(spec: KernelSpec) -> bytes:
     """The compiled module for ``spec``: from memory, else the disk cache, else compiled (and
     stored there when the cache can be used; else kept in memory, with a warning)."""
@@ -585,6 +579,6 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
         "native_exp2": record.get("native_exp2"),
         "isa": isa,
     }
-    _atomic_write(out_path, vmfb)
-    _atomic_write(out_path.with_suffix(".json"), json.dumps(manifest, indent=2).encode())
+    atomic_write(out_path, vmfb)
+    atomic_write(out_path.with_suffix(".json"), json.dumps(manifest, indent=2).encode())
     return manifest

@@ -116,11 +116,12 @@ def normalize_slots(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layou
 
 
 def _out_layout(layout: str, G: int, dv: int, dtype: str, b: str, hk: str, sq: str):
-    """(5-D out type, its sizes, the state's (b, h, s, g, n) dims in the out domain, reassociation)."""
+    """(5-D out type, its dynamic sizes, the state's (b, h, s, g, n) dims in the out domain,
+    reassociation)."""
     if layout == "bhsd":  # out domain (b, h, g, s, n)
-        return (tensor_type(["?", "?", G, "?", dv], dtype), f"{b}, {hk}, {sq}", ("d0", "d1", "d3", "d2", "d4"),
+        return (tensor_type(["?", "?", G, "?", dv], dtype), [b, hk, sq], ("d0", "d1", "d3", "d2", "d4"),
                 "[[0], [1, 2], [3], [4]]")
-    return (tensor_type(["?", "?", "?", G, dv], dtype), f"{b}, {sq}, {hk}", ("d0", "d2", "d1", "d3", "d4"),
+    return (tensor_type(["?", "?", "?", G, dv], dtype), [b, sq, hk], ("d0", "d2", "d1", "d3", "d4"),
             "[[0], [1], [2, 3], [4]]")
 
 
@@ -158,7 +159,7 @@ def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout:
     def out_region():
         # an explicit dispatch, so that IREE keeps the op's rank and its lowering (``attrs``)
         acc5, _, sm4 = views()
-        o_e = fn.let(f"tensor.empty({sizes}) : {o5_ty}", "e")
+        o_e = fn.let(f"tensor.empty({', '.join(sizes)}) : {o5_ty}", "e")
         return [fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({st_map})>, affine_map<({d5}) -> ({ml_map})>, "
                        f"affine_map<({d5}) -> ({d5})>], iterator_types = [{par(5)}]}} ins({acc5}, {sm4} : {a5}, {m4}) "
                        f"outs({o_e} : {o5_ty}){attrs} {{\n  ^bb0(%n1_a: f32, %n1_l: f32, %n1_o: {dtype}):\n"
@@ -166,7 +167,7 @@ def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout:
                        "    %n1_p = arith.cmpf ogt, %n1_l, %n1_z : f32\n    %n1_v = arith.select %n1_p, %n1_q, %n1_z : f32\n"
                        f"{cast}    linalg.yield %n1_y : {dtype}\n  }} -> {o5_ty}", "n1")]
 
-    o5 = fn.dispatch([(o5_ty, [x.strip() for x in sizes.split(",")])], out_region)[0]
+    o5 = fn.dispatch([(o5_ty, sizes)], out_region)[0]
     _, mx4, sm4 = views()
     o_ty = tensor_type(["?", "?", "?", dv], dtype)
     out = fn.let(f"tensor.collapse_shape {o5} {reassoc} : {o5_ty} into {o_ty}", "out")
