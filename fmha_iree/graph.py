@@ -27,6 +27,7 @@ largest intermediate is a unit's ``R x C`` scores per head.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -358,13 +359,19 @@ def _export_rows(fxb, spec: KernelSpec, seqlen: int, causal: bool, with_lse: boo
         return mod(q, k, v, scale)
 
 
+# torch.export keeps its tracing modes on a process-wide stack: two exports at once in two
+# threads corrupt each other ("Trying to pop empty mode stack"), so exports take turns.
+_EXPORT_LOCK = threading.Lock()
+
+
 def export_module(spec: KernelSpec, *, with_step: bool = True) -> str:
-    """MLIR text (torch dialect) of the module for ``spec``, named after its specialization."""
+    """MLIR text (torch dialect) of the module for ``spec``, named after its specialization.
+    Safe to call from several threads (exports are serialized)."""
     import warnings
 
     from iree.turbine import aot
 
-    with warnings.catch_warnings():
+    with _EXPORT_LOCK, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         exported = aot.export(build_programs(spec, with_step=with_step), module_name=spec.module_name)
     return str(exported.mlir_module)

@@ -21,6 +21,7 @@ __all__ = ["KernelSpec", "Operand", "BatchProblem", "as_operand", "check_batch",
 
 LAYOUTS = ("bhsd", "bshd")
 MAX_HEAD_DIM = 256
+_F32_MAX = float(np.finfo(np.float32).max)  # kernels compute in float32: a larger scale is inf there
 _NUMPY_DTYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}
 _TORCH_DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
 
@@ -93,6 +94,7 @@ def as_operand(x, name: str) -> Operand:
     if isinstance(x, DeviceTensor):
         return Operand(x, x.dtype, False)
     if _is_torch(x):
+        _check_torch_kind(x, name)
         dt = _TORCH_DTYPES.get(str(x.dtype))
         if dt is None:
             raise TypeError(f"{name} has dtype {x.dtype}; supported: float16, bfloat16, float32")
@@ -108,6 +110,23 @@ def as_operand(x, name: str) -> Operand:
             raise TypeError(f"{name} has dtype {x.dtype}; numpy inputs support float16 and float32")
         return Operand(np.ascontiguousarray(x), dt, False)
     raise TypeError(f"{name} must be a torch.Tensor, numpy.ndarray or fmha_iree.DeviceTensor, got {type(x).__name__}")
+
+
+def _check_torch_kind(x, name: str):
+    """Refuse torch tensors whose data cannot be read as one dense array (meta, sparse, nested),
+    and inputs that expect a gradient: there is no backward pass, so an output would silently have
+    none."""
+    import torch
+
+    if x.is_meta or x.device.type == "meta":
+        raise TypeError(f"{name} is a meta tensor (no data); pass a tensor with storage")
+    if getattr(x, "is_nested", False):
+        raise TypeError(f"{name} is a nested tensor; pass a dense one (group mode: fmha_fwd_varlen)")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} has layout {x.layout}; only dense (torch.strided) tensors are supported")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad, but fmha_iree has no backward pass: pass {name}.detach() "
+                         "or call under torch.no_grad()")
 
 
 def _operands(q, k, v, ndim: int, what: str) -> tuple[Operand, Operand, Operand]:
@@ -142,8 +161,8 @@ def check_scale(scale, dq: int) -> float:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
     scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    if not math.isfinite(scale) or abs(scale) > _F32_MAX:
+        raise ValueError(f"scale must be finite in float32 (|scale| <= {_F32_MAX:.4g}), got {scale}")
     return scale
 
 

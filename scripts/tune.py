@@ -10,8 +10,8 @@ Three verbs:
 
 Since 2026-11-30 (commit 30b39b7) ``compile`` builds every module as the package builds CUDA modules,
 with IREE's polynomial exp2 replaced by ``ex2.approx`` (``fmha_iree/ptx.py``; ``--iree-exp2`` to
-keep IREE's). The current ``tuned_cuda.json`` entries were chosen by the sweep of IREE's fused
-``attention`` op in ``scripts/study/kernel_variants_*.py`` (each entry names its command); this
+keep IREE's). The current ``tuned_cuda.json`` entries were chosen by a sweep of IREE's fused
+``attention`` op on the H200 (2026-11-30, commit 30b39b7; docs/BENCHMARKS.md); this
 script's ``online_attention`` grid is the 2026-11-29 instrument, and its ``write`` output has the
 same format (one entry per dtype and head dim; ``tiles.py`` reads ``workgroup_m``,
 ``reduction_k2``, ``subgroups_m``).

@@ -268,3 +268,47 @@ def make_qkv(seed, *, B=1, Hq=2, Hk=None, Sq=7, Sk=None, Dq=64, Dv=None, dtype=t
     if layout == "bshd":
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def ints(x) -> np.ndarray | None:
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        x = x.cpu().numpy()
+    return np.asarray(x, dtype=np.int64)
+
+
+def varlen_ref(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
+               seqstart_padded_k=None, mask=None, scale=None):
+    """float64 group-mode reference built on ``attention_ref``: each sequence sliced out of the
+    packed tensors and run as a B=1 bshd batch with its own lengths.
+
+    Returns (out [Tq_phys, Hq, Dv], lse [Hq, seqstart_q[-1]]); rows owned by no sequence are 0,
+    lse entries default to -inf.
+    """
+    q64, k64, v64 = to_f64(q), to_f64(k), to_f64(v)
+    sq_, sk_ = ints(seqstart_q), ints(seqstart_k)
+    lk_used = ints(seqlen_k)
+    pq = ints(seqstart_padded_q) if seqstart_padded_q is not None else sq_
+    pk = ints(seqstart_padded_k) if seqstart_padded_k is not None else sk_
+    B = len(sq_) - 1
+    Tq, Hq, _ = q64.shape
+    Dv = v64.shape[-1]
+    out = np.zeros((Tq, Hq, Dv), dtype=np.float64)
+    lse = np.full((Hq, int(sq_[-1])), -np.inf, dtype=np.float64)
+    for b in range(B):
+        nq = int(sq_[b + 1] - sq_[b])
+        nk = int(sk_[b + 1] - sk_[b])
+        if lk_used is not None:
+            assert 0 <= lk_used[b] <= nk
+            nk = int(lk_used[b])
+        oq, ok = int(pq[b]), int(pk[b])
+        if nq == 0:
+            continue
+        qs = q64[oq:oq + nq][None]  # [1, nq, Hq, Dq] (bshd)
+        ks = k64[ok:ok + nk][None]
+        vs = v64[ok:ok + nk][None]
+        o, l = attention_ref(qs, ks, vs, mask=mask, scale=scale, layout="bshd")
+        out[oq:oq + nq] = o[0]
+        lse[:, int(sq_[b]):int(sq_[b]) + nq] = l[0]
+    return out, lse

@@ -74,6 +74,18 @@ CASES = [
     ("device-bad-index", good(), dict(device="cuda://banana"), "device"),
     ("device-cpu-index", good(), dict(device="local-task://99"), "device"),
     ("tiles-wrong-type", good(), dict(tiles="128x128"), "tiles"),
+    # finite in float64, inf in float32 (the kernels' type): gave all-NaN output
+    ("scale-past-f32", good(), dict(scale=1e39), "scale"),
+    ("scale-neg-past-f32", good(), dict(scale=-3.5e38), "scale"),
+    ("scale-nan", good(), dict(scale=float("nan")), "scale"),
+    ("scale-tensor", good(), dict(scale=torch.tensor(0.1)), "scale"),
+    # meta / sparse / nested tensors raised torch's own errors, naming no argument
+    ("q-meta", _with(Q, good()[0].to("meta"), good()), {}, ARG_Q),
+    ("k-sparse", _with(K, good()[1].to_sparse(), good()), {}, ARG_K),
+    ("v-sparse-csr", _with(V, good()[2][0, 0].to_sparse_csr(), good()), {}, ARG_V),
+    # no backward pass: an input that wants a gradient got an output without one, silently
+    ("q-requires-grad", _with(Q, good()[0].requires_grad_(), good()), {}, ARG_Q),
+    ("v-requires-grad", _with(V, good()[2].requires_grad_(), good()), {}, ARG_V),
 ]
 
 
@@ -160,3 +172,22 @@ def test_unavailable_device_is_refused_before_compiling(main_problem):
     with pytest.raises(ValueError, match="device 'cuda://0'"):
         fmha_iree.fmha_fwd(q, k, v, device="cuda://0")
     assert time.perf_counter() - t0 < 5 and compiles() == before
+
+
+def test_requires_grad_runs_when_detached_or_under_no_grad(main_problem):
+    """The refusal of inputs that require grad is about the gradient only: detached, or under
+    ``torch.no_grad()``, the same tensors run."""
+    q, k, v = main_problem
+    qg = q.clone().requires_grad_()
+    with torch.no_grad():
+        a = fmha_iree.fmha_fwd(qg, k, v, mask="b")
+    b = fmha_iree.fmha_fwd(qg.detach(), k, v, mask="b")
+    check_fwd(q, k, v, mask="b", what="reference")
+    assert torch.equal(a, b) and not a.requires_grad
+
+
+def test_scale_at_float32_edge_is_accepted(main_problem):
+    """The largest float32 is a valid scale (not every large value is refused)."""
+    q, k, v = main_problem
+    out = fmha_iree.fmha_fwd(q * 0, k, v, scale=float(np.finfo(np.float32).max) / 2)
+    assert torch.isfinite(out).all()

@@ -24,7 +24,7 @@ import torch
 
 import fmha_iree
 from common import compiles
-from reference import assert_close, attention_ref, make_qkv, seed_of, to_f64
+from reference import ints, assert_close, attention_ref, make_qkv, seed_of, to_f64, varlen_ref
 
 D = 64
 MASKS = ["0", "b", "t", "b:16,0", "t:3,5", "xb:9"]
@@ -33,49 +33,6 @@ MASKS = ["0", "b", "t", "b:16,0", "t:3,5", "xb:9"]
 # --------------------------------------------------------------------------------------------
 # Reference and helpers
 # --------------------------------------------------------------------------------------------
-def _ints(x) -> np.ndarray | None:
-    if x is None:
-        return None
-    if isinstance(x, torch.Tensor):
-        x = x.cpu().numpy()
-    return np.asarray(x, dtype=np.int64)
-
-
-def varlen_ref(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
-               seqstart_padded_k=None, mask=None, scale=None):
-    """float64 group-mode reference built on reference.attention_ref.
-
-    Returns (out [Tq_phys, Hq, Dv], lse [Hq, seqstart_q[-1]]); rows owned by no sequence are 0,
-    lse entries default to -inf.
-    """
-    q64, k64, v64 = to_f64(q), to_f64(k), to_f64(v)
-    sq_, sk_ = _ints(seqstart_q), _ints(seqstart_k)
-    lk_used = _ints(seqlen_k)
-    pq = _ints(seqstart_padded_q) if seqstart_padded_q is not None else sq_
-    pk = _ints(seqstart_padded_k) if seqstart_padded_k is not None else sk_
-    B = len(sq_) - 1
-    Tq, Hq, _ = q64.shape
-    Dv = v64.shape[-1]
-    out = np.zeros((Tq, Hq, Dv), dtype=np.float64)
-    lse = np.full((Hq, int(sq_[-1])), -np.inf, dtype=np.float64)
-    for b in range(B):
-        nq = int(sq_[b + 1] - sq_[b])
-        nk = int(sk_[b + 1] - sk_[b])
-        if lk_used is not None:
-            assert 0 <= lk_used[b] <= nk
-            nk = int(lk_used[b])
-        oq, ok = int(pq[b]), int(pk[b])
-        if nq == 0:
-            continue
-        qs = q64[oq:oq + nq][None]  # [1, nq, Hq, Dq] (bshd)
-        ks = k64[ok:ok + nk][None]
-        vs = v64[ok:ok + nk][None]
-        o, l = attention_ref(qs, ks, vs, mask=mask, scale=scale, layout="bshd")
-        out[oq:oq + nq] = o[0]
-        lse[:, int(sq_[b]):int(sq_[b]) + nq] = l[0]
-    return out, lse
-
-
 def starts(lengths, gaps=None) -> torch.Tensor:
     """int32 [B+1] cumulative starts; with ``gaps``, gap[b] free rows precede sequence b
     (and gaps[B], if present, trail the last one)."""
@@ -101,7 +58,7 @@ def packed(seed, tq, tk, *, Hq=2, Hk=1, Dq=D, Dv=None, dtype=torch.float32):
 
 def owned_rows(lengths, phys_starts, total) -> np.ndarray:
     own = np.zeros(total, dtype=bool)
-    for n, s in zip(lengths, _ints(phys_starts)[:-1]):
+    for n, s in zip(lengths, ints(phys_starts)[:-1]):
         own[int(s):int(s) + n] = True
     return own
 
