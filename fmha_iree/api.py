@@ -4,97 +4,59 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
-
 from . import compile as _compile
-from .plan import Plan, Sequences, build_plan, units_budget
-from .runtime import DeviceTensor, FmhaModule, dense_entry, get_device
-from .spec import BatchProblem, KernelSpec, Operand, check_batch, check_tiles, check_varlen
+from .device import DeviceTensor, get_device
+from .dispatch import Route, route as _route, run_batch, run_varlen
+from .runtime import FmhaModule
+from .source import dense_abi, dense_params
+from .spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
 from .targets import resolve_device
 
-__all__ = ["fmha_fwd", "fmha_fwd_varlen", "cache_stats", "to_device"]
+__all__ = ["fmha_fwd", "fmha_fwd_varlen", "route", "cache_stats", "clear_memory_caches", "to_device"]
 
-_modules: dict = {}
-_modules_lock = threading.Lock()
+class LoadedModules:
+    """Modules this process loaded, one per (spec, device URI), compiled or read from the cache
+    on first use (``compile.get_vmfb``)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._modules: dict = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._modules)
+
+    def get(self, spec: KernelSpec, device_uri: str) -> FmhaModule:
+        key = (spec, device_uri)
+        with self._lock:
+            mod = self._modules.get(key)
+        if mod is None:
+            vmfb = _compile.get_vmfb(spec)
+            mod = FmhaModule(vmfb, device_uri, spec.module_name, typed_bf16=spec.target.backend != "llvm-cpu",
+                             dense=dense_abi(spec))
+            with self._lock:
+                mod = self._modules.setdefault(key, mod)
+        return mod
+
+    def clear(self):
+        with self._lock:
+            self._modules.clear()
+
+
+LOADED = LoadedModules()
 
 
 def cache_stats() -> dict:
     """Compile-cache counters of this process: ``compiles``, ``disk_hits``, ``memory_hits``, and
     ``modules`` (modules loaded on devices)."""
-    s = _compile.stats()
-    with _modules_lock:
-        s["modules"] = len(_modules)
-    return s
+    return {**_compile.stats(), "modules": len(LOADED)}
 
 
-def _module(spec: KernelSpec, device_uri: str) -> FmhaModule:
-    key = (spec, device_uri)
-    with _modules_lock:
-        mod = _modules.get(key)
-    if mod is None:
-        vmfb = _compile.get_vmfb(spec)
-        mod = FmhaModule(vmfb, device_uri, spec.module_name, typed_bf16=spec.target.backend != "llvm-cpu",
-                         dense=_compile.dense_abi(spec))
-        with _modules_lock:
-            mod = _modules.setdefault(key, mod)
-    return mod
-
-
-def _wrap(array, like: Operand, dtype: str):
-    """Return ``array`` in the caller's array type (torch, numpy, or a DeviceTensor left on the
-    device) and dtype."""
-    if like.on_device or not like.is_torch:
-        return array
-    import torch
-
-    t = torch.from_numpy(np.ascontiguousarray(array))
-    return t.view(torch.bfloat16) if dtype == "bf16" else t
-
-
-def _empty_result(p: BatchProblem, out_shape, lse_shape):
-    dt = {"f16": np.float16, "bf16": np.int16, "f32": np.float32}[p.q.dtype]
-    out, lse = np.zeros(out_shape, dt), np.full(lse_shape, -np.inf, np.float32)
-    if p.q.on_device:
-        uri = p.q.array.device_uri
-        return DeviceTensor.from_host(out, p.q.dtype, uri), DeviceTensor.from_host(lse, "f32", uri)
-    return out, lse
-
-
-def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_shape, lse_rows_shape, tiles, get_module,
-             family: str):
-    """Shared by batch and varlen mode and deployed modules: plan, run. Returns ABI arrays (numpy,
-    or DeviceTensors for device-resident inputs)."""
-    plan: Plan = build_plan(seqs, p.mask, tiles, out_rows_shape, lse_rows_shape, units_budget(p.hq, tiles, family))
-    if plan.n_tiles == 0 or 0 in out_shape:
-        return _empty_result(p, out_shape, lse_shape)
-    out, lse = get_module().run(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.hk, plan,
-                                keep_on_device=p.q.on_device)
-    return out.reshape(out_shape), lse.reshape(lse_shape)
-
-
-def dense_kind(p: BatchProblem, dense: dict | None) -> tuple[str, int | None] | None:
-    """Whether a batch-mode problem can take a module's one-call dense path: ``("dense", None)``
-    (every row sees every key), ``("causal", None)`` (row i sees keys j <= i, Sq == Sk),
-    ``("window", W)`` (keys i - W <= j <= i, Sq == Sk: CK's ``b:W,0``), or None (the plan).
-    Needs full lengths (no cu_seqlen padding) that the module's entry points take
-    (``runtime.dense_entry``: multiples of its alignment, for causal of ``align * causal_blocks``
-    or one of its compiled-in ``seqlens``, for a window a compiled-in length whose block holds W)."""
-    if not dense or p.sq == 0 or p.sk == 0:
-        return None
-    if (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
-        return None
-    y, x = p.mask.coords(p.sq, p.sk)
-    window = None
-    if y >= p.sq and x >= p.sk:
-        kind = "dense"
-    elif x == 1 and y >= p.sq:
-        kind = "causal"
-    elif x == 1 and p.sq == p.sk and y >= 1:
-        kind, window = "window", y - 1
-    else:
-        return None
-    ok = dense_entry(dense, p.sq, p.sk, kind == "causal", True, p.batch, p.hk, window)
-    return (kind, window) if ok else None
+def clear_memory_caches():
+    """Forget this process's compiled and loaded modules (the disk cache stays): the next call of
+    each spec reads the disk cache again."""
+    _compile.clear_memory_cache()
+    LOADED.clear()
 
 
 def _compiled(p: BatchProblem, tiles, device, specialize: bool = False):
@@ -109,7 +71,7 @@ def _compiled(p: BatchProblem, tiles, device, specialize: bool = False):
     if specialize:
         spec = _specialized(p, spec)
     get_device(device_uri)  # opened before anything compiles: an unavailable device is a ValueError now
-    return tiles, lambda: _module(spec, device_uri), target.family
+    return tiles, lambda: LOADED.get(spec, device_uri), target.family
 
 
 def _specialized(p: BatchProblem, spec: KernelSpec) -> KernelSpec:
@@ -125,46 +87,10 @@ def _specialized(p: BatchProblem, spec: KernelSpec) -> KernelSpec:
         if p.sq % CPU_ROWS:
             return spec
         return dataclasses.replace(spec, seqlens=(p.sq,), batch=p.batch, kv_heads=p.hk)
-    d = _compile.dense_params(spec)
+    d = dense_params(spec)
     if not d or p.sq % d["align"]:
         return spec
     return dataclasses.replace(spec, seqlens=(p.sq,))
-
-
-def uses_fwd(p: BatchProblem, module) -> bool:
-    """Whether a batch-mode problem runs through the module's ``fwd`` (any lengths and mask in one
-    call): it has one, every batch uses the full lengths (``cu_seqlen`` padding still takes the
-    plan), and no compiled-in or aligned one-call entry point serves it (``dense_kind``) other than
-    the generic two-block ``causal``, which ``fwd`` replaces."""
-    if module is None or not module.has_fwd or p.sq == 0 or p.sk == 0:
-        return False
-    if (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
-        return False
-    kind = dense_kind(p, module.dense)
-    if kind is None:
-        return True
-    entry = module.dense_entry(p.sq, p.sk, kind[0] == "causal", True, p.batch, p.hk, kind[1])
-    return entry == "causal"
-
-
-def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str):
-    out_shape = (p.batch, p.hq, p.sq, p.dv) if p.layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
-    module = get_module() if p.sq and p.sk and p.batch else None
-    kind = None if module is None or uses_fwd(p, module) else dense_kind(p, module.dense)
-    if module is not None and kind is None and uses_fwd(p, module):
-        out, lse = module.run_fwd(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.mask.clipped_coords(p.sq, p.sk),
-                                  keep_on_device=p.q.on_device)
-        out = _wrap(out, p.q, p.q.dtype)
-        return (out, _wrap(lse, p.q, "f32")) if return_lse else out
-    if kind:
-        out, lse = module.run_dense(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.layout, kind[0] == "causal",
-                                    keep_on_device=p.q.on_device, with_lse=return_lse, window=kind[1])
-    else:
-        seqs = Sequences.batch(p.q_lens, p.k_lens)
-        out, lse = _execute(p, seqs, out_shape, (p.batch, p.hq, p.sq), (p.batch, p.sq), (p.batch, p.sq), tiles,
-                            get_module, family)
-    out = _wrap(out, p.q, p.q.dtype)
-    return (out, _wrap(lse, p.q, "f32")) if return_lse else out
 
 
 def to_device(x, device=None) -> DeviceTensor:
@@ -231,6 +157,18 @@ def fmha_fwd(
     return run_batch(p, return_lse, tiles, get_module, family)
 
 
+def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None, tiles=None,
+          device=None, specialize=False) -> Route:
+    """The path :func:`fmha_fwd` with these arguments takes (``Route``: ``fwd``, a one-call
+    entry point, or the tile plan; which entry point; and why), without running it. Loads (and on
+    first use compiles) the module, as the call would."""
+    p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
+    if not isinstance(return_lse, bool) or not isinstance(specialize, bool):
+        raise TypeError("return_lse and specialize must be bools")
+    _, get_module, _ = _compiled(p, tiles, device, specialize)
+    return _route(p, get_module() if p.sq and p.sk and p.batch else None, return_lse)
+
+
 def fmha_fwd_varlen(
     q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
     mask=None, scale=None, return_lse=False, tiles=None, device=None,
@@ -261,12 +199,3 @@ def fmha_fwd_varlen(
     return run_varlen(p, (q_start, q_len, k_start, k_len, lse_start, total_q), return_lse, tiles, get_module, family)
 
 
-def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, family: str):
-    """A checked group-mode problem (``check_varlen``'s two results) on a module: the tile plan
-    over its sequences (shared by ``fmha_fwd_varlen`` and deployed modules)."""
-    q_start, q_len, k_start, k_len, lse_start, total_q = starts
-    zeros = np.zeros(len(q_len), np.int64)
-    seqs = Sequences(zeros, q_start, q_len, k_start, k_len, lse_start)
-    out, lse = _execute(p, seqs, (p.sq, p.hq, p.dv), (p.hq, total_q), (1, p.sq), (1, total_q), tiles, get_module, family)
-    out = _wrap(out, p.q, p.q.dtype)
-    return (out, _wrap(lse, p.q, "f32")) if return_lse else out

@@ -57,7 +57,7 @@ def compile_main(args) -> int:
             raise ValueError("--batch: only the CPU's compiled-in (--seqlens) entries are specialized on the batch")
         spec = KernelSpec(args.dtype, args.layout, hq // hk, args.hdim, dv, tiles, target, tuple(args.seqlens), *pinned)
         if spec.seqlens:
-            from .compile import dense_params
+            from .source import dense_params
 
             if not dense_params(spec):  # also checks each length against the module's alignment
                 raise ValueError(f"--seqlens: target {target.arch} {args.dtype} d{args.hdim} has no one-call "
@@ -87,7 +87,8 @@ def compile_matrix(out_dir, targets, hdims, dtypes, *, layout="bhsd", group=1, j
     import time
     from pathlib import Path
 
-    from .compile import build_artifact, source_mlir
+    from .compile import build_artifact
+    from .source import source_mlir
     from .spec import KernelSpec, check_tiles
     from .targets import Target
 

@@ -1,7 +1,9 @@
-"""Runtime: load compiled FMHA modules on an IREE device and execute a plan through them.
+"""Runtime: a compiled FMHA module loaded on an IREE device, and the calls of its entry points.
 
-Needs only ``iree-base-runtime`` and numpy (no torch, no compiler), so modules compiled elsewhere
-can be deployed with this file alone (see :func:`load`).
+Needs only ``iree-base-runtime`` and numpy (no torch, no compiler). :class:`FmhaModule` is the
+library's internal handle: it runs what it is given (a plan built for other shapes reads out of
+bounds), so the public ways in are :func:`fmha_iree.fmha_fwd` and :func:`fmha_iree.load`, which
+validate first.
 """
 
 from __future__ import annotations
@@ -10,110 +12,10 @@ import threading
 
 import numpy as np
 
+from .device import DeviceTensor, get_device, memory_errors
 from .plan import Plan
 
-__all__ = ["get_device", "DeviceTensor", "FmhaModule", "DeployedFmha", "load"]
-
-_devices: dict = {}
-_devices_lock = threading.Lock()
-
-
-def get_device(uri: str):
-    """The IREE HAL device for ``uri`` (created once per process)."""
-    import iree.runtime as rt
-
-    with _devices_lock:
-        dev = _devices.get(uri)
-        if dev is None:
-            try:
-                dev = rt.get_device(uri)
-            except Exception as e:  # the runtime raises ValueError/RuntimeError variants
-                raise ValueError(f"device {uri!r} could not be opened: {e}") from None
-            _devices[uri] = dev
-        return dev
-
-
-_HOST_DTYPES = {"f16": np.float16, "bf16": np.int16, "f32": np.float32, "i32": np.int32}
-
-
-def _element_type(dtype: str, typed_bf16: bool = True):
-    import iree.runtime as rt
-
-    if dtype == "bf16":
-        return rt.HalElementType.BFLOAT_16 if typed_bf16 else rt.HalElementType.SINT_16
-    return {"f16": rt.HalElementType.FLOAT_16, "f32": rt.HalElementType.FLOAT_32,
-            "i32": rt.HalElementType.SINT_32}[dtype]
-
-
-class DeviceTensor:
-    """An array that lives on an IREE device (see :func:`fmha_iree.to_device`).
-
-    Inputs given as DeviceTensors are read where they are, and results come back as DeviceTensors
-    (nothing crosses the host bus); ``to_numpy`` / ``to_torch`` copy to the host. bf16 data is
-    typed bf16 on the device; numpy sees its bits as int16.
-    """
-
-    def __init__(self, device_uri: str, buffer, shape, dtype: str, ready=None):
-        self.device_uri = device_uri
-        self._buffer = buffer  # HalBuffer, shared by reshaped views
-        self.shape = tuple(int(x) for x in shape)
-        self.dtype = dtype
-        # HalFence reached once the contents are written (results of asynchronous calls; None:
-        # ready now). Reading it (to_numpy, or as the input of another call) waits for it first.
-        self.ready = ready
-
-    @classmethod
-    def from_host(cls, array: np.ndarray, dtype: str, device_uri: str) -> "DeviceTensor":
-        import iree.runtime as rt
-
-        dev = get_device(device_uri)
-        a = np.ascontiguousarray(array)
-        bv = dev.allocator.allocate_buffer_copy(memory_type=rt.MemoryType.DEVICE_LOCAL,
-                                                allowed_usage=rt.BufferUsage.DEFAULT, device=dev, buffer=a,
-                                                element_type=_element_type(dtype))
-        return cls(device_uri, bv.get_buffer(), a.shape, dtype)
-
-    @classmethod
-    def from_result(cls, bv, dtype: str, device_uri: str, ready=None) -> "DeviceTensor":
-        """Wrap a function result (a HalBufferView), ready at the fence ``ready``."""
-        return cls(device_uri, bv.get_buffer(), bv.shape, dtype, ready)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def reshape(self, shape) -> "DeviceTensor":
-        shape = tuple(int(x) for x in shape)
-        if int(np.prod(shape)) != int(np.prod(self.shape)):
-            raise ValueError(f"cannot reshape {list(self.shape)} to {list(shape)}")
-        return DeviceTensor(self.device_uri, self._buffer, shape, self.dtype, self.ready)
-
-    def buffer_view(self, typed_bf16: bool = True):
-        import iree.runtime as rt
-
-        return rt.HalBufferView(self._buffer, list(self.shape), _element_type(self.dtype, typed_bf16))
-
-    def wait(self) -> "DeviceTensor":
-        """Block until the contents are written (results of asynchronous calls); returns self."""
-        if self.ready is not None:
-            self.ready.wait()
-        return self
-
-    def to_numpy(self) -> np.ndarray:
-        import iree.runtime as rt
-
-        self.wait()
-        arr = rt.DeviceArray(get_device(self.device_uri), self.buffer_view(typed_bf16=False))
-        return np.array(arr.to_host(), copy=True).view(_HOST_DTYPES[self.dtype]).reshape(self.shape)
-
-    def to_torch(self):
-        import torch
-
-        t = torch.from_numpy(self.to_numpy())
-        return t.view(torch.bfloat16) if self.dtype == "bf16" else t
-
-    def __repr__(self) -> str:
-        return f"DeviceTensor(shape={list(self.shape)}, dtype={self.dtype}, device={self.device_uri!r})"
+__all__ = ["dense_entry"]
 
 
 class FmhaModule:
@@ -179,9 +81,10 @@ class FmhaModule:
     def _device_buffer(self, nbytes: int):
         import iree.runtime as rt
 
-        return self.device.allocator.allocate_buffer(memory_type=rt.MemoryType.DEVICE_LOCAL,
-                                                     allowed_usage=rt.BufferUsage.DEFAULT,
-                                                     allocation_size=max(int(nbytes), 256))
+        with memory_errors(self.device_uri, f"a {int(nbytes)}-byte workspace"):
+            return self.device.allocator.allocate_buffer(memory_type=rt.MemoryType.DEVICE_LOCAL,
+                                                         allowed_usage=rt.BufferUsage.DEFAULT,
+                                                         allocation_size=max(int(nbytes), 256))
 
     def _workspace(self, fn: str, bvs: list, coarse: bool):
         """(buffer, slot or None) for a call of ``fn`` on the buffer views ``bvs``."""
@@ -249,9 +152,10 @@ class FmhaModule:
         # it), so the host waits for those first. Calls on ready inputs (uploaded tensors, the
         # usual case) return at once and queue on the device behind each other. torch-exported
         # functions (`init`, `finalize`) are called in their synchronous form.
-        for _, w in args:
-            if w is not None:
-                w.wait()
+        with memory_errors(self.device_uri, f"the calls that write {fn}'s inputs"):
+            for _, w in args:
+                if w is not None:
+                    w.wait()
         f = self._fns[fn]
         coarse = f.reflection.get("iree.abi.model") == "coarse-fences"
         lst = rt.VmVariantList(len(args) + len(scalars) + 3)
@@ -274,7 +178,8 @@ class FmhaModule:
             lst.push_ref(rt.HalFence(1))  # nothing to wait for: the inputs are ready
             lst.push_ref(fence)
         rets = rt.VmVariantList(n_results)
-        self._ctx.vm_context.invoke(f, lst, rets)
+        with memory_errors(self.device_uri, f"{fn}'s results and intermediates"):
+            self._ctx.vm_context.invoke(f, lst, rets)
         if slot is not None:
             slot[2] = fence
         return [rets.get_as_object(i, rt.HalBufferView) for i in range(n_results)], fence
@@ -338,6 +243,11 @@ class FmhaModule:
 
 
     @property
+    def function_names(self) -> list[str]:
+        """The module's exported functions."""
+        return list(self._fns)
+
+    @property
     def has_fwd(self) -> bool:
         """Whether the module has ``fwd`` (any lengths and mask in one call, ``kernels.general``)."""
         return "fwd" in self._fns
@@ -386,78 +296,3 @@ def dense_entry(dense: dict | None, sq: int, sk: int, causal: bool, with_lse: bo
         return f"causal_o_s{sq}" if not with_lse and sq in dense.get("causal_o", ()) else f"causal_s{sq}"
     nb = dense["causal_blocks"]
     return "causal" if nb and sq % (a * nb) == 0 else None
-
-
-class DeployedFmha:
-    """A module compiled ahead of time (``fmha-iree compile``), loaded with its manifest.
-
-    Call it like :func:`fmha_iree.fmha_fwd` without ``layout``/``tiles``/``device`` (fixed by the
-    module); inputs are checked against the manifest before anything runs.
-    """
-
-    def __init__(self, manifest: dict, module: FmhaModule):
-        from .tiles import TileConfig
-
-        self.manifest = manifest
-        self.module = module
-        t = manifest["tiles"]
-        ck = t["ck"]
-        self.tiles = TileConfig(ck["kM0"], ck["kN0"], ck["kK0"], ck["kN1"], ck["kK1"], kv_chunk=t["kv_chunk"])
-
-    def __call__(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None):
-        """Batch mode, as :func:`fmha_iree.fmha_fwd`."""
-        from .api import run_batch
-        from .spec import check_batch
-
-        pr = self.manifest["problem"]
-        p = check_batch(q, k, v, mask=pr.get("mask") if mask is None else mask, scale=scale, layout=pr["layout"],
-                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
-        self._check(p, return_lse)
-        return run_batch(p, return_lse, self.tiles, lambda: self.module, self.manifest["target"]["family"])
-
-    def varlen(self, q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
-               seqstart_padded_k=None, mask=None, scale=None, return_lse=False):
-        """Group mode, as :func:`fmha_iree.fmha_fwd_varlen` (``q`` ``[Tq, Hq, Dq]`` ...): needs a
-        module compiled with ``--layout bshd`` (packed tokens are bshd rows of one sequence)."""
-        from .api import run_varlen
-        from .spec import check_varlen
-
-        pr = self.manifest["problem"]
-        if pr["layout"] != "bshd":
-            raise ValueError(f"group mode needs a module compiled with --layout bshd; this one has layout {pr['layout']!r}")
-        p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
-                                 seqstart_padded_k=seqstart_padded_k, mask=pr.get("mask") if mask is None else mask,
-                                 scale=scale)
-        self._check(p, return_lse)
-        return run_varlen(p, starts, return_lse, self.tiles, lambda: self.module, self.manifest["target"]["family"])
-
-    def _check(self, p, return_lse):
-        """Refuse a problem the module was not compiled for, before anything runs."""
-        pr = self.manifest["problem"]
-        if p.q.dtype != pr["dtype"]:
-            raise TypeError(f"q has dtype {p.q.dtype} but the module was compiled for {pr['dtype']}")
-        if p.hq // p.hk != pr["group"]:
-            raise ValueError(f"q/k heads {p.hq}/{p.hk} give a group of {p.hq // p.hk}; the module expects {pr['group']}")
-        if (p.dq, p.dv) != (pr["hdim"], pr["hdim_v"]):
-            raise ValueError(f"head dims q/k {p.dq}, v {p.dv} differ from the module's {pr['hdim']}, {pr['hdim_v']}")
-        for key, have in (("heads", p.hq), ("kv_heads", p.hk)):
-            if pr.get(key) not in (None, have):
-                raise ValueError(f"{'q' if key == 'heads' else 'k'} has {have} heads; the module was compiled for {pr[key]}")
-        if not isinstance(return_lse, bool):
-            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-
-
-def load(path, device: str = "local-task") -> DeployedFmha:
-    """Load ``path`` (a ``.vmfb`` written by ``fmha-iree compile``) and its ``.json`` manifest on
-    ``device``. Needs only ``iree-base-runtime`` and numpy."""
-    import json
-    from pathlib import Path
-
-    from .targets import resolve_device
-
-    path = Path(path)
-    manifest = json.loads(path.with_suffix(".json").read_text())
-    uri, _ = resolve_device(device)
-    mod = FmhaModule(path.read_bytes(), uri, manifest["module"], dense=manifest.get("dense"),
-                     typed_bf16=manifest["target"]["backend"] != "llvm-cpu")
-    return DeployedFmha(manifest, mod)

@@ -13,6 +13,7 @@ import numbers
 
 import numpy as np
 
+from .device import DeviceTensor
 from .mask import Mask, as_mask
 from .targets import Target
 from .tiles import TileConfig, check_tiles_for, default_tiles
@@ -71,7 +72,7 @@ class KernelSpec:
 @dataclasses.dataclass
 class Operand:
     """An input converted for the IREE ABI: a C-contiguous numpy array (bf16 as int16 bits), or a
-    :class:`fmha_iree.runtime.DeviceTensor` already on a device."""
+    :class:`fmha_iree.device.DeviceTensor` already on a device."""
 
     array: np.ndarray
     dtype: str
@@ -89,8 +90,6 @@ def _is_torch(x) -> bool:
 def as_operand(x, name: str) -> Operand:
     """Convert a torch tensor or numpy array (or take a DeviceTensor as it is); reject anything
     else naming ``name``."""
-    from .runtime import DeviceTensor
-
     if isinstance(x, DeviceTensor):
         return Operand(x, x.dtype, False)
     if _is_torch(x):

@@ -214,7 +214,7 @@ def run(args):
         if args.modules:
             key = (p["dtype"], p["D"], p["Hq"] // p["Hk"], p["modules"])
             if key not in loaded:
-                from fmha_iree.runtime import load
+                from fmha_iree import load
 
                 def fits(m):
                     lens = bool((m.get("dense") or {}).get("seqlens"))

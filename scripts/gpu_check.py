@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Correctness on a GPU of modules compiled elsewhere (``fmha-iree compile --target sm_80``),
-through ``fmha_iree.runtime.load`` (only iree-base-runtime, numpy and torch needed there).
+through ``fmha_iree.load`` (only iree-base-runtime, numpy and torch needed there).
 
     python scripts/gpu_check.py gpu_modules/*.vmfb --device cuda://0
 
@@ -21,9 +21,7 @@ def main():
 
     import fmha_iree
     from fmha_iree import Mask
-    from fmha_iree.api import dense_kind
-    from fmha_iree.runtime import load
-    from fmha_iree.spec import check_batch
+    from fmha_iree import load
 
     ap = argparse.ArgumentParser()
     ap.add_argument("modules", nargs="+")
@@ -50,10 +48,7 @@ def main():
             v = torch.randn(B, hk, sk, d, dtype=dt)
             # the module's layout: bhsd as made above, bshd with S and H swapped (out too)
             lay = (lambda x: x) if pr["layout"] == "bhsd" else (lambda x: x.transpose(1, 2).contiguous())
-            p = check_batch(lay(q), lay(k), lay(v), mask=mask, scale=None, layout=pr["layout"], cu_seqlen_q=None,
-                            cu_seqlen_k=None)
-            kind = dense_kind(p, f.module.dense)
-            path_kind = f.module.dense_entry(sq, sk, kind[0] == "causal", True, window=kind[1]) if kind else "plan"
+            path_kind = f.route(lay(q), lay(k), lay(v), mask=mask).entry or "plan"
             vis = torch.from_numpy(Mask.from_str(mask).materialize(sq, sk))
             s = (q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)) / np.sqrt(d)
             s = s.masked_fill(~vis, float("-inf"))

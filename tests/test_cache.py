@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import fmha_iree
-from fmha_iree import compile as C
 from reference import assert_close, attention_ref
 
 SHAPE = dict(B=1, H=2, S=19, D=16)
@@ -53,11 +52,7 @@ def cache(tmp_path, monkeypatch):
 def _fresh():
     """Forget this process's modules (compiled bytes and loaded modules) so the next call reads the
     disk cache."""
-    from fmha_iree import api
-
-    C.clear_memory_cache()
-    with api._modules_lock:
-        api._modules.clear()
+    fmha_iree.clear_memory_caches()
 
 
 def _compiles():

@@ -159,7 +159,7 @@ def test_cli_refuses_bad_seqlens(tmp_path, target, extra, fragment):
 
 
 def test_host_module_runs_with_runtime_only(tmp_path):
-    """`fmha-iree compile --target host`, then `fmha_iree.runtime.load` in a process where
+    """`fmha-iree compile --target host`, then `fmha_iree.load` in a process where
     importing torch or iree.compiler fails."""
     vmfb = tmp_path / "fmha.vmfb"
     subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "host", "--dtype", "f32",
@@ -175,7 +175,7 @@ def test_host_module_runs_with_runtime_only(tmp_path):
         sys.modules["torch"] = None          # import torch -> ImportError
         sys.modules["iree.compiler"] = None  # import iree.compiler -> ImportError
         import numpy as np
-        from fmha_iree.runtime import load
+        from fmha_iree import load
         f = load({str(vmfb)!r}, device="local-task")
         d = {str(tmp_path)!r}
         q, k, v = (np.load(f"{{d}}/{{n}}.npy") for n in "qkv")
@@ -200,9 +200,11 @@ def test_host_module_runs_with_runtime_only(tmp_path):
 def test_deployed_module_runs_group_mode(tmp_path):
     """A module compiled with `--layout bshd` serves group mode (`DeployedFmha.varlen`) with each
     sequence's own lengths and mask; other layouts and wrong heads are refused before running."""
-    from test_varlen import varlen_ref
+    import json
+    import shutil
 
-    from fmha_iree.runtime import DeployedFmha, load
+    from fmha_iree import load
+    from reference import varlen_ref
 
     vmfb = tmp_path / "fmha_thd.vmfb"
     subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "host", "--dtype", "f32",
@@ -220,7 +222,9 @@ def test_deployed_module_runs_group_mode(tmp_path):
         assert_close(out, ref_out, np.float32, what=f"deployed varlen out {mask}")
         assert_close(lse, ref_lse, np.float32, kind="lse", what=f"deployed varlen lse {mask}")
     man = f.manifest
-    bhsd = DeployedFmha({**man, "problem": {**man["problem"], "layout": "bhsd"}}, f.module)
+    shutil.copy(vmfb, tmp_path / "as_bhsd.vmfb")
+    (tmp_path / "as_bhsd.json").write_text(json.dumps({**man, "problem": {**man["problem"], "layout": "bhsd"}}))
+    bhsd = load(tmp_path / "as_bhsd.vmfb", device="local-task")
     with pytest.raises(ValueError, match="layout bshd"):
         bhsd.varlen(q, k, v, sq, sk)
     with pytest.raises(ValueError, match="heads"):

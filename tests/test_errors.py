@@ -159,7 +159,7 @@ def test_unavailable_device_is_refused_before_compiling(main_problem):
     before anything compiles."""
     import time
 
-    from fmha_iree.runtime import get_device
+    from fmha_iree.device import get_device
 
     try:
         get_device("cuda://0")

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import fmha_iree
-from fmha_iree.api import dense_kind, run_batch
-from fmha_iree.compile import ASYNC_FLAGS, compile_flags, dense_abi, source_mlir
-from fmha_iree.runtime import DeviceTensor, FmhaModule
+from fmha_iree.dispatch import dense_kind, run_batch
+from fmha_iree.compile import ASYNC_FLAGS, compile_flags
+from fmha_iree.source import dense_abi, source_mlir
+from fmha_iree.device import DeviceTensor
+from fmha_iree.runtime import FmhaModule
 from fmha_iree.spec import KernelSpec, check_batch
 from fmha_iree.targets import Target
 

@@ -1,6 +1,6 @@
 """``fwd`` (``fmha_iree.kernels.general``: any lengths and any CK mask in one call) checked for
 numbers on the CPU, where CI runs: the GPU module's formulation built for llvm-cpu and driven
-through the API's batch-mode routing (``api.run_batch``), against the float64 reference.
+through the API's batch-mode routing (``dispatch.run_batch``), against the float64 reference.
 
 Covered: tails that are not multiples of any tile (1..127 rows / keys), Sq < Sk and Sq > Sk under
 every mask kind, rows that see no key (out 0, lse -inf), Sq = 1 against up to 8192 keys (the
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import fmha_iree
-from fmha_iree.api import run_batch, uses_fwd
-from fmha_iree.compile import ASYNC_FLAGS, compile_flags, dense_abi, fwd_plan, source_mlir
+from fmha_iree.dispatch import run_batch, uses_fwd
+from fmha_iree.compile import ASYNC_FLAGS, compile_flags
+from fmha_iree.source import dense_abi, fwd_plan, source_mlir
 from fmha_iree.runtime import FmhaModule
 from fmha_iree.spec import KernelSpec, check_batch
 from fmha_iree.targets import Target

@@ -5,12 +5,13 @@ entry points of the same module.
 
 Kernel keys: two specialized CPU modules (f32 bhsd GQA S=256, bf16 bshd S=128)."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import fmha_iree
-from fmha_iree.api import _compiled, dense_kind, run_batch
-from fmha_iree.spec import check_batch
 
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
@@ -26,13 +27,8 @@ CASES = [
 
 
 def _entry(q, k, v, mask, layout, with_lse):
-    p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=None, cu_seqlen_k=None)
-    _, get_module, _ = _compiled(p, None, None, True)
-    mod = get_module()
-    kind = dense_kind(p, mod.dense)
-    if not kind:
-        return None
-    return mod.dense_entry(p.sq, p.sk, kind[0] == "causal", with_lse, window=kind[1])
+    """The entry point ``fmha_fwd(..., specialize=True)`` runs (``fmha_iree.route``)."""
+    return fmha_iree.route(q, k, v, mask=mask, layout=layout, return_lse=with_lse, specialize=True).entry
 
 
 @pytest.mark.parametrize("mask,with_lse,entry", CASES, ids=[f"{m}-{'lse' if w else 'out'}" for m, w, _ in CASES])
@@ -52,16 +48,21 @@ def test_specialized_cpu_entries(shape, mask, with_lse, entry):
         assert_close(res[1], ref_lse, c["dtype"], kind="lse", what=f"{shape} {mask} lse")
 
 
-def test_specialized_module_takes_other_shapes():
-    """A batch size the module was not fixed to runs on its generic entry points."""
+def test_specialized_module_takes_other_shapes(tmp_path):
+    """A module fixed to B=2 (``fmha-iree compile --seqlens 256 --batch 2``) runs a B=1 call on its
+    generic entry points, and a B=2 call on the compiled-in one."""
     c = SHAPES["f32-bhsd-gqa"]
-    q2, k2, v2 = make_qkv(seed_of("specialize-other2"), B=2, Hq=c["Hq"], Hk=c["Hk"], Sq=c["S"], Sk=c["S"], Dq=c["D"])
-    p2 = check_batch(q2, k2, v2, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None)
-    tiles, get_module, family = _compiled(p2, None, None, True)  # fixed to B=2
-    q, k, v = make_qkv(seed_of("specialize-other"), B=1, Hq=c["Hq"], Hk=c["Hk"], Sq=c["S"], Sk=c["S"], Dq=c["D"])
-    p = check_batch(q, k, v, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None)
-    assert get_module().dense["batch"] == 2 and dense_kind(p, get_module().dense) is None
-    out, lse = run_batch(p, True, tiles, get_module, family)
+    vmfb = tmp_path / "b2.vmfb"
+    subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "host", "--dtype", "f32",
+                    "--hdim", str(c["D"]), "--heads", f"{c['Hq']}:{c['Hk']}", "--seqlens", str(c["S"]), "--batch", "2",
+                    "-o", str(vmfb)], check=True, capture_output=True)
+    f = fmha_iree.load(vmfb)
+    shape = dict(Hq=c["Hq"], Hk=c["Hk"], Sq=c["S"], Sk=c["S"], Dq=c["D"])
+    q2, k2, v2 = make_qkv(seed_of("specialize-other2"), B=2, **shape)
+    assert f.route(q2, k2, v2, mask="b").entry == f"causal_s{c['S']}"
+    q, k, v = make_qkv(seed_of("specialize-other"), B=1, **shape)
+    assert f.route(q, k, v, mask="b").path == "plan"
+    out, lse = f(q, k, v, mask="b", return_lse=True)
     ref_out, ref_lse = attention_ref(q, k, v, mask="b")
     assert_close(out, ref_out, torch.float32, what="other batch out")
     assert_close(lse, ref_lse, torch.float32, kind="lse", what="other batch lse")

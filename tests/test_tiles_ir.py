@@ -7,7 +7,8 @@ fused online_attention step.
 import pytest
 
 import fmha_iree
-from fmha_iree.compile import compile_flags, source_mlir
+from fmha_iree.compile import compile_flags
+from fmha_iree.source import source_mlir
 from fmha_iree.spec import KernelSpec
 from fmha_iree.targets import Target
 from fmha_iree.tiles import default_tiles
@@ -53,7 +54,7 @@ def test_causal_tree_reads_blocks_in_place(group, vt):
     its shared-memory tiles (IREE drops them when a reshape is folded into it)."""
     import re
 
-    from fmha_iree.compile import gpu_lowering
+    from fmha_iree.source import gpu_lowering
     from fmha_iree.mlir_templates import render_causal_tree
 
     target = Target.from_name("sm_80")
@@ -85,7 +86,7 @@ def test_window_reads_blocks_in_place():
     two masks and the merge."""
     import re
 
-    from fmha_iree.compile import gpu_lowering
+    from fmha_iree.source import gpu_lowering
     from fmha_iree.mlir_templates import render_window
 
     target = Target.from_name("sm_80")

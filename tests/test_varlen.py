@@ -23,8 +23,7 @@ import pytest
 import torch
 
 import fmha_iree
-from common import compiles
-from reference import ints, assert_close, attention_ref, make_qkv, seed_of, to_f64, varlen_ref
+from reference import assert_close, ints, make_qkv, seed_of, to_f64, varlen_ref
 
 D = 64
 MASKS = ["0", "b", "t", "b:16,0", "t:3,5", "xb:9"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from ..mlir_templates import render_lowering_attrs
+from ..mlir_templates.lowering import lowering_for_runtime_sizes
 from .ir import Fn
 
 __all__ = ["Operand", "online_attention", "lowering_attrs"]
@@ -30,12 +30,7 @@ class Operand:
 def lowering_attrs(lowering, *, dv: int, batch_dims: int) -> tuple[str, str]:
     """(properties, attributes) for the op; ("", "") lets IREE choose. The tile sizes are checked
     against a whole tile (the sizes themselves are runtime values the caller proves divisible)."""
-    if not lowering:
-        return "", ""
-    lw = {"backend": lowering} if isinstance(lowering, str) else dict(lowering)
-    m = int(lw.get("workgroup_m", 1))
-    k2 = int(lw.get("reduction_k2", 1))
-    return render_lowering_attrs(lw, m_total=m, dv=int(dv), c=k2, batch_dims=batch_dims)
+    return lowering_for_runtime_sizes(lowering, dv, batch_dims)
 
 
 def _map(dims: Sequence[str], nb: int) -> str:

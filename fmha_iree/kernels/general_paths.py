@@ -16,7 +16,7 @@ import math
 from .attention import Operand, online_attention
 from .bounds import Bounds, edge_window, group_bounds
 from .finalize import normalize_one, normalize_slots
-from .general import Tier, _Ctx, kv_operand, kv_padded, q_padded
+from .operands import Ctx, Tier, kv_operand, kv_padded, q_padded
 from .ir import tensor_type as _ty
 from .masks import MASK_TYPE, edge_masks
 from .state import State, fresh_outs, new_state
@@ -81,20 +81,20 @@ class _Pieces:
     fits: str
 
 
-def _q_rows(c: _Ctx, qp: str, row0, m: str) -> Operand:
+def _q_rows(c: Ctx, qp: str, row0, m: str) -> Operand:
     ty = _ty(["?", "?", "?", c.p.dq], c.p.dtype)
     q = c.fn.let(f"tensor.extract_slice {qp}[0, 0, {c.fn._idx(row0)}, 0] [{c.b}, {c.hk}, {m}, {c.p.dq}] [1, 1, 1, 1] "
                  f": {ty} to {ty}", "qs")
     return Operand(q, ty, ("b0", "b1", "m", "k1"))
 
 
-def _attend(c: _Ctx, tier: Tier, q: Operand, k: Operand, v: Operand, outs: list[Operand], nb: int,
+def _attend(c: Ctx, tier: Tier, q: Operand, k: Operand, v: Operand, outs: list[Operand], nb: int,
             mask: Operand | None = None) -> list[str]:
     return online_attention(c.fn, q=q, k=k, v=v, scale=c.scale, scale_type=c.p.dtype, outs=outs, nb=nb,
                             lowering=tier.lowering, dv=c.p.dv, mask=mask)
 
 
-def _window(c: _Ctx, lo: str, hi: str, live: str | None = None) -> tuple[str, str]:
+def _window(c: Ctx, lo: str, hi: str, live: str | None = None) -> tuple[str, str]:
     """The aligned window (start, keys) of the edge ``[lo, hi)``, empty when not ``live``."""
     fn, unit = c.fn, c.p.cols
     hi = hi if live is None else fn.select(live, hi, lo)
@@ -102,7 +102,7 @@ def _window(c: _Ctx, lo: str, hi: str, live: str | None = None) -> tuple[str, st
     return start, fn.assume_div(keys, unit)
 
 
-def _groups_host(c: _Ctx, tier: Tier, n: int) -> _Groups:
+def _groups_host(c: Ctx, tier: Tier, n: int) -> _Groups:
     """Host values of ``n`` groups of ``rows = ceil(Sq / n)`` rows (rounded so that ``rows * G`` is
     a whole tile); a group past Sq is dead: empty key ranges, so its ops only (re)write padding
     rows."""
@@ -126,7 +126,7 @@ def _groups_host(c: _Ctx, tier: Tier, n: int) -> _Groups:
     return _Groups(rows, fn.c(n), m, fn.mul(m, n), width, bounds, k2, windows, any_left, fits)
 
 
-def _pieces_host(c: _Ctx, tier: Tier) -> _Pieces:
+def _pieces_host(c: Ctx, tier: Tier) -> _Pieces:
     fn, p = c.fn, c.p
     L = p.cols
     m_pad = fn.round_up(fn.mul(c.sq, p.group), tier.tile_rows)
@@ -145,7 +145,7 @@ def _pieces_host(c: _Ctx, tier: Tier) -> _Pieces:
                    fn.add(done, 2), (done, fn.add(done, 1)), (wr, wl), fits)
 
 
-def _masked(c: _Ctx, tier: Tier, cr: _Carry, *, qp: str, lo: str, w: str, m: str, row0, where: tuple,
+def _masked(c: Ctx, tier: Tier, cr: _Carry, *, qp: str, lo: str, w: str, m: str, row0, where: tuple,
             outs_at: tuple[list, list, bool]) -> list[str]:
     """An edge op over the window ``[lo, lo + w)`` with mask tile ``where`` = (path, group, edge),
     reading the state rows at ``outs_at`` = (offsets, sizes, chained: else fresh) and inserted
@@ -166,7 +166,7 @@ def _masked(c: _Ctx, tier: Tier, cr: _Carry, *, qp: str, lo: str, w: str, m: str
     return fn.dispatch(cr.results(), region)
 
 
-def _prefill(c: _Ctx, tier: Tier, h: _Groups, qp: str, cr: _Carry, left: bool) -> _Carry:
+def _prefill(c: Ctx, tier: Tier, h: _Groups, qp: str, cr: _Carry, left: bool) -> _Carry:
     """All groups of ``h``, straight-line (one execution region: the host chose this variant
     before): per group the interior op, then its right edge (and with ``left`` its left edge)
     chained on its state. Dead groups and empty edges run as empty ops."""
@@ -187,7 +187,7 @@ def _prefill(c: _Ctx, tier: Tier, h: _Groups, qp: str, cr: _Carry, left: bool) -
     return cr
 
 
-def _split(c: _Ctx, tier: Tier, h: _Pieces, qp: str, cr: _Carry, tag: str, rest: bool) -> _Carry:
+def _split(c: Ctx, tier: Tier, h: _Pieces, qp: str, cr: _Carry, tag: str, rest: bool) -> _Carry:
     """One group of all rows; its interior in ``P`` pieces (with ``rest``: + ``r`` > 0 single
     columns) and its two edges, each into its own state slot (combined by ``normalize_slots``)."""
     fn, p = c.fn, c.p
@@ -220,7 +220,7 @@ def _split(c: _Ctx, tier: Tier, h: _Pieces, qp: str, cr: _Carry, tag: str, rest:
 _VARIANTS = (1, 2, 4, 8, 16)
 
 
-def body(c: _Ctx) -> list[tuple[str, str]]:
+def body(c: Ctx) -> list[tuple[str, str]]:
     """Emit the whole function body; returns its results as (name, type): out, lse, then the
     scratch tensors (``scratch_types``)."""
     fn, p = c.fn, c.p
@@ -278,7 +278,7 @@ def scratch_types(p) -> list[str]:
     return [_ty(["?", "?", "?", p.dq], p.dtype), MASK_TYPE, *st.types()]
 
 
-def _groups_path(c: _Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
+def _groups_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     """The whole call as ``h``'s groups of rows: Q copy, edge masks, ops, normalize (each path
     defines its own tensors, so a call's work is one execution region whose allocations wait on
     nothing but the call's inputs)."""
@@ -292,14 +292,14 @@ def _groups_path(c: _Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     return [out, lse, qp, mask, *cr.state.names()]
 
 
-def _padded_path(c: _Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
+def _padded_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     """``_groups_path`` over copies of K and V zero-padded to ``c.limit`` keys (so that every edge
     window can be read); the copies are transients of this path."""
     kp, vp = (kv_padded(c, which) for which in ("k", "v"))
     return _groups_path(dataclasses.replace(c, k=kp, v=vp), tier, h, left)
 
 
-def _split_path(c: _Ctx, tier: Tier, h: _Pieces, tag: str, rest: bool) -> list[str]:
+def _split_path(c: Ctx, tier: Tier, h: _Pieces, tag: str, rest: bool) -> list[str]:
     """The whole call as one group split over the keys (``_split``), slots combined at the end."""
     fn, p = c.fn, c.p
     mask = edge_masks(fn, groups=fn.c(1), rows=c.sq, m_rows=h.m, width=h.width, group=p.group, sq=c.sq, sk=c.sk,

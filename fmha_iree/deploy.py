@@ -1,0 +1,105 @@
+"""Deployed modules: a ``.vmfb`` compiled ahead of time (``fmha-iree compile``) and its manifest,
+loaded and called like :func:`fmha_iree.fmha_fwd` / :func:`fmha_iree.fmha_fwd_varlen`.
+
+Needs only ``iree-base-runtime`` and numpy (no torch, no compiler). Every call is checked against
+the manifest (dtype, heads, head dims, layout) before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .dispatch import Route, route, run_batch, run_varlen
+from .runtime import FmhaModule
+from .spec import check_batch, check_varlen
+from .targets import resolve_device
+from .tiles import TileConfig
+
+__all__ = ["DeployedFmha", "load"]
+
+
+class DeployedFmha:
+    """A module compiled ahead of time (``fmha-iree compile``), loaded with its manifest.
+
+    Call it like :func:`fmha_iree.fmha_fwd` without ``layout``/``tiles``/``device`` (fixed by the
+    module); inputs are checked against the manifest before anything runs.
+    """
+
+    def __init__(self, manifest: dict, module: FmhaModule):
+        self.manifest = manifest
+        self._module = module
+        t = manifest["tiles"]
+        ck = t["ck"]
+        self.tiles = TileConfig(ck["kM0"], ck["kN0"], ck["kK0"], ck["kN1"], ck["kK1"], kv_chunk=t["kv_chunk"])
+
+    def __call__(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None):
+        """Batch mode, as :func:`fmha_iree.fmha_fwd`."""
+        pr = self.manifest["problem"]
+        p = check_batch(q, k, v, mask=pr.get("mask") if mask is None else mask, scale=scale, layout=pr["layout"],
+                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
+        self._check(p, return_lse)
+        return run_batch(p, return_lse, self.tiles, lambda: self._module, self.manifest["target"]["family"])
+
+    def route(self, q, k, v, *, mask=None, scale=None, cu_seqlen_q=None, cu_seqlen_k=None) -> Route:
+        """The path a batch-mode call with these arguments would take (``dispatch.route``: which
+        entry point, and why), without running it."""
+        pr = self.manifest["problem"]
+        p = check_batch(q, k, v, mask=pr.get("mask") if mask is None else mask, scale=scale, layout=pr["layout"],
+                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
+        self._check(p, False)
+        return route(p, self._module if p.sq and p.sk and p.batch else None)
+
+    def varlen(self, q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
+               seqstart_padded_k=None, mask=None, scale=None, return_lse=False):
+        """Group mode, as :func:`fmha_iree.fmha_fwd_varlen` (``q`` ``[Tq, Hq, Dq]`` ...): needs a
+        module compiled with ``--layout bshd`` (packed tokens are bshd rows of one sequence)."""
+        pr = self.manifest["problem"]
+        if pr["layout"] != "bshd":
+            raise ValueError(f"group mode needs a module compiled with --layout bshd; this one has layout {pr['layout']!r}")
+        p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
+                                 seqstart_padded_k=seqstart_padded_k, mask=pr.get("mask") if mask is None else mask,
+                                 scale=scale)
+        self._check(p, return_lse)
+        return run_varlen(p, starts, return_lse, self.tiles, lambda: self._module, self.manifest["target"]["family"])
+
+    def _check(self, p, return_lse):
+        """Refuse a problem the module was not compiled for, before anything runs."""
+        pr = self.manifest["problem"]
+        if p.q.dtype != pr["dtype"]:
+            raise TypeError(f"q has dtype {p.q.dtype} but the module was compiled for {pr['dtype']}")
+        if p.hq // p.hk != pr["group"]:
+            raise ValueError(f"q/k heads {p.hq}/{p.hk} give a group of {p.hq // p.hk}; the module expects {pr['group']}")
+        if (p.dq, p.dv) != (pr["hdim"], pr["hdim_v"]):
+            raise ValueError(f"head dims q/k {p.dq}, v {p.dv} differ from the module's {pr['hdim']}, {pr['hdim_v']}")
+        for key, have in (("heads", p.hq), ("kv_heads", p.hk)):
+            if pr.get(key) not in (None, have):
+                raise ValueError(f"{'q' if key == 'heads' else 'k'} has {have} heads; the module was compiled for {pr[key]}")
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+
+
+def load(path, device: str = "local-task") -> DeployedFmha:
+    """Load ``path`` (a ``.vmfb`` written by ``fmha-iree compile``) and its ``.json`` manifest on
+    ``device``. Needs only ``iree-base-runtime`` and numpy.
+
+    The bytes are checked against the manifest's sha256 before they reach IREE's runtime (a
+    damaged module can crash it), and the module's functions against the manifest's entry points;
+    either mismatch is a ``ValueError`` naming the file."""
+    import hashlib
+
+    path = Path(path)
+    manifest = json.loads(path.with_suffix(".json").read_text())
+    if not isinstance(manifest, dict) or manifest.get("format") != "fmha_iree.module/1":
+        raise ValueError(f"{path.with_suffix('.json')} is not an fmha_iree module manifest")
+    vmfb = path.read_bytes()
+    want = manifest.get("sha256")
+    if want is not None and hashlib.sha256(vmfb).hexdigest() != want:
+        raise ValueError(f"{path} does not match its manifest's sha256 (damaged, or another module's file)")
+    uri, _ = resolve_device(device)
+    mod = FmhaModule(vmfb, uri, manifest["module"], dense=manifest.get("dense"),
+                     typed_bf16=manifest["target"]["backend"] != "llvm-cpu")
+    missing = set(manifest.get("entry_points", ())) - set(mod.function_names)
+    if missing:
+        raise ValueError(f"{path} lacks the entry points its manifest lists: {sorted(missing)}")
+    return DeployedFmha(manifest, mod)

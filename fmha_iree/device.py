@@ -1,0 +1,146 @@
+"""IREE devices and the arrays that live on them: the lowest layer of the runtime.
+
+Needs only ``iree-base-runtime`` and numpy. Devices are opened once per process
+(:data:`DEVICES`); a :class:`DeviceTensor` holds a buffer on one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+
+__all__ = ["DeviceRegistry", "DEVICES", "get_device", "DeviceTensor", "element_type", "memory_errors", "HOST_DTYPES"]
+
+
+class DeviceRegistry:
+    """The IREE HAL devices this process opened, one per URI (IREE devices are costly to create
+    and hold the allocator pools every call reuses)."""
+
+    def __init__(self):
+        self._devices: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, uri: str):
+        """The device for ``uri``, opened on first use; ``ValueError`` naming it if it cannot be."""
+        import iree.runtime as rt
+
+        with self._lock:
+            dev = self._devices.get(uri)
+            if dev is None:
+                try:
+                    dev = rt.get_device(uri)
+                except Exception as e:  # the runtime raises ValueError/RuntimeError variants
+                    raise ValueError(f"device {uri!r} could not be opened: {e}") from None
+                self._devices[uri] = dev
+            return dev
+
+
+DEVICES = DeviceRegistry()
+
+
+def get_device(uri: str):
+    """The IREE HAL device for ``uri`` (:data:`DEVICES`)."""
+    return DEVICES.get(uri)
+
+
+_EXHAUSTED = ("RESOURCE_EXHAUSTED", "OUT_OF_MEMORY", "out of memory")
+
+
+@contextlib.contextmanager
+def memory_errors(uri: str, what: str):
+    """Re-raise the runtime's out-of-memory failures inside the block as ``MemoryError`` naming
+    the device and what needed the memory (IREE reports them as a RuntimeError carrying
+    ``RESOURCE_EXHAUSTED``); the device stays usable for calls that fit."""
+    try:
+        yield
+    except RuntimeError as e:
+        if any(s in str(e) for s in _EXHAUSTED):
+            raise MemoryError(f"device {uri!r} ran out of memory for {what}: {str(e)[:300]}") from e
+        raise
+
+
+HOST_DTYPES = {"f16": np.float16, "bf16": np.int16, "f32": np.float32, "i32": np.int32}
+
+
+def element_type(dtype: str, typed_bf16: bool = True):
+    import iree.runtime as rt
+
+    if dtype == "bf16":
+        return rt.HalElementType.BFLOAT_16 if typed_bf16 else rt.HalElementType.SINT_16
+    return {"f16": rt.HalElementType.FLOAT_16, "f32": rt.HalElementType.FLOAT_32,
+            "i32": rt.HalElementType.SINT_32}[dtype]
+
+
+class DeviceTensor:
+    """An array that lives on an IREE device (see :func:`fmha_iree.to_device`).
+
+    Inputs given as DeviceTensors are read where they are, and results come back as DeviceTensors
+    (nothing crosses the host bus); ``to_numpy`` / ``to_torch`` copy to the host. bf16 data is
+    typed bf16 on the device; numpy sees its bits as int16.
+    """
+
+    def __init__(self, device_uri: str, buffer, shape, dtype: str, ready=None):
+        self.device_uri = device_uri
+        self._buffer = buffer  # HalBuffer, shared by reshaped views
+        self.shape = tuple(int(x) for x in shape)
+        self.dtype = dtype
+        # HalFence reached once the contents are written (results of asynchronous calls; None:
+        # ready now). Reading it (to_numpy, or as the input of another call) waits for it first.
+        self.ready = ready
+
+    @classmethod
+    def from_host(cls, array: np.ndarray, dtype: str, device_uri: str) -> "DeviceTensor":
+        import iree.runtime as rt
+
+        dev = get_device(device_uri)
+        a = np.ascontiguousarray(array)
+        with memory_errors(device_uri, f"a {list(a.shape)} {dtype} upload"):
+            bv = dev.allocator.allocate_buffer_copy(memory_type=rt.MemoryType.DEVICE_LOCAL,
+                                                    allowed_usage=rt.BufferUsage.DEFAULT, device=dev, buffer=a,
+                                                    element_type=element_type(dtype))
+        return cls(device_uri, bv.get_buffer(), a.shape, dtype)
+
+    @classmethod
+    def from_result(cls, bv, dtype: str, device_uri: str, ready=None) -> "DeviceTensor":
+        """Wrap a function result (a HalBufferView), ready at the fence ``ready``."""
+        return cls(device_uri, bv.get_buffer(), bv.shape, dtype, ready)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def reshape(self, shape) -> "DeviceTensor":
+        shape = tuple(int(x) for x in shape)
+        if int(np.prod(shape)) != int(np.prod(self.shape)):
+            raise ValueError(f"cannot reshape {list(self.shape)} to {list(shape)}")
+        return DeviceTensor(self.device_uri, self._buffer, shape, self.dtype, self.ready)
+
+    def buffer_view(self, typed_bf16: bool = True):
+        import iree.runtime as rt
+
+        return rt.HalBufferView(self._buffer, list(self.shape), element_type(self.dtype, typed_bf16))
+
+    def wait(self) -> "DeviceTensor":
+        """Block until the contents are written (results of asynchronous calls); returns self."""
+        if self.ready is not None:
+            with memory_errors(self.device_uri, "the call that writes this tensor"):
+                self.ready.wait()
+        return self
+
+    def to_numpy(self) -> np.ndarray:
+        import iree.runtime as rt
+
+        self.wait()
+        arr = rt.DeviceArray(get_device(self.device_uri), self.buffer_view(typed_bf16=False))
+        return np.array(arr.to_host(), copy=True).view(HOST_DTYPES[self.dtype]).reshape(self.shape)
+
+    def to_torch(self):
+        import torch
+
+        t = torch.from_numpy(self.to_numpy())
+        return t.view(torch.bfloat16) if self.dtype == "bf16" else t
+
+    def __repr__(self) -> str:
+        return f"DeviceTensor(shape={list(self.shape)}, dtype={self.dtype}, device={self.device_uri!r})"

@@ -1,0 +1,148 @@
+"""Dispatch: which entry point of a loaded module runs a validated problem, and running it.
+
+Shared by the API (:mod:`fmha_iree.api`) and deployed modules (:mod:`fmha_iree.deploy`). A batch-
+mode problem takes, in this order: ``fwd`` (GPU modules: any lengths and mask in one call), a
+compiled-in or aligned one-call entry point (``dense_kind``), or the tile plan
+(``init``/``step``/``finalize``), which also runs group mode and cu_seqlen padding.
+:func:`route` says which and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .device import DeviceTensor
+from .plan import Plan, Sequences, build_plan, units_budget
+from .runtime import dense_entry
+from .spec import BatchProblem, Operand
+
+__all__ = ["Route", "route", "dense_kind", "uses_fwd", "run_batch", "run_varlen"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """The path a batch-mode call takes: ``path`` is ``"fwd"``, ``"dense"``, ``"causal"``,
+    ``"window"`` or ``"plan"``; ``entry`` the module function that runs it (None for the plan's
+    ``init``/``step``/``finalize``); ``window`` the width of a ``"window"`` path; ``reason`` why
+    this path and not an earlier one."""
+
+    path: str
+    reason: str
+    entry: str | None = None
+    window: int | None = None
+
+
+def _wrap(array, like: Operand, dtype: str):
+    """Return ``array`` in the caller's array type (torch, numpy, or a DeviceTensor left on the
+    device) and dtype."""
+    if like.on_device or not like.is_torch:
+        return array
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    return t.view(torch.bfloat16) if dtype == "bf16" else t
+
+
+def _empty_result(p: BatchProblem, out_shape, lse_shape):
+    dt = {"f16": np.float16, "bf16": np.int16, "f32": np.float32}[p.q.dtype]
+    out, lse = np.zeros(out_shape, dt), np.full(lse_shape, -np.inf, np.float32)
+    if p.q.on_device:
+        uri = p.q.array.device_uri
+        return DeviceTensor.from_host(out, p.q.dtype, uri), DeviceTensor.from_host(lse, "f32", uri)
+    return out, lse
+
+
+def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_shape, lse_rows_shape, tiles, get_module,
+             family: str):
+    """Shared by batch and varlen mode and deployed modules: plan, run. Returns ABI arrays (numpy,
+    or DeviceTensors for device-resident inputs)."""
+    plan: Plan = build_plan(seqs, p.mask, tiles, out_rows_shape, lse_rows_shape, units_budget(p.hq, tiles, family))
+    if plan.n_tiles == 0 or 0 in out_shape:
+        return _empty_result(p, out_shape, lse_shape)
+    out, lse = get_module().run(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.hk, plan,
+                                keep_on_device=p.q.on_device)
+    return out.reshape(out_shape), lse.reshape(lse_shape)
+
+
+def dense_kind(p: BatchProblem, dense: dict | None) -> tuple[str, int | None] | None:
+    """Whether a batch-mode problem can take a module's one-call dense path: ``("dense", None)``
+    (every row sees every key), ``("causal", None)`` (row i sees keys j <= i, Sq == Sk),
+    ``("window", W)`` (keys i - W <= j <= i, Sq == Sk: CK's ``b:W,0``), or None (the plan).
+    Needs full lengths (no cu_seqlen padding) that the module's entry points take
+    (``runtime.dense_entry``: multiples of its alignment, for causal of ``align * causal_blocks``
+    or one of its compiled-in ``seqlens``, for a window a compiled-in length whose block holds W)."""
+    if not dense or p.sq == 0 or p.sk == 0:
+        return None
+    if (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
+        return None
+    y, x = p.mask.coords(p.sq, p.sk)
+    window = None
+    if y >= p.sq and x >= p.sk:
+        kind = "dense"
+    elif x == 1 and y >= p.sq:
+        kind = "causal"
+    elif x == 1 and p.sq == p.sk and y >= 1:
+        kind, window = "window", y - 1
+    else:
+        return None
+    ok = dense_entry(dense, p.sq, p.sk, kind == "causal", True, p.batch, p.hk, window)
+    return (kind, window) if ok else None
+
+
+def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
+    """The path a batch-mode problem takes on ``module`` (a loaded module, or None when the
+    problem is empty and nothing is called), and why. ``fwd`` wherever the module has it and
+    every batch uses the full lengths, except where a compiled-in or aligned one-call entry
+    point serves the problem (``dense_kind``) other than the generic two-block ``causal``,
+    which ``fwd`` replaces; then that entry point; else the tile plan."""
+    if module is None:
+        return Route("plan", "empty problem: no entry point is called")
+    if (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
+        return Route("plan", "cu_seqlen padding: the tile plan reads each batch's own lengths")
+    kind = dense_kind(p, module.dense)
+    entry = None if kind is None else module.dense_entry(p.sq, p.sk, kind[0] == "causal", with_lse, p.batch, p.hk,
+                                                         kind[1])
+    if module.has_fwd and (kind is None or entry == "causal"):
+        why = "no one-call entry point takes these lengths and mask" if kind is None else \
+            "fwd replaces the generic two-block causal entry point"
+        return Route("fwd", why, "fwd")
+    if kind is not None:
+        return Route(kind[0], f"{entry} takes Sq={p.sq}, Sk={p.sk} with this mask", entry, kind[1])
+    return Route("plan", "the module has no fwd, and no one-call entry point takes these lengths and mask")
+
+
+def uses_fwd(p: BatchProblem, module) -> bool:
+    """Whether a batch-mode problem runs through the module's ``fwd`` (:func:`route`)."""
+    return module is not None and p.sq > 0 and p.sk > 0 and route(p, module).path == "fwd"
+
+
+def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str):
+    """A checked batch-mode problem on the module ``get_module()`` gives, by :func:`route`."""
+    out_shape = (p.batch, p.hq, p.sq, p.dv) if p.layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
+    module = get_module() if p.sq and p.sk and p.batch else None
+    r = route(p, module, return_lse)
+    if r.path == "fwd":
+        out, lse = module.run_fwd(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.mask.clipped_coords(p.sq, p.sk),
+                                  keep_on_device=p.q.on_device)
+    elif r.path != "plan":
+        out, lse = module.run_dense(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.layout, r.path == "causal",
+                                    keep_on_device=p.q.on_device, with_lse=return_lse, window=r.window)
+    else:
+        seqs = Sequences.batch(p.q_lens, p.k_lens)
+        out, lse = _execute(p, seqs, out_shape, (p.batch, p.hq, p.sq), (p.batch, p.sq), (p.batch, p.sq), tiles,
+                            get_module, family)
+    out = _wrap(out, p.q, p.q.dtype)
+    return (out, _wrap(lse, p.q, "f32")) if return_lse else out
+
+
+def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, family: str):
+    """A checked group-mode problem (``check_varlen``'s two results) on a module: the tile plan
+    over its sequences (shared by ``fmha_fwd_varlen`` and deployed modules)."""
+    q_start, q_len, k_start, k_len, lse_start, total_q = starts
+    zeros = np.zeros(len(q_len), np.int64)
+    seqs = Sequences(zeros, q_start, q_len, k_start, k_len, lse_start)
+    out, lse = _execute(p, seqs, (p.sq, p.hq, p.dv), (p.hq, total_q), (1, p.sq), (1, total_q), tiles, get_module, family)
+    out = _wrap(out, p.q, p.q.dtype)
+    return (out, _wrap(lse, p.q, "f32")) if return_lse else out

@@ -1,0 +1,163 @@
+"""The ``fwd`` kernel family's static plan (``Plan``, ``Tier``) and the operands its stages share:
+the function's context (``Ctx``), K/V read in place or padded, and Q copied into padded rows
+(see ``general.py`` for the function as a whole)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .attention import Operand
+from .elementwise import copy_attrs
+from .ir import Fn, tensor_type
+
+__all__ = ["Tier", "Plan", "Ctx", "kv_operand", "kv_padded", "q_padded"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """One set of kernels: the op lowering (None: IREE's own) and its workgroup rows (the
+    padding unit of M)."""
+
+    lowering: object
+    tile_rows: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static parameters of a ``fwd`` function."""
+
+    dtype: str
+    layout: str
+    group: int
+    dq: int
+    dv: int
+    main: Tier
+    short: Tier | None
+    cols: int = 64  # L: interior K2 is a multiple of it (a multiple of every tier's K2 tile)
+    rows: int = 512  # prefill group state rows (rows * G) at least
+    fill_wgs: int = 132  # groups grow until one op has this many workgroups (the GPU's SMs / CUs)
+    max_groups: int = 16  # groups unrolled in the function (rows grow past rows * max_groups)
+    short_rows: int = 16  # Sq * G up to this takes the short tier
+    split_below: int = 96  # a single group with fewer workgroups than this takes split-KV
+    split_target: int = 512  # workgroups split-KV aims for
+    max_split: int = 64
+
+
+@dataclasses.dataclass
+class Ctx:
+    """Values shared by the stages of one function."""
+
+    fn: Fn
+    p: Plan
+    b: str
+    hk: str
+    hq: str
+    sq: str
+    sk: str
+    y: str
+    x: str
+    scale: str
+    k: Operand
+    v: Operand
+    limit: str  # keys of k / v that can be read (Sk, or the padded length of padded copies)
+
+
+def _ty(shape, elt):
+    return tensor_type(shape, elt)
+
+
+def kv_operand(c: Ctx, which: str, lo: str, keys, pieces: str | None = None) -> Operand:
+    """K or V keys ``[lo, lo + keys)`` read in place; with ``pieces``, ``pieces`` consecutive runs of
+    ``keys`` keys each (a batch dim b2). ``keys`` may be an int (a static size)."""
+    fn, src = c.fn, (c.k if which == "k" else c.v)
+    d = c.p.dq if which == "k" else c.p.dv
+    kdim = "k1" if which == "k" else "n"
+    bhsd = c.p.layout == "bhsd"
+    size = keys if pieces is None else fn.mul(pieces, keys)
+    size = fn._idx(size)
+    off = f"[0, 0, {lo}, 0] [{c.b}, {c.hk}, {size}, {d}]" if bhsd else f"[0, {lo}, 0, 0] [{c.b}, {size}, {c.hk}, {d}]"
+    ty4 = _ty(["?", "?", "?", d], c.p.dtype)
+    sl = fn.let(f"tensor.extract_slice {src.name}{off} [1, 1, 1, 1] : {ty4} to {ty4}", "kv")
+    if pieces is None:
+        return Operand(sl, ty4, ("b0", "b1", "k2", kdim) if bhsd else ("b0", "k2", "b1", kdim))
+    kst = keys if isinstance(keys, int) else "?"
+    kval = str(keys) if isinstance(keys, int) else keys
+    if bhsd:
+        ty5 = _ty(["?", "?", "?", kst, d], c.p.dtype)
+        ex = fn.let(f"tensor.expand_shape {sl} [[0], [1], [2, 3], [4]] output_shape [{c.b}, {c.hk}, {pieces}, {kval}, {d}] "
+                    f": {ty4} into {ty5}", "kv")
+        return Operand(ex, ty5, ("b0", "b1", "b2", "k2", kdim))
+    ty5 = _ty(["?", "?", kst, "?", d], c.p.dtype)
+    ex = fn.let(f"tensor.expand_shape {sl} [[0], [1, 2], [3], [4]] output_shape [{c.b}, {pieces}, {kval}, {c.hk}, {d}] "
+                f": {ty4} into {ty5}", "kv")
+    return Operand(ex, ty5, ("b0", "b2", "k2", "b1", kdim))
+
+
+def kv_padded(c: Ctx, which: str) -> Operand:
+    """K or V copied into ``c.limit`` keys (two dispatches: a fill, then the copy stored into its
+    keys). Past Sk, V holds zeros (a masked key's weight is 0, and 0 * V must be 0) and K ones (any
+    finite value; a different one from V's, or IREE 3.13 folds the two fills into one buffer and
+    stores both copies into it)."""
+    fn, T = c.fn, c.p.dtype
+    src = c.k if which == "k" else c.v
+    d = c.p.dq if which == "k" else c.p.dv
+    ty = _ty(["?", "?", "?", d], T)
+    bhsd = c.p.layout == "bhsd"
+    full = [c.b, c.hk, c.limit] if bhsd else [c.b, c.limit, c.hk]
+    part = [c.b, c.hk, c.sk] if bhsd else [c.b, c.sk, c.hk]
+
+    def zeros():
+        e = fn.let(f"tensor.empty({', '.join(full)}) : {ty}", "e")
+        z = fn.let(f"arith.constant {'1.0' if which == 'k' else '0.0'} : {T}", "z")
+        return [fn.let(f"linalg.fill ins({z} : {T}) outs({e} : {ty}) -> {ty}", "kz")]
+
+    dest = fn.dispatch([(ty, full)], zeros)[0]
+    attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=2 if bhsd else 1, inner=d)
+
+    def region():
+        e = fn.let(f"tensor.empty({', '.join(part)}) : {ty}", "e")
+        m4, par = "d0, d1, d2, d3", ", ".join(['"parallel"'] * 4)
+        cp = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({m4}) -> ({m4})>, affine_map<({m4}) -> ({m4})>], "
+                    f"iterator_types = [{par}]}} ins({src.name} : {ty}) outs({e} : {ty}){attrs} {{\n"
+                    f"  ^bb0(%kc_in: {T}, %kc_out: {T}):\n    linalg.yield %kc_in : {T}\n  }} -> {ty}", "kc")
+        return [fn.let(f"tensor.insert_slice {cp} into {dest}[0, 0, 0, 0] [{', '.join(part)}, {d}] [1, 1, 1, 1] "
+                       f": {ty} into {ty}", "ins")]
+
+    out = fn.dispatch([(ty, full)], region)[0]
+    return Operand(out, ty, src.dims)
+
+
+def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
+    """Q as ``[B, Hk, m_pad, Dq]``, rows ``(s, g)`` (row ``s * G + g``); rows past ``Sq * G`` are
+    left unwritten (every row is independent: a padding row only ever reaches its own output row,
+    which is dropped). One explicit dispatch: a copy generic stored into the rows it fills (IREE
+    lowers an unstructured copy into a slice to a one-workgroup ``slow_memcpy``)."""
+    fn, G, D, T = c.fn, c.p.group, c.p.dq, c.p.dtype
+    q_ty = _ty(["?", "?", "?", D], T)
+    # the loops run in the source's order (IREE turns a copy around that way itself, and the
+    # tile of ``copy_attrs`` is given for it): (b, h, g, s, d) for bhsd, (b, s, h, g, d) for bshd
+    if c.p.layout == "bhsd":  # q [B, Hk*G, Sq, D] as [B, Hk, G, Sq, D]
+        src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1, 2], [3], [4]] output_shape [{c.b}, {c.hk}, {G}, {c.sq}, {D}] "
+                     f": {q_ty} into {_ty(['?', '?', G, '?', D], T)}", "q")
+        src_ty, dst_map, s_dim = _ty(["?", "?", G, "?", D], T), "d0, d1, d3, d2, d4", 3
+    else:  # q [B, Sq, Hk*G, D] as [B, Sq, Hk, G, D]
+        src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1], [2, 3], [4]] output_shape [{c.b}, {c.sq}, {c.hk}, {G}, {D}] "
+                     f": {q_ty} into {_ty(['?', '?', '?', G, D], T)}", "q")
+        src_ty, dst_map, s_dim = _ty(["?", "?", "?", G, D], T), "d0, d2, d1, d3, d4", 1
+    dest = fn.let(f"tensor.empty({c.b}, {c.hk}, {m_pad}) : {q_ty}", "qp")
+    rows = fn.mul(c.sq, G)
+    t_ty = _ty(["?", "?", "?", G, D], T)
+    attrs = copy_attrs(c.p.main.lowering, rank=5, row_dim=s_dim, inner=D)
+
+    def region():
+        e = fn.let(f"tensor.empty({c.b}, {c.hk}, {c.sq}) : {t_ty}", "e")
+        d5 = "d0, d1, d2, d3, d4"
+        par = ", ".join(['"parallel"'] * 5)
+        cp = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({d5})>, affine_map<({d5}) -> ({dst_map})>], "
+                    f"iterator_types = [{par}]}} ins({src} : {src_ty}) outs({e} : {t_ty}){attrs} {{\n"
+                    f"  ^bb0(%qc_in: {T}, %qc_out: {T}):\n    linalg.yield %qc_in : {T}\n  }} -> {t_ty}", "qc")
+        flat = fn.let(f"tensor.collapse_shape {cp} [[0], [1], [2, 3], [4]] : {t_ty} into {q_ty}", "qc")
+        return [fn.let(f"tensor.insert_slice {flat} into {dest}[0, 0, 0, 0] [{c.b}, {c.hk}, {rows}, {D}] [1, 1, 1, 1] "
+                       f": {q_ty} into {q_ty}", "ins")]
+
+    return fn.dispatch([(q_ty, [c.b, c.hk, m_pad])], region)[0]

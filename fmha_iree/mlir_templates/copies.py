@@ -1,0 +1,215 @@
+"""Copies and views shared by the one-call entry points: tiled copies and V transposes with
+explicit tiles, block views of the sequence axis, the grouped Q copied once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .lowering import _ilist
+
+def _unit_groups(keep: list[int], rank: int) -> list[list[int]]:
+    """Reassociation that folds the dims not in `keep` (unit dims) into a neighbouring kept dim:
+    the one before, or the first for leading ones."""
+    groups = [[i] for i in keep]
+    for i in range(rank):
+        if i not in keep:
+            before = [g for g in groups if g[0] < i]
+            (before[-1] if before else groups[0]).append(i)
+    return [sorted(g) for g in groups]
+
+
+def _copy_config(dst_ty: str, rank: int, subgroup: int) -> str:
+    """GPU tiles for a `_copy` (IREE's own for these dynamic-batch copies are one element per
+    thread): 16 rows x the innermost dim per workgroup, 8 elements (16 bytes of f16) per thread.
+    Empty when the innermost dim is not a multiple of 8."""
+    inner = int(dst_ty.split("x")[-2])
+    if inner % 8 or (16 * inner // 8) > 1024:
+        return ""
+    wg = [1] * (rank - 2) + [16, inner]
+    th = [1] * (rank - 1) + [8]
+    return (" attrs = {compilation_info = #iree_codegen.compilation_info<"
+            f"lowering_config = #iree_gpu.lowering_config<{{workgroup = {_ilist(wg)}, thread = {_ilist(th)}}}>, "
+            "translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<TileAndFuse> "
+            f"workgroup_size = [{16 * inner // 8}, 1, 1] subgroup_size = {int(subgroup)}>>}}")
+
+
+def _copy(name: str, src: str, src_ty: str, dst_ty: str, rank: int, perm: list[int],
+          pick: dict[int, int] | None = None, subgroup: int | None = None) -> str:
+    """`%name` = elementwise copy of `src` into a fresh `dst_ty` (first two dims dynamic: %B, %Hk),
+    dst dim i taken from src dim perm[i]: a contiguous batch for the next attention op. `pick`
+    {src dim: index} reads one index of extra src dims (the src then has rank + len(pick) dims).
+
+    Each element gets `%rt_zero` added (a zero IREE cannot fold: scale - scale), so the copy stays
+    an elementwise kernel: a plain copy becomes IREE's `slow_memcpy` dispatch, one f16 per thread
+    in 64-thread workgroups (0.16 ms per 32 MiB on the H200, 2026-11-30). With `subgroup` (the
+    GPU's subgroup size) the copy gets its own tiles (`_copy_config`); it then iterates over the
+    non-unit dims of `dst_ty` only (IREE folds unit dims into a new op, dropping the tiles) and
+    expands back."""
+    pick = pick or {}
+    et = src_ty.rsplit("x", 1)[1][:-1]
+    dshape = dst_ty[len("tensor<"):-1].split("x")[:-1]
+    sshape = src_ty[len("tensor<"):-1].split("x")[:-1]
+    keep = [i for i, x in enumerate(dshape) if x != "1"] if subgroup else list(range(rank))
+    skeep = [i for i, x in enumerate(sshape) if x != "1" or i in pick] if subgroup else list(range(len(sshape)))
+    new_idx = {i: n for n, i in enumerate(keep)}
+    dims = ", ".join(f"d{n}" for n in range(len(keep)))
+    src_exprs, k = [], 0
+    for i in range(rank + len(pick)):
+        if i in pick:
+            src_exprs.append(str(pick[i]))
+            continue
+        di = perm.index(k)
+        k += 1
+        if i in skeep:
+            src_exprs.append(f"d{new_idx[di]}" if di in new_idx else "0")
+    pre = ""
+    if len(skeep) < len(sshape):  # fold the source's unit dims away first, for the same reason
+        sred = "tensor<" + "x".join([sshape[i] for i in skeep] + [et]) + ">"
+        pre = f"  %{name}_s = tensor.collapse_shape {src} {_unit_groups(skeep, len(sshape))} : {src_ty} into {sred}\n"
+        src, src_ty = f"%{name}_s", sred
+    red_ty = "tensor<" + "x".join([dshape[i] for i in keep] + [et]) + ">"
+    par = ", ".join(['"parallel"'] * len(keep))
+    cfg = _copy_config(red_ty, len(keep), subgroup) if subgroup else ""
+    out = f"%{name}_r" if red_ty != dst_ty else f"%{name}"
+    text = pre + f"""  %{name}_e = tensor.empty(%B, %Hk) : {red_ty}
+  {out} = linalg.generic {{indexing_maps = [affine_map<({dims}) -> ({", ".join(src_exprs)})>, affine_map<({dims}) -> ({dims})>],
+      iterator_types = [{par}]}} ins({src} : {src_ty}) outs(%{name}_e : {red_ty}){cfg} {{
+  ^bb0(%x: {et}, %o: {et}):
+    %x0 = arith.addf %x, %rt_zero : {et}
+    linalg.yield %x0 : {et}
+  }} -> {red_ty}
+"""
+    if red_ty != dst_ty:
+        dyn = ["%B", "%Hk"]
+        shape = ", ".join(dyn.pop(0) if x == "?" else x for x in dshape)
+        text += (f"  %{name} = tensor.expand_shape {out} {_unit_groups(keep, rank)} output_shape [{shape}]"
+                 f" : {red_ty} into {dst_ty}\n")
+    return text
+
+
+def _transpose_copy(name: str, src: str, src_ty: str, dst_ty: str, n: str, subgroup: int | None) -> str:
+    """`%name` [N, b, a] = `src` [N, a, b] (N = `n`) plus `%rt_zero` (see `_copy`), iterated over
+    the source's dims (the form IREE turns a transpose into), with IREE's shared-memory transpose
+    tiles on GPUs, which it picks itself only for static shapes: 32 x 32 tiles staged through
+    shared memory (`promote_operands`), 8 elements (16 bytes of f16) along the output's fastest
+    dim per thread, 4 x 32 threads. H200, [64, 4096, 128] f16 (2026-11-30, commit 59a747a;
+    docs/bench/h200_2026-11-30e_*): 0.062 ms in the module against 0.12 with 4 elements per
+    thread (8 x 32 threads); IREE's own tiles 0.53 ms."""
+    et = src_ty.rsplit("x", 1)[1][:-1]
+    a, b = (int(x) for x in src_ty[len("tensor<"):-1].split("x")[1:3])
+    cfg = ""
+    if subgroup and a % 32 == 0 and b % 32 == 0:
+        cfg = (" attrs = {compilation_info = #iree_codegen.compilation_info<"
+               "lowering_config = #iree_gpu.lowering_config<{workgroup = [1, 32, 32], thread = [1, 8, 1], "
+               "promote_operands = [0]}>, "
+               "translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<TileAndFuse> "
+               f"workgroup_size = [4, 32, 1] subgroup_size = {int(subgroup)}>>}}")
+    return f"""  %{name}_e = tensor.empty({n}) : {dst_ty}
+  %{name} = linalg.generic {{indexing_maps = [affine_map<(d0, d1, d2) -> (d0, d1, d2)>, affine_map<(d0, d1, d2) -> (d0, d2, d1)>],
+      iterator_types = ["parallel", "parallel", "parallel"]}} ins({src} : {src_ty}) outs(%{name}_e : {dst_ty}){cfg} {{
+  ^bb0(%x: {et}, %o: {et}):
+    %x0 = arith.addf %x, %rt_zero : {et}
+    linalg.yield %x0 : {et}
+  }} -> {dst_ty}"""
+
+
+def _pin_batch(name: str, src: str, ty: str, n: str) -> str:
+    """`name` = `src` passed through a `flow.tensor.reshape` (to the same type, its dynamic batch
+    size re-tied), so IREE does not fold the reshapes around it into the attention op, which would
+    give the op several batch dims its GPU config cannot tile. (A `util.optimization_barrier` did
+    the same but made the host wait for the GPU at that point of the call: on the H200 three such
+    waits cost the S=16384 causal tree ~2.8 ms per call, 2026-11-30.)"""
+    return f"  {name} = flow.tensor.reshape {src} : {ty}{{{n}}} -> {ty}{{{n}}}"
+
+
+def _pair_slice(name: str, src: str, rank: int, S: int, L: int, d: int, T: str, n: str, off: int) -> str:
+    """`name` [N, L, d] = rows off..off+L of every 2L-row block of `src` ([B, Hk, S, d], or
+    [B, Hk, 1, S, d] with `rank` 6), N = `n` = B * Hk * S / (2L): the blocks are a uniformly strided
+    batch, so the slice is read in place by the attention dispatch it feeds (IREE clones an
+    extract_slice into its consumer) instead of being copied. The [N, 2L, d] view is pinned
+    (`_pin_batch`) so IREE keeps one batch dim."""
+    nb, base = S // (2 * L), name.lstrip("%")
+    full = "x".join(["?", "?"] + (["1"] if rank == 6 else []) + [str(S), str(d), T])
+    blk = "x".join(["?", "?"] + (["1"] if rank == 6 else []) + [str(nb), str(2 * L), str(d), T])
+    lead = [[0], [1], [2]] if rank == 6 else [[0], [1]]
+    k = len(lead)
+    exp = lead + [[k, k + 1], [k + 2]]
+    col = [list(range(k + 1)), [k + 1], [k + 2]]
+    shape = ", ".join(["%B", "%Hk"] + (["1"] if rank == 6 else []) + [str(nb), str(2 * L), str(d)])
+    vty = f"tensor<?x{2 * L}x{d}x{T}>"
+    return "\n".join([
+        f"  %{base}_x = tensor.expand_shape {src} {exp} output_shape [{shape}] : tensor<{full}> into tensor<{blk}>",
+        f"  %{base}_c = tensor.collapse_shape %{base}_x {col} : tensor<{blk}> into {vty}",
+        _pin_batch(f"%{base}_p", f"%{base}_c", vty, n),
+        f"  {name} = tensor.extract_slice %{base}_p[0, {off}, 0] [{n}, {L}, {d}] [1, 1, 1] : {vty} to tensor<?x{L}x{d}x{T}>",
+    ])
+
+
+def _bty(T: str, *dims) -> str:
+    """`tensor<?x{dims}x{T}>`: a block view's type, its leading (B * Hk) dim dynamic."""
+    return "tensor<?x" + "".join(f"{x}x" for x in dims) + f"{T}>"
+
+
+def _blocks_view(name: str, src: str, src_ty: str, exp: list, shape: list, col: list | None, view_ty: str,
+                 off: list | None = None, size: list | None = None, out_ty: str | None = None, n: str = "%BH") -> str:
+    """`name` = `src` expanded by `exp` to `shape`, collapsed by `col` to `view_ty` (dynamic dim:
+    `n`), pinned, and (with `off`) sliced to `size` / `out_ty`: blocks read in place."""
+    base = name.lstrip("%")
+    ety = "tensor<" + "x".join(str(x) if not str(x).startswith("%") else "?" for x in shape) + "x" + src_ty.rsplit("x", 1)[1]
+    lines = [f"  %{base}_x = tensor.expand_shape {src} {exp} output_shape [{', '.join(map(str, shape))}] : {src_ty} into {ety}"]
+    if col:
+        lines.append(f"  %{base}_c = tensor.collapse_shape %{base}_x {col} : {ety} into {view_ty}")
+    lines.append(_pin_batch(f"%{base}_p" if off else name, f"%{base}_c" if col else f"%{base}_x", view_ty, n))
+    if off:
+        lines.append(f"  {name} = tensor.extract_slice %{base}_p[{', '.join(map(str, off))}] [{n}, {', '.join(map(str, size))}]"
+                     f" [{', '.join(['1'] * len(off))}] : {view_ty} to {out_ty}")
+    return "\n".join(lines)
+
+
+def _grouped_q_once(f: dict, S: int, C: int, sg, src: str = "%qS") -> str:
+    """`%qG` [B, Hk, S/C, G, C, Dq] = the grouped Q `src` [B, Hk, G, S, Dq] copied once with G inside
+    each C-row block: every op of the block-split templates then reads its Q blocks in place (the
+    rows of a block of L = m * C rows come as (m, G, C), which attention does not mind and the
+    merge's views follow). Fenced (`compute_barrier.end`) so that no reshape is folded into it."""
+    G, DQ, nd = f["G"], f["DQ"], S // C
+    ty = functools.partial(_bty, f["T"])
+    xty = ty("?", G, nd, C, DQ)
+    return "\n".join([
+        f"  %qGx = tensor.expand_shape {src} [[0], [1], [2], [3, 4], [5]] output_shape [%B, %Hk, {G}, {nd}, {C}, {DQ}]"
+        f" : {ty('?', G, S, DQ)} into {xty}",
+        _copy("qGt", "%qGx", xty, ty("?", nd, G, C, DQ), 6, [0, 1, 3, 2, 4, 5], subgroup=sg).rstrip("\n"),
+        f"  %qG = iree_tensor_ext.compute_barrier.end %qGt : {ty('?', nd, G, C, DQ)}{{%B, %Hk}} -> {ty('?', nd, G, C, DQ)}",
+    ])
+
+
+def _grouped_q_view(name: str, f: dict, *, nd: int, C: int, nb: int, span: int, pick: int | None,
+                    flat: str | None = None) -> str:
+    """`name` = blocks of `%qG` (`_grouped_q_once`) read in place: nb blocks of `span` C-blocks
+    ([BH(, nb), span*G*C, Dq]), or with `pick` half `pick` of each. `flat`: the blocks folded into
+    one batch dim of that size ([B*Hk*nb, ...], the ops of one batch dim)."""
+    G, DQ = f["G"], f["DQ"]
+    ty = functools.partial(_bty, f["T"])
+    rows, bd = span * G * C, ([nb] if nb > 1 and not flat else [])
+    col = [[0, 1], [2], [3, 4, 5], [6]] if bd else [[0, 1, 2], [3, 4, 5], [6]]
+    sl = () if pick is None else ([0, *[0] * len(bd), pick * rows // 2, 0], [*bd, rows // 2, DQ], ty(*bd, rows // 2, DQ))
+    return _blocks_view(name, "%qG", ty("?", nd, G, C, DQ), [[0], [1], [2, 3], [4], [5], [6]],
+                        ["%B", "%Hk", nb, span, G, C, DQ], col, ty(*bd, rows, DQ), *sl, n=flat or "%BH")
+
+
+def _fenced_v_transpose(f: dict, S: int, sg) -> list[str]:
+    """`%vT` [BH, Dv, S] = `%vS` transposed (`_transpose_copy`), for the block-split templates' V^T
+    blocks. Fenced on both sides so that no reshape is folded into the transpose (IREE would
+    re-create the op and drop its tiles: 0.48 instead of 0.12 ms at B*S = 16k, H=16 on the H200)."""
+    DV, T = f["DV"], f["T"]
+    src, dst = f"tensor<?x{S}x{DV}x{T}>", f"tensor<?x{DV}x{S}x{T}>"
+    return [f"  %vF = tensor.collapse_shape %vS [[0, 1], [2], [3]] : tensor<?x?x{S}x{DV}x{T}> into {src}",
+            _pin_batch("%vFp", "%vF", src, "%BH"),
+            _transpose_copy("vT0", "%vFp", src, dst, "%BH", sg),
+            f"  %vT = iree_tensor_ext.compute_barrier.end %vT0 : {dst}{{%BH}} -> {dst}"]
+
+
+def _rt_zero(T: str) -> list[str]:
+    """`%rt_zero`: a zero of type T that IREE cannot fold (scale - scale), see `_copy`."""
+    return ["  %rt_zero_f = arith.subf %scale_f32, %scale_f32 : f32",
+            "  %rt_zero = arith.addf %rt_zero_f, %zero : f32" if T == "f32" else f"  %rt_zero = arith.truncf %rt_zero_f : f32 to {T}"]

@@ -1,0 +1,213 @@
+"""One call for a whole aligned batch: ``dense`` (unmasked), ``dense_o_s<S>`` / ``causal_o_s<S>``
+(fused, out only) and ``causal`` (two-block causal), from ``mlir/dense*.mlir.in`` and
+``mlir/causal*.mlir.in``; the shared prologue (``_dense_common``: shapes, workspace).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .copies import _pin_batch, _rt_zero, _transpose_copy
+from .lowering import _DTYPES, _load, lowering_for_runtime_sizes
+
+def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
+                  seqlen: int | None = None, workspace: bool = False, extra_args: tuple[str, ...] = ()) -> dict:
+    """Fields shared by the dense and causal templates.
+
+    The sequence axis crosses the ABI split as (S / A, A) with A = `align` (the host reshapes, for
+    free): IREE's GPU pipeline only distributes an attention whose M and K2 it can prove to be
+    multiples of its tiles, and a product with a static factor is such a proof.
+    `prologue` defines the constants, `%scale_t`, the inputs as bhsd (`%qb`, `%kb`, `%vb`:
+    [B, H, S/A, A, D], a transpose each for bshd) and their dims; `from_bhsd` turns `%o4`
+    [B, Hq, S/A, A, Dv] into `%out` in `layout`, `epilogue` casts it and `%lse` to the result types.
+
+    `seqlen` (a multiple of A) makes S static in the function's types (a shape-specialized entry
+    point; the runtime refuses other lengths): the arguments are cast to the dynamic types the
+    templates use and IREE propagates the static sizes into every dispatch.
+
+    `extra_args` follow the scale. `workspace` adds `%workspace: !hal.buffer {iree.abi.transients}` last: the
+    caller's buffer holds the function's intermediates (partials, copies), sized by IREE's
+    generated `<func>_transients_size` query. Without it IREE allocates them per call, and its
+    CUDA HAL frees them with a host wait for the call's last kernel (`queue_dealloca`), which
+    serialized back-to-back calls."""
+    t = _DTYPES.get(str(dtype))
+    if t is None:
+        raise ValueError(f"dtype {dtype!r} not in f16/bf16/f32")
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"layout {layout!r} not in bshd/bhsd")
+    for name, val in (("group", group), ("dq", dq), ("dv", dv), ("align", align)):
+        if int(val) <= 0:
+            raise ValueError(f"{name} must be positive, got {val}")
+    a = int(align)
+    if seqlen is not None and (int(seqlen) <= 0 or int(seqlen) % a):
+        raise ValueError(f"seqlen must be a positive multiple of align={a}, got {seqlen}")
+    st = "?" if seqlen is None else str(int(seqlen) // a)
+    ty = {x: f"tensor<?x?x?x{a}x{d}x{t}>" for x, d in (("q", dq), ("k", dq), ("v", dv))}
+    lines = [
+        "  %c0 = arith.constant 0 : index", "  %c1 = arith.constant 1 : index",
+        "  %c2 = arith.constant 2 : index", "  %c3 = arith.constant 3 : index",
+        f"  %cG = arith.constant {int(group)} : index", f"  %cA = arith.constant {a} : index",
+        "  %zero = arith.constant 0.0 : f32", "  %fmin = arith.constant -3.40282347E+38 : f32",
+        "  %ln2 = arith.constant 0.693147180559945309 : f32",
+        "  %scale_f32 = tensor.extract %scale[%c0] : tensor<1xf32>",
+        "  %scale_t = arith.addf %scale_f32, %zero : f32" if t == "f32"
+        else f"  %scale_t = arith.truncf %scale_f32 : f32 to {t}",
+    ]
+    arg_ty = {}
+    for x in ("q", "k", "v"):
+        d = dq if x != "v" else dv
+        if layout == "bhsd":
+            arg_ty[x] = f"tensor<?x?x{st}x{a}x{d}x{t}>"
+            lines.append(f"  %{x}b = tensor.cast %{x}_arg : {arg_ty[x]} to {ty[x]}")
+        else:  # [B, S/A, A, H, D] -> [B, H, S/A, A, D]
+            arg_ty[x] = f"tensor<?x{st}x{a}x?x{d}x{t}>"
+            src = f"tensor<?x?x{a}x?x{d}x{t}>"
+            lines.append(f"  %{x} = tensor.cast %{x}_arg : {arg_ty[x]} to {src}")
+            lines += [
+                f"  %{x}_B = tensor.dim %{x}, %c0 : {src}", f"  %{x}_S = tensor.dim %{x}, %c1 : {src}",
+                f"  %{x}_H = tensor.dim %{x}, %c3 : {src}",
+                f"  %{x}_e = tensor.empty(%{x}_B, %{x}_H, %{x}_S) : {ty[x]}",
+                f"  %{x}b = linalg.transpose ins(%{x} : {src}) outs(%{x}_e : {ty[x]}) permutation = [0, 3, 1, 2, 4]",
+            ]
+    lines += [
+        f"  %B = tensor.dim %qb, %c0 : {ty['q']}", f"  %Sqt = tensor.dim %qb, %c2 : {ty['q']}",
+        f"  %Hk = tensor.dim %kb, %c1 : {ty['k']}",
+        "  %BH = arith.muli %B, %Hk : index",
+    ]
+    oty = f"tensor<?x?x?x{a}x{dv}x{t}>"
+    if layout == "bhsd":
+        from_bhsd = f"  %out = tensor.cast %o4 : {oty} to {oty}"
+        res_dyn, res = oty, f"tensor<?x?x{st}x{a}x{dv}x{t}>"
+    else:
+        res_dyn, res = f"tensor<?x?x{a}x?x{dv}x{t}>", f"tensor<?x{st}x{a}x?x{dv}x{t}>"
+        from_bhsd = "\n".join([
+            f"  %o_B = tensor.dim %o4, %c0 : {oty}", f"  %o_H = tensor.dim %o4, %c1 : {oty}",
+            f"  %o_S = tensor.dim %o4, %c2 : {oty}", f"  %o_e = tensor.empty(%o_B, %o_S, %o_H) : {res_dyn}",
+            f"  %out = linalg.transpose ins(%o4 : {oty}) outs(%o_e : {res_dyn}) permutation = [0, 2, 3, 1, 4]",
+        ])
+    args = ", ".join([f"%{x}_arg: {arg_ty[x]}" for x in ("q", "k", "v")] + ["%scale: tensor<1xf32>", *extra_args]
+                     + (["%workspace: !hal.buffer {iree.abi.transients}"] if workspace else []))
+    lse_dyn, lse_ty = f"tensor<?x?x?x{a}xf32>", f"tensor<?x?x{st}x{a}xf32>"
+    epilogue_out = "\n".join([from_bhsd, f"  %out_r = tensor.cast %out : {res_dyn} to {res}"])
+    epilogue = epilogue_out + f"\n  %lse_r = tensor.cast %lse : {lse_dyn} to {lse_ty}"
+    out_cast = ("    linalg.yield %y : f32" if t == "f32"
+                else f"    %yt = arith.truncf %y : f32 to {t}\n    linalg.yield %yt : {t}")
+    qd, kd, vd = (("[B,Hq,Sq/A,A,Dq]", "[B,Hk,Sk/A,A,Dq]", "[B,Hk,Sk/A,A,Dv]") if layout == "bhsd"
+                  else ("[B,Sq/A,A,Hq,Dq]", "[B,Sk/A,A,Hk,Dq]", "[B,Sk/A,A,Hk,Dv]"))
+    return dict(T=t, G=int(group), DQ=int(dq), DV=int(dv), A=a, layout=layout, prologue="\n".join(lines),
+                epilogue=epilogue, epilogue_out=epilogue_out, out_cast=out_cast, q_shape_doc=qd, k_shape_doc=kd, v_shape_doc=vd,
+                args=args, out_type=res, lse_type=lse_ty, seqlen=seqlen)
+
+
+def _normalize(f: dict, suffix: str, rows: str) -> str:
+    """`mlir/normalize.mlir.in` for the op `%att<suffix>` over `rows` rows per batch entry."""
+    return _load("normalize.mlir.in").substitute(s=suffix, rows=rows, T=f["T"], DV=f["DV"], out_cast=f["out_cast"])
+
+
+def render_dense(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
+                 lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None,
+                 workspace: bool = False) -> str:
+    """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: attention where
+    every row sees every key, as one online_attention (template `mlir/dense.mlir.in`). `seqlen`:
+    Sq = Sk fixed at compile time, `workspace` (see `_dense_common`)."""
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
+    props, attrs = lowering_for_runtime_sizes(lowering, dv)
+    return _load("dense.mlir.in").substitute(func_name=func_name, attn_props=props, attn_attrs=attrs,
+                                             normalize=_normalize(f, "", "%M"), **f)
+
+
+def _pin(f: dict, b: int) -> str:
+    """`%q3p_b`, `%k3p_b`, `%v3p_b`: a row block's operands. With static lengths IREE would fold the
+    surrounding reshapes into the op (two batch dims, which its GPU config cannot tile); an
+    optimization barrier keeps the batch dims collapsed."""
+    lines = []
+    for x, d, rows in (("q", f["DQ"], "%GC"), ("k", f["DQ"], f"%K_{b}"), ("v", f["DV"], f"%K_{b}")):
+        ty = f"tensor<?x?x{d}x{f['T']}>"
+        if f["seqlen"] is None:
+            lines.append(f"  %{x}3p_{b} = tensor.cast %{x}3_{b} : {ty} to {ty}")
+        else:
+            lines.append(_pin_batch(f"%{x}3p_{b}", f"%{x}3_{b}", ty, f"%BH, {rows}"))
+    return "\n".join(lines)
+
+
+def render_dense_out(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
+                     lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None,
+                     causal: bool = False, workspace: bool = False) -> str:
+    """MLIR text of `util.func public @func_name(q, k, v, scale) -> out`: `render_dense` without
+    the LSE, as IREE's `attention` op, which normalizes inside the kernel and writes the output
+    type directly (no f32 accumulator in memory, no second dispatch; template
+    `mlir/dense_out.mlir.in`). `causal` (needs `seqlen`, Sq == Sk): row i sees keys j <= i
+    through a broadcast [G*S, S] i1 mask; every block is still computed (IREE does not skip
+    masked tiles). `workspace`: see `_dense_common`."""
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
+    props, attrs = lowering_for_runtime_sizes(lowering, dv)
+    mask = dict(mask="", mask_map="", mask_in="", mask_ty="", mask_doc="Every row sees every key.")
+    if causal:
+        if seqlen is None:
+            raise ValueError("causal dense_out needs a static seqlen")
+        S, M = int(seqlen), int(group) * int(seqlen)
+        ty = f"tensor<{M}x{S}xi1>"
+        mask = dict(
+            mask_doc=f"Causal, Sq == Sk == {S}: row g*S + i sees key j iff j <= i (a broadcast [G*S, S] i1 mask).",
+            mask=(f"  %cme = tensor.empty() : {ty}\n"
+                  f"  %cmask = linalg.generic {{indexing_maps = [affine_map<(d0, d1) -> (d0, d1)>], "
+                  f"iterator_types = [\"parallel\", \"parallel\"]}} outs(%cme : {ty}) {{\n"
+                  f"  ^bb0(%o: i1):\n    %i0 = linalg.index 0 : index\n    %j = linalg.index 1 : index\n"
+                  f"    %cS = arith.constant {S} : index\n    %i = arith.remui %i0, %cS : index\n"
+                  f"    %vis = arith.cmpi ule, %j, %i : index\n    linalg.yield %vis : i1\n  }} -> {ty}"),
+            mask_map="\n        affine_map<(d0, d1, d2, d3, d4) -> (d1, d3)>,",
+            mask_in=", %cmask", mask_ty=f", {ty}")
+    return _load("dense_out.mlir.in").substitute(func_name=func_name, attn_props=props, attn_attrs=attrs,
+                                                 **mask, **_v_operand(f, lowering), **f)
+
+
+# `transpose_v` pays from this compiled-in length on. H200, B*S = 16k, bench.py, one run
+# (2026-11-30, commit 0312255; docs/bench/h200_2026-11-30c_*): f16 d128 S = 512 / 1024 / 2048 / 4096 /
+# 16384 0.52 / 0.88 / 1.61 / 3.08 / 11.95 ms -> 0.66 / 0.93 / 1.57 / 2.93 / 10.88; bf16 d128
+# 0.51 / 0.89 / 1.61 / 3.05 / 11.67 -> 0.57 / 0.87 / 1.49 / 2.65 / 9.69 (the transpose itself
+# 0.12 ms at B*S = 16k, H=16; 0.062 ms since commit 59a747a's 8 elements per thread, not re-measured here).
+TRANSPOSE_V_MIN_SEQLEN = 2048
+
+
+def _v_operand(f: dict, lowering) -> dict:
+    """V as the attention op reads it. `transpose_v` in the lowering (static S of at least
+    `TRANSPOSE_V_MIN_SEQLEN`) copies V to [BH, Dv, Sk] first (`_transpose_copy`): the P@V
+    operand's pairs along keys are then adjacent in shared memory, read as 32-bit words instead
+    of 16-bit halves (H200, d128 f16 M256: 2.75 against 3.01 ms per kernel at S=4096)."""
+    DV, T = f["DV"], f["T"]
+    if (not (isinstance(lowering, Mapping) and lowering.get("transpose_v")) or f["seqlen"] is None
+            or int(f["seqlen"]) < TRANSPOSE_V_MIN_SEQLEN):
+        return dict(v_prep="", v_in="%v3p", v_ty=f"tensor<?x?x{DV}x{T}>", v_map="(d0, d3, d4)",
+                    v_doc="V is read as [BH, Sk, Dv].")
+    S = int(f["seqlen"])
+    sg = lowering.get("subgroup_size") if lowering.get("backend") != "cpu" else None
+    ty = f"tensor<?x{DV}x?x{T}>"
+    prep = "\n".join([
+        *_rt_zero(T),
+        f"  %vS = tensor.cast %v3p : tensor<?x?x{DV}x{T}> to tensor<?x{S}x{DV}x{T}>",
+        _transpose_copy("vt3", "%vS", f"tensor<?x{S}x{DV}x{T}>", f"tensor<?x{DV}x{S}x{T}>", "%BH", sg),
+        _pin_batch("%vtp0", "%vt3", f"tensor<?x{DV}x{S}x{T}>", "%BH"),
+        f"  %vtp = tensor.cast %vtp0 : tensor<?x{DV}x{S}x{T}> to {ty}",
+    ])
+    return dict(v_prep=prep, v_in="%vtp", v_ty=ty, v_map="(d0, d4, d3)",
+                v_doc="V is copied to [BH, Dv, Sk] first (lowering transpose_v).")
+
+
+def render_causal(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, blocks: int,
+                  align: int, lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None,
+                  workspace: bool = False) -> str:
+    """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: causal attention
+    (Sq == Sk, S a multiple of `blocks * align`) as `blocks` independent row blocks, each against
+    the keys up to its diagonal (templates `mlir/causal.mlir.in`, `mlir/causal_block.mlir.in`).
+    `workspace`: see `_dense_common`."""
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
+    nb = int(blocks)
+    if nb < 1:
+        raise ValueError(f"blocks must be positive, got {blocks}")
+    props, attrs = lowering_for_runtime_sizes(lowering, dv)
+    block = _load("causal_block.mlir.in")
+    parts = [block.substitute(b=b, b1=b + 1, attn_props=props, attn_attrs=attrs, pin=_pin(f, b),
+                              normalize=_normalize(f, f"_{b}", "%GC"), **f) for b in range(nb)]
+    rows = "  %o6_0 = tensor.cast %o6_e : {t} to {t}\n  %l5_0 = tensor.cast %l5_e : {u} to {u}".format(
+        t=f"tensor<?x?x{f['G']}x?x{f['A']}x{f['DV']}x{f['T']}>", u=f"tensor<?x?x{f['G']}x?x{f['A']}xf32>")
+    return _load("causal.mlir.in").substitute(func_name=func_name, NB=nb, row_blocks=rows + "".join(parts), **f)

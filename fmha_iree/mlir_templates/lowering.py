@@ -1,0 +1,224 @@
+"""MLIR templates for the GPU entry points.
+
+`render_online_step` renders `mlir/online_step.mlir.in`: one wave of the plan (the `step`
+function) as gathers + one `iree_linalg_ext.online_attention` (single collapsed batch dim
+P*Hk, M = G*R, K1 = Dq, K2 = C, N = Dv) + scatters back into the state. `render_dense`,
+`render_dense_out`, `render_causal` (`mlir/dense*.mlir.in`, `mlir/causal*.mlir.in`) are the one-call
+entry points of a whole batch; `render_causal_tree` (generated here: its number of levels depends
+on the length) is causal at a compiled-in length as a binary tree of dense blocks.
+
+`lowering` (a dict, "cpu", or None to let IREE choose) becomes the op's `compilation_info` and
+`decomposition_config`, in the form IREE 3.13's VectorDistribute pipeline reads:
+
+    workgroup_m      rows of G*R per workgroup (CK kM0); must divide G*R
+    workgroup_n      Dv columns per workgroup (CK kN1); must divide Dv
+    reduction_k2     keys per inner step (CK kN0); must divide C
+    subgroup_size    64 (CDNA wave64), 32 (RDNA wave32, NVIDIA warp)
+    subgroups_m      subgroups along M (default: workgroup_size // subgroup_size)
+    subgroups_n      subgroups along N (default 1)
+    workgroup_size   threads (default: subgroup_size * subgroups_m * subgroups_n)
+    mma_kind         intrinsic for P@V, e.g. "MFMA_F32_16x16x16_F16"
+    qk_mma_kind      intrinsic for Q@K^T (default: mma_kind); may be a virtual one
+                     ("VMFMA_F32_16x16x32_F16"), see `qk_virtual`
+    qk_virtual       True if qk_mma_kind is a virtual_mma_layout (default: name starts with "V")
+    promote_operands operands of the attention op staged in shared memory (default [1, 2]: K, V;
+                     as IREE's gfx942 tuning spec. [0, 1, 2] also stages Q: M=128 d=128 then
+                     needs 80 KB LDS and fails on gfx9's 64 KB)
+    llvm_func_attrs  optional dict of LLVM function attributes (e.g. {"amdgpu-waves-per-eu": "2"})
+    prefetch_stages  optional gpu_pipeline_options prefetch_num_stages
+
+`lowering="cpu"` (or {"backend": "cpu", ...}) renders an llvm-cpu config that keeps N whole
+(distribution/vector tiles [1, M, 0, 0, 0] / [1, 1, 0, 0, 0]). Not required: with the fresh-outs
+structure below IREE's own llvm-cpu default (which tiles N by 8) is also correct.
+
+The op starts from a fresh (0, -FLT_MAX, 0) and the chunk is merged into the old state afterwards,
+so workgroup_n < Dv is safe (chaining the old state through the op's outs is not: IREE binds those
+outs readwrite in place and N-split workgroups then race on max/sum).
+
+Dims of the op's iteration domain are (B, M, K1, K2, N). IREE 3.13 prints/parses the op as
+`online_attention <{decomposition_config = {...}, indexing_maps = [...]}> {compilation_info = ...}`
+(decomposition_config is a property inside `<{...}>`; the old `{indexing_maps = ...}` attr-dict form
+is rejected with "properties dictionary is missing required attribute: indexing_maps"). Rendered:
+
+    compilation_info = #iree_codegen.compilation_info<
+      lowering_config = #iree_gpu.lowering_config<{workgroup = [1, M, 0, 0, N],
+                                                   reduction = [0, 0, 0, K2, 0],
+                                                   promote_operands = [1, 2]}>,
+      translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<VectorDistribute>
+                                                        workgroup_size = [T, 1, 1] subgroup_size = W>>,
+    decomposition_config = {
+      qk_attrs = {attention_qk_matmul, lowering_config = #iree_gpu.lowering_config<{
+          mma_kind = ..., subgroup_basis = [[1, SM, 1, 1, SN], [0, 1, 2, 3]], promote_operands = [1]}>},
+      pv_attrs = {attention_pv_matmul, lowering_config = #iree_gpu.lowering_config<{
+          mma_kind = ..., subgroup_basis = [[1, SM, 1, 1, SN], [0, 1, 3, 4]], promote_operands = [1]}>}}
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any, Mapping
+
+_TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "mlir"
+
+
+_DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32", "float16": "f16",
+           "bfloat16": "bf16", "float32": "f32"}
+
+
+def _load(name: str) -> string.Template:
+    return string.Template((_TEMPLATE_DIR / name).read_text())
+
+
+def _ilist(xs) -> str:
+    return "[" + ", ".join(str(int(x)) for x in xs) + "]"
+
+
+def _mma_attr(name: str, virtual: bool | None = None) -> str:
+    if virtual is None:
+        virtual = name.startswith("V")
+    kind = "virtual_mma_layout" if virtual else "mma_layout"
+    return f"#iree_gpu.{kind}<{name}>"
+
+
+def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: int, dv: int,
+                          c: int, batch_dims: int = 1) -> tuple[str, str]:
+    """(properties, attributes) text for the online_attention op; ("", "") for None.
+
+    In IREE 3.13 the op prints as
+      `online_attention <{decomposition_config = {...}, indexing_maps = [...]}> {compilation_info = ...}`
+    i.e. decomposition_config is an inherent property (inside `<{...}>`) and compilation_info a
+    discardable attribute (in the `{...}` that follows). `batch_dims`: the op's leading batch dims
+    (the tiles below are given for one, each further one gets the batch's).
+    """
+    if not lowering:
+        return "", ""
+    if isinstance(lowering, str):
+        lowering = {"backend": lowering}
+    lw = dict(lowering)
+    xb, x0 = [1] * (batch_dims - 1), [0] * (batch_dims - 1)
+    if lw.get("backend") == "cpu":
+        # llvm-cpu, N kept whole (IREE's default tiles N by 8; with the old state chained
+        # through the op's outs that gave a sum Dv/8 times too large -- see module docstring).
+        wm = int(lw.get("workgroup_m", m_total))
+        k2 = int(lw.get("reduction_k2", 2))
+        return "", (
+            " {compilation_info = #iree_codegen.compilation_info<\n"
+            "        lowering_config = #iree_cpu.lowering_config<"
+            f"distribution = {_ilist(xb + [1, wm, 0, 0, 0])}, "
+            f"vector_common_parallel = {_ilist(xb + [1, 1, 0, 0, 0])}, "
+            f"vector_reduction = {_ilist(x0 + [0, 0, 0, k2, 0])}>,\n"
+            "        translation_info = #iree_codegen.translation_info<"
+            "pipeline = #iree_cpu.pipeline<LinalgExtTileAndVectorize>>>}")
+    wm = int(lw.get("workgroup_m", m_total))
+    wn = int(lw.get("workgroup_n", dv))
+    k2 = int(lw.get("reduction_k2", 64))
+    if m_total % wm or dv % wn or c % k2:
+        raise ValueError(f"tile (M={wm}, N={wn}, K2={k2}) must divide (G*R={m_total}, "
+                         f"Dv={dv}, C={c})")
+    sg = int(lw.get("subgroup_size", 64))
+    sgm = lw.get("subgroups_m")
+    sgn = int(lw.get("subgroups_n", 1))
+    wg = lw.get("workgroup_size")
+    if sgm is None:
+        sgm = (int(wg) // sg // sgn) if wg else 4
+    sgm = int(sgm)
+    if wg is None:
+        wg = sg * sgm * sgn
+    wg = int(wg)
+    if wg != sg * sgm * sgn:
+        raise ValueError(f"workgroup_size {wg} != subgroup_size {sg} * {sgm} * {sgn}")
+    promote = lw.get("promote_operands", [1, 2])
+
+    lc = f"workgroup = {_ilist(xb + [1, wm, 0, 0, wn])}, reduction = {_ilist(x0 + [0, 0, 0, k2, 0])}"
+    if promote is not None:
+        lc += f", promote_operands = {_ilist(promote)}"
+    extra = []
+    if lw.get("prefetch_stages") is not None:
+        extra.append("gpu_pipeline_options = #iree_gpu.pipeline_options<prefetch_num_stages = "
+                     f"{int(lw['prefetch_stages'])}>")
+    if lw.get("llvm_func_attrs"):
+        kv = ", ".join(f'"{k}" = "{v}"' for k, v in lw["llvm_func_attrs"].items())
+        extra.append(f"llvm_func_attrs = {{{kv}}}")
+    ti_extra = (", {" + ", ".join(extra) + "}") if extra else ""
+    attrs = (
+        " {compilation_info = #iree_codegen.compilation_info<\n"
+        f"        lowering_config = #iree_gpu.lowering_config<{{{lc}}}>,\n"
+        "        translation_info = #iree_codegen.translation_info<"
+        "pipeline = #iree_gpu.pipeline<VectorDistribute>\n"
+        f"          workgroup_size = [{wg}, 1, 1] subgroup_size = {sg}{ti_extra}>>}}"
+    )
+    props = ""
+    pv_kind = lw.get("mma_kind")
+    if pv_kind:
+        qk_kind = lw.get("qk_mma_kind", pv_kind)
+        basis = _ilist(xb + [1, sgm, 1, 1, sgn])
+        nb = batch_dims
+        qk_dims, pv_dims = list(range(nb + 3)), list(range(nb + 1)) + [nb + 2, nb + 3]
+        qk = (f"mma_kind = {_mma_attr(qk_kind, lw.get('qk_virtual'))}, "
+              f"subgroup_basis = [{basis}, {_ilist(qk_dims)}], "
+              f"promote_operands = {_ilist(lw.get('qk_promote_operands', [1]))}")
+        pv = (f"mma_kind = {_mma_attr(pv_kind, False)}, "
+              f"subgroup_basis = [{basis}, {_ilist(pv_dims)}], "
+              f"promote_operands = {_ilist(lw.get('pv_promote_operands', [1]))}")
+        props = (
+            "decomposition_config = {\n"
+            f"        qk_attrs = {{attention_qk_matmul, lowering_config = "
+            f"#iree_gpu.lowering_config<{{{qk}}}>}},\n"
+            f"        pv_attrs = {{attention_pv_matmul, lowering_config = "
+            f"#iree_gpu.lowering_config<{{{pv}}}>}}}},"
+        )
+    return props, attrs
+
+
+def default_lowering(target: str, *, dtype: str = "f16", r: int = 128, group: int = 1,
+                     c: int = 64, dv: int = 128) -> dict | None:
+    """A sensible `lowering` per GPU target family (None for CPU targets).
+
+    gfx9 (CDNA: gfx90a/gfx942/gfx950): MFMA 16x16x16, wave64, 4 waves along M.
+    gfx11/gfx12 (RDNA3/4): WMMA 16x16x16 (WMMAR3_/WMMAR4_), wave32, 4 waves along M.
+    sm_80+: NV_MMA_SYNC 16x8x16, warp 32, 4 warps along M.
+    Tiles: M = 64, N = Dv, K2 = 64 (32 when Dv >= 256 on 64 KB-LDS gfx9; M64 N256 K2=64 needs
+    72 KB). Checked with iree-compile 3.13 (R=128, C=64): no VGPR spills for d = 64/128 on
+    gfx90a/gfx942/gfx950/gfx1100/gfx1201, compiles for sm_80. RDNA with Dv >= 256 returns None
+    (IREE's default): every explicit RDNA d256 config tried spilled (wave32, Q kept in VGPRs).
+    M=128 on RDNA needs 8 waves (4 waves spill ~95 VGPRs at d128).
+    """
+    t = _DTYPES.get(str(dtype), str(dtype))
+    tgt = target.lower()
+    m_total = int(group) * int(r)
+    wm = 64 if m_total % 64 == 0 else m_total
+    k2 = 64 if c % 64 == 0 else (32 if c % 32 == 0 else c)
+    if int(dv) >= 256 and tgt != "gfx950" and c % 32 == 0:
+        k2 = 32
+    base = {"workgroup_m": wm, "workgroup_n": int(dv), "reduction_k2": k2,
+            "promote_operands": [1, 2]}
+    if t == "f32":
+        # No f32 MMA tiles are given for these; let IREE pick.
+        return None
+    if tgt.startswith("gfx9") or tgt in ("mi300x", "mi300a", "mi308x", "mi325x", "mi250x",
+                                          "mi250", "mi210", "mi355x", "mi350x"):
+        kind = "MFMA_F32_16x16x16_F16" if t == "f16" else "MFMA_F32_16x16x16_BF16"
+        if tgt == "gfx90a" or tgt.startswith("mi2"):
+            kind = "MFMA_F32_16x16x16_F16" if t == "f16" else "MFMA_F32_16x16x8_BF16"
+        return {**base, "subgroup_size": 64, "subgroups_m": 4, "mma_kind": kind}
+    if tgt.startswith("gfx11") or tgt.startswith("gfx12"):
+        if int(dv) >= 256:
+            return None
+        gen = "WMMAR3" if tgt.startswith("gfx11") else "WMMAR4"
+        kind = f"{gen}_F32_16x16x16_{'F16' if t == 'f16' else 'BF16'}"
+        return {**base, "subgroup_size": 32, "subgroups_m": 4, "mma_kind": kind}
+    if tgt.startswith("sm_"):
+        kind = "NV_MMA_SYNC_F32_16x8x16_F16" if t == "f16" else "NV_MMA_SYNC_F32_16x8x16_BF16"
+        return {**base, "subgroup_size": 32, "subgroups_m": 4, "mma_kind": kind}
+    return None
+
+
+def lowering_for_runtime_sizes(lowering, dv: int, batch_dims: int = 1):
+    """(props, attrs) for an op whose M and K2 are runtime sizes (the caller checks divisibility)."""
+    if not lowering:
+        return "", ""
+    lw = {"backend": lowering} if isinstance(lowering, str) else dict(lowering)
+    m = int(lw.get("workgroup_m", 1))
+    k2 = int(lw.get("reduction_k2", 1))
+    return render_lowering_attrs(lw, m_total=m, dv=int(dv), c=k2, batch_dims=batch_dims)

@@ -1,0 +1,344 @@
+"""What a module holds: its entry points, their static parameters and lowering configs, rendered as
+MLIR (the input ``compile.py`` hands to iree-compile).
+
+CPU modules are the torch graph of ``graph.py``; GPU modules the plan's ``step`` plus the one-call
+entry points (``mlir_templates``) and ``fwd`` (``kernels.general``), each where its parameters
+allow (``dense_params``, ``fwd_plan``). ``entry_points`` describes them for the manifest.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .spec import KernelSpec
+
+__all__ = ["source_mlir", "gpu_lowering", "dense_params", "dense_abi", "causal_diag", "fwd_plan", "entry_points",
+           "native_exp2_default", "CAUSAL_MASKED_MAX", "CAUSAL_BLOCKS"]
+
+
+def gpu_lowering(spec: KernelSpec) -> dict | None:
+    """The IREE lowering config a GPU spec's tiles become: kM0 -> workgroup M, kN1 -> workgroup N,
+    kN0 -> reduction over keys (K2); intrinsic and subgroups from the target family. ``None`` for
+    the CPU, and for combinations IREE is left to choose (f32; RDNA with Dv >= 256)."""
+    from .mlir_templates import default_lowering
+    from .tiles import iree_picks_config, tuned_lowering
+
+    if spec.target.backend == "llvm-cpu" or iree_picks_config(spec.target.family, spec.dtype, spec.dv, spec.target.arch, spec.dq):
+        return None
+    t = spec.tiles
+    # default_lowering gives the intrinsic and subgroup shape of the family (it declines RDNA
+    # Dv >= 256, which iree_picks_config already screened); the tile fields are overridden below.
+    base = default_lowering(spec.target.arch, dtype=spec.dtype, r=t.m0, group=spec.group, c=t.kv_chunk,
+                            dv=min(spec.dv, 128))
+    if base is None:
+        return None
+    n1 = t.n1 if spec.dv % t.n1 == 0 else spec.dv
+    # One subgroup per 16 rows of kM0: at most 4 waves on AMD (the default tables), 8 warps on
+    # CUDA; the tuned CUDA tiles bring their own warp layout (tiles.tuned_lowering).
+    most = 8 if spec.target.family == "cuda" else 4
+    low = {**base, "workgroup_m": t.m0, "workgroup_n": n1, "reduction_k2": t.n0, "subgroups_m": min(most, t.m0 // 16)}
+    return {**low, **tuned_lowering(spec.target.family, t, spec.dv)}
+
+
+@functools.lru_cache(maxsize=64)
+def _torch_module(dtype: str, layout: str, group: int, dq: int, dv: int, tiles, with_step: bool,
+                  seqlens: tuple = (), batch: int = 0, kv_heads: int = 0) -> tuple[str, str]:
+    """Exported torch-graph MLIR (target independent, so exported once per process) and the
+    module name it carries."""
+    from .graph import export_module
+    from .targets import Target
+
+    fixed = (tuple(seqlens), batch, kv_heads) if with_step else ((), 0, 0)
+    spec = KernelSpec(dtype, layout, group, dq, dv, tiles, Target("llvm-cpu", "host"), *fixed)
+    return export_module(spec, with_step=with_step), spec.module_name
+
+
+def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
+    """The dense entry points' static parameters, or None when the module has none (CPU torch
+    modules without ``seqlens``; GPU lowerings IREE picks; lowerings that split Dv across
+    workgroups, which were not checked on a GPU).
+
+    CPU torch modules with ``seqlens`` get ``dense_s<S>`` / ``causal_s<S>`` (``graph.RowBlocks``)
+    only: ``tiled`` False (plain 4-D arguments), ``dynamic`` False (no entries for other lengths).
+
+    ``align``: sequence lengths the dense path takes are multiples of this (the workgroup M and
+    K2 tiles, so IREE sees whole tiles); ``causal_blocks``: row blocks of the causal entry point
+    (it computes (NB + 1) / (2 NB) of the unmasked work); ``seqlens``: {S: diagonal block} of the
+    compiled-in lengths (``causal_s<S>``, and ``dense_o_s<S>``: unmasked without LSE);
+    ``causal_o``: the lengths that also get ``causal_o_s<S>`` (causal without LSE, masked);
+    ``window``: {S: C} of the lengths that get ``window_s<S>`` (sliding windows of up to C keys
+    before each row, ``mlir_templates.render_window``)."""
+    import math
+
+    fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    if not fused:
+        if not spec.seqlens:
+            return None
+        from .graph import CPU_ROWS
+
+        for s in spec.seqlens:
+            if int(s) <= 0 or int(s) % CPU_ROWS:
+                raise ValueError(f"seqlens: {s} is not a positive multiple of {CPU_ROWS} (the CPU row block)")
+        return {"align": CPU_ROWS, "causal_blocks": 0, "lowering": None, "seqlens": {int(s): None for s in spec.seqlens},
+                "causal_o": [], "tiled": False, "dynamic": False, "batch": spec.batch, "kv_heads": spec.kv_heads}
+    from .mlir_templates import window_block
+
+    low = _dense_lowering(spec)
+    if low is None or int(low.get("workgroup_n", spec.dv)) != spec.dv:
+        return None
+    align = math.lcm(int(low["workgroup_m"]), int(low["reduction_k2"]))
+    seqlens = {}
+    for s in spec.seqlens:
+        if int(s) <= 0 or int(s) % align:
+            raise ValueError(f"seqlens: {s} is not a positive multiple of this module's alignment {align}")
+        seqlens[int(s)] = causal_diag(int(s), align)
+    causal_o = [s for s in seqlens if s <= CAUSAL_MASKED_MAX and spec.group * s * s <= 1 << 28]
+    window = {s: window_block(s, align) for s in seqlens if window_block(s, align)}
+    return {"align": align, "causal_blocks": CAUSAL_BLOCKS, "lowering": low, "seqlens": seqlens,
+            "causal_o": causal_o, "window": window, "tiled": True, "dynamic": True}
+
+
+def dense_abi(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
+    """What a runtime needs to call the dense entry points (``align``, ``causal_blocks``,
+    ``seqlens``, ``causal_o``, ``window`` ([S, C] pairs), ``tiled``, ``dynamic``, ``batch``,
+    ``kv_heads``: 0 or the fixed value the compiled-in entries need)."""
+    d = dense_params(spec, fused_step=fused_step)
+    if d is None:
+        return None
+    return {"align": d["align"], "causal_blocks": d["causal_blocks"], "seqlens": sorted(d["seqlens"]),
+            "causal_o": sorted(d["causal_o"]), "window": sorted(d.get("window", {}).items()),
+            "tiled": d["tiled"], "dynamic": d["dynamic"], "batch": d.get("batch", 0), "kv_heads": d.get("kv_heads", 0)}
+
+
+def causal_diag(seqlen: int, align: int) -> int:
+    """Diagonal block C of the causal tree at length S (S / C a power of two, C a multiple of
+    ``align``): S/2 up to S=1024, else 256. The masked diagonal is computed in full (S*C/2 of
+    wasted work); each level adds a dispatch and merge inputs, cheap since the levels read their
+    blocks in place (commit 90e71e0). H200, B*S = 16k, H=16, d128 f16, out-only, bench.py, one run
+    each (2026-11-30, commit 90e71e0; docs/bench/h200_2026-11-30d_*): blocks read in place,
+    C=256 1.28 / 2.08 / 3.65 / 6.70 ms at S=2048..16384 against C=512/1024 (the earlier rule)
+    1.37 / 2.17 / 3.92 / 6.93; with V^T blocks C=256 against C=512 1.67 / 2.40 / 3.81 / 6.37 vs
+    1.76 / 2.50 / 3.85 / 6.45. (commit 0312255, blocks copied: C=512 best, C=256 1.68 / 2.56 / 4.14 /
+    7.00; commit 30b39b7, host waits and slow copies: S/2 up to 4096 and 2048 above.)"""
+    prefs = (seqlen // 2, seqlen) if seqlen <= 1024 else (256, seqlen // 2, seqlen)
+    for c in prefs:
+        n = seqlen // c if c and seqlen % c == 0 else 0
+        if n and c % align == 0 and n & (n - 1) == 0:
+            return c
+    raise ValueError(f"seqlens: {seqlen} is not a multiple of the alignment {align}")
+
+
+# Causal without LSE at a compiled-in length S up to this: the whole problem as ONE fused
+# attention op with a [G*S, S] mask (every block computed, no partials, no merge) against the tree
+# of dense blocks (which skips the masked half but pays for partials, copies and a merge). H200,
+# d128 f16, B*S = 16k, bench.py (2026-11-30, commit 30b39b7, after the tree lost its host waits and
+# slow copies): masked op 1.38 / 1.62 / 2.56 / 4.35 ms at S = 512 / 1024 / 2048 / 4096 against the
+# tree's 1.69 / 1.72 / 2.34 / 3.48 (timed with the LSE). The mask costs G*S^2 bytes.
+CAUSAL_MASKED_MAX = 1024
+
+
+# Row blocks of the causal entry point: (NB + 1) / (2 NB) of the unmasked work; more blocks skip
+# more but make smaller dispatches.
+CAUSAL_BLOCKS = 2
+
+
+def _dense_lowering(spec: KernelSpec) -> dict | None:
+    if spec.target.backend == "llvm-cpu":
+        # The GPU formulation built for llvm-cpu (tests): N whole, tiles from the spec.
+        return {"backend": "cpu", "workgroup_m": spec.tiles.m0, "reduction_k2": spec.tiles.n0,
+                "workgroup_n": spec.dv}
+    return gpu_lowering(spec)
+
+
+def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: bool = True) -> str:
+    """The module's input IR. CPU: the torch graph of ``graph.py``. GPU: its ``init``/``finalize``
+    plus the ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the
+    tile config) and, where ``dense_params`` allows, ``dense`` / ``causal``
+    (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``); those one-call entry points take a caller-owned
+    workspace for their intermediates (``mlir_templates.dense._dense_common``). ``fused_step=True`` on
+    the CPU builds the GPU formulation for llvm-cpu, so its numerics can be tested where CI runs.
+    GPU modules also get ``fwd`` (``kernels.general``: any lengths and mask, ``fwd_plan``);
+    ``with_fwd=False`` leaves it out (tests of the other entry points, which it would only slow
+    to compile)."""
+    fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused,
+                               spec.seqlens, spec.batch, spec.kv_heads)
+    text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
+    if not fused:
+        return text
+    from .mlir_templates import (render_causal, render_causal_tree, render_dense, render_dense_out, render_online_step,
+                                 render_window)
+
+    t = spec.tiles
+    funcs = [render_online_step(func_name="step", dtype=spec.dtype, layout=spec.layout, group=spec.group,
+                                r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=gpu_lowering(spec))]
+    dense = dense_params(spec, fused_step=fused)
+    if dense:
+        kw = dict(dtype=spec.dtype, layout=spec.layout, group=spec.group, dq=spec.dq, dv=spec.dv,
+                  align=dense["align"], lowering=dense["lowering"], workspace=True)
+        funcs.append(render_dense(func_name="dense", **kw))
+        funcs.append(render_causal(func_name="causal", blocks=dense["causal_blocks"], **kw))
+        for s, c in sorted(dense["seqlens"].items()):
+            funcs.append(render_dense_out(func_name=f"dense_o_s{s}", seqlen=s, **kw))
+            funcs.append(render_causal_tree(func_name=f"causal_s{s}", seqlen=s, diag=c, **kw))
+            if s in dense["causal_o"]:
+                funcs.append(render_dense_out(func_name=f"causal_o_s{s}", seqlen=s, causal=True, **kw))
+            if s in dense["window"]:
+                funcs.append(render_window(func_name=f"window_s{s}", seqlen=s, block=dense["window"][s], **kw))
+    plan = fwd_plan(spec, fused_step=fused) if with_fwd else None
+    if plan is not None:
+        from .kernels.general import render_fwd
+
+        funcs.append(render_fwd(plan, "fwd"))
+    text = text.rstrip()
+    assert text.endswith("}"), "unexpected exported module text"
+    return text[:-1] + "\n".join(funcs) + "\n}\n"
+
+
+# Workgroups that fill the GPU of each target (its SMs / CUs): ``fwd`` grows its groups of rows
+# until one op launches this many. sm_80 modules are measured on an H200 (132 SMs).
+_FILL_WGS = {"cuda": 132, "gfx90a": 110, "gfx942": 304, "gfx950": 256, "gfx1100": 96, "gfx1201": 64, "cpu": 8}
+
+
+def _short_lowering(spec: KernelSpec, main: dict) -> dict:
+    """The short-query tier (decode: Sq * G up to 16 rows): 16-row tiles, keys in 64-key steps;
+    on wave32 targets two subgroups split Dv (H200, 2026-12-01: 272 GB/s at B16 Sk8192 against
+    253 with one subgroup, and K2 = 128 slower, docs/BENCHMARKS.md)."""
+    if main.get("backend") == "cpu":
+        return {"backend": "cpu", "workgroup_m": 16, "reduction_k2": 32}
+    sg = int(main.get("subgroup_size", 64))
+    sgn = 2 if sg == 32 else 1
+    keep = {k: v for k, v in main.items() if k in ("mma_kind", "qk_mma_kind", "qk_virtual", "subgroup_size")}
+    k2 = 32 if spec.dv >= 256 else 64  # K and V tiles of 64 keys at Dv = 256 pass 64 KiB of shared memory
+    return {**keep, "workgroup_m": 16, "workgroup_n": spec.dv, "reduction_k2": k2, "subgroups_m": 1, "subgroups_n": sgn,
+            "workgroup_size": sg * sgn, "promote_operands": [1, 2]}
+
+
+def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
+    """The ``fwd`` entry point's plan (``kernels.general``): any lengths and mask in one call, or
+    None where the module has none (CPU torch modules; gfx targets, see below; lowerings IREE
+    picks itself, whose dynamic shapes get IREE's slow fallback config; lowerings that split Dv
+    across workgroups). llvm-cpu builds of it (tests) unroll at most 4 groups to keep their
+    compile short."""
+    from .kernels.general import Plan, Tier
+
+    fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    if not fused or spec.target.backend == "rocm":
+        # gfx targets: the masked edge dispatches carry ~36 dynamic sizes and offsets as push
+        # constants and spill 5-21 SGPRs on gfx90a / gfx942 (iree-compile 3.13, 2026-12-01); until
+        # they take fewer, gfx modules keep the plan for the shapes fwd would serve
+        return None
+    cpu = spec.target.backend == "llvm-cpu"
+    main = {"backend": "cpu", "workgroup_m": 64, "reduction_k2": 32, "workgroup_n": spec.dv} if cpu else gpu_lowering(spec)
+    if main is None or int(main.get("workgroup_n", spec.dv)) != spec.dv:
+        return None
+    main = {k: v for k, v in main.items() if k != "transpose_v"}
+    wm, k2 = int(main["workgroup_m"]), int(main["reduction_k2"])
+    import math
+
+    cols = math.lcm(64, k2)
+    fill = _FILL_WGS.get("cpu" if cpu else (spec.target.family if spec.target.family == "cuda" else spec.target.arch), 128)
+    return Plan(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, Tier(main, wm), Tier(_short_lowering(spec, main), 16),
+                cols=cols, rows=max(512, wm), fill_wgs=fill, max_groups=4 if cpu else 16)
+
+
+def native_exp2_default(spec: KernelSpec) -> bool:
+    """CUDA modules get their exp2 as ``ex2.approx`` (``ptx.py``) unless asked otherwise: on the
+    H200 (2026-11-30) that took the d128 f16 attention kernel from 4.07 to 3.56 ms at M64 and made
+    the 32-rows-per-warp tiles pay (2.89 ms at M256 / 8 warps; tuned_cuda.json)."""
+    return spec.target.backend == "cuda"
+
+
+def entry_points(spec: KernelSpec) -> dict:
+    """The module's functions and argument shapes/dtypes; ``?`` marks a runtime (dynamic) size."""
+    from .graph import DESC_COLUMNS
+
+    t = "i16(bf16 bits)" if spec.dtype == "bf16" else spec.dtype
+    gr = spec.group * spec.tiles.m0
+    seq = lambda h, d, s="?": ["?", h, s, d] if spec.layout == "bhsd" else ["?", s, h, d]  # noqa: E731
+    hq = "?" if spec.group == 1 else f"{spec.group}*Hk"
+    state = {"acc": [["?", "Hk", gr, spec.dv], "f32"], "m": [["?", "Hk", gr], "f32"], "l": [["?", "Hk", gr], "f32"]}
+    out = {
+        "init": {"args": {"carrier": [["NT", "Hk"], "i32"]}, "results": state},
+        "step": {
+            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+                     "scale": [[1], "f32"], **state, "desc": [["P", len(DESC_COLUMNS)], "i32"]},
+            "results": state,
+            "desc_columns": list(DESC_COLUMNS),
+        },
+        "finalize": {
+            "args": {**state, "out_map": [["?", "?"], "i32"], "lse_map": [["?", "?"], "i32"]},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
+        },
+    }
+    if fwd_plan(spec) is not None:
+        lay = "[B, Hq, Sq, D]" if spec.layout == "bhsd" else "[B, Sq, Hq, D]"
+        out["fwd"] = {
+            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+                     "scale": [[], "f32 scalar"], "y": [[], "i64 scalar"], "x": [[], "i64 scalar"]},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"],
+                        "scratch": [["padded Q", "edge masks", "acc", "max", "sum"], "dropped by the caller"]},
+            "note": (f"any Sq, Sk >= 1 and any CK mask in one call ({lay} layout): row s sees keys "
+                     "s - y + 1 <= j < s + x (CK's coordinates, clipped to [-Sk, Sq + 1] / [-Sq, Sk + 1]); "
+                     "batch lengths uniform (no cu_seqlen padding)"),
+        }
+    dense = dense_params(spec)
+    if dense and not dense["tiled"]:
+        for s in sorted(dense["seqlens"]):
+            io = {"q": [seq(hq, spec.dq, s), t], "k": [seq("Hk", spec.dq, s), t], "v": [seq("Hk", spec.dv, s), t]}
+            res = {"out": [seq(hq, spec.dv, s), t], "lse": [["?", hq, s], "f32"]}
+            out[f"dense_s{s}"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
+                                  "note": f"every row sees every key; Sq == Sk == {s} (row blocks of plain matmul/softmax)"}
+            out[f"causal_s{s}"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
+                                   "note": f"row i sees keys j <= i; Sq == Sk == {s} (row blocks, keys up to the diagonal)"}
+            for kind in ("dense", "causal"):
+                out[f"{kind}_o_s{s}"] = {"args": {**io, "scale": [[1], "f32"]}, "results": {"out": res["out"]},
+                                         "note": f"as {kind}_s{s}, without lse"}
+    elif dense:
+        a, nb = dense["align"], dense["causal_blocks"]
+        tiled = lambda h, d: ["?", h, f"S/{a}", a, d] if spec.layout == "bhsd" else ["?", f"S/{a}", a, h, d]  # noqa: E731
+        tt = spec.dtype  # the templates take bf16 typed as bf16 (the torch entry points take i16 bits)
+        io = {"q": [tiled(hq, spec.dq), tt], "k": [tiled("Hk", spec.dq), tt], "v": [tiled("Hk", spec.dv), tt]}
+        res = {"out": [tiled(hq, spec.dv), tt], "lse": [["?", hq, f"S/{a}", a], "f32"]}
+        # caller-owned storage for the intermediates; its size in bytes is what the exported
+        # `<name>_transients_size` returns for the same arguments (mlir_templates.dense._dense_common)
+        io_s = {**io, "scale": [[1], "f32"], "workspace": [["<name>_transients_size"], "hal.buffer"]}
+        out["dense"] = {"args": io_s, "results": res,
+                        "note": f"every row sees every key; Sq, Sk multiples of {a}"}
+        out["causal"] = {"args": io_s, "results": res,
+                         "note": f"row i sees keys j <= i; Sq == Sk, a multiple of {a * nb}"}
+        for s, c in sorted(dense["seqlens"].items()):
+            fix = lambda shp: [s // a if x == f"S/{a}" else x for x in shp]  # noqa: E731
+            sio = {n: [fix(shp), ty] for n, (shp, ty) in io_s.items()}
+            sres = {n: [fix(shp), ty] for n, (shp, ty) in res.items()}
+            out[f"causal_s{s}"] = {"args": sio, "results": sres,
+                                   "note": f"row i sees keys j <= i; Sq == Sk == {s} (tree of dense blocks, diagonal {c})"}
+            out[f"dense_o_s{s}"] = {"args": sio, "results": {"out": sres["out"]},
+                                    "note": f"every row sees every key, no lse (IREE's fused attention op); Sq == Sk == {s}"}
+            if s in dense["causal_o"]:
+                out[f"causal_o_s{s}"] = {"args": sio, "results": {"out": sres["out"]},
+                                         "note": f"row i sees keys j <= i, no lse (fused attention op, masked); Sq == Sk == {s}"}
+            if s in dense["window"]:
+                wio = {n: v for n, v in sio.items() if n != "workspace"}
+                wio.update({"win": [[1], "i32"], "workspace": sio["workspace"]})
+                out[f"window_s{s}"] = {"args": wio, "results": sres,
+                                       "note": f"row i sees keys i - win[0] <= j <= i, 0 <= win[0] <= {dense['window'][s]}; "
+                                               f"Sq == Sk == {s} (diagonal and previous blocks of {dense['window'][s]})"}
+    return out
+
+
+def _iree_tiles(spec: KernelSpec) -> dict:
+    """What the CK tile became in IREE, for the manifest."""
+    t = spec.tiles
+    low = gpu_lowering(spec)
+    out = {"work_unit_rows": t.m0, "work_unit_keys": t.kv_chunk}
+    if low is None:
+        out["lowering"] = None
+        out["note"] = ("llvm-cpu: IREE picks vector tiles inside each work unit" if spec.target.backend == "llvm-cpu"
+                       else "IREE's own attention config (see tiles.iree_picks_config)")
+    else:
+        out["lowering"] = low
+        out["workgroup"] = [1, low["workgroup_m"], 0, 0, low["workgroup_n"]]
+        out["reduction"] = [0, 0, 0, low["reduction_k2"], 0]
+        out["note"] = "online_attention dims (batch, M, K1, K2, N): kM0 -> M, kN1 -> N, kN0 -> K2; kK0/kK1 = the intrinsic's K"
+    return out

@@ -1,0 +1,78 @@
+"""The package's layers: every module imports only modules of lower layers (or, inside the
+``kernels`` and ``mlir_templates`` packages, its siblings), at the top of the file or inside a
+function; so there is no import circle, and importing a low layer loads nothing above it.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import fmha_iree
+
+PKG = Path(fmha_iree.__file__).resolve().parent
+
+# Lowest first. A module may import any module of an earlier layer.
+LAYERS = [
+    ["targets", "tiles", "mask", "cache", "isa", "ptx"],  # leaves: no fmha_iree imports
+    ["device"],  # IREE devices, DeviceTensor
+    ["spec", "plan"],  # problem spec, tiling plan
+    ["graph", "mlir_templates"],  # kernel families: the torch graph, MLIR templates and lowering configs
+    ["kernels"],  # the fwd family (uses mlir_templates' lowering configs)
+    ["source"],  # what a module holds, as MLIR
+    ["compile"],  # iree-compile, caches
+    ["runtime"],  # a loaded module's entry points
+    ["dispatch"],  # which entry point a call takes
+    ["api", "deploy"],  # public entry points
+    ["cli", "demo", "__init__"],
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _module_of(path: Path) -> str:
+    rel = path.relative_to(PKG).with_suffix("")
+    return rel.parts[0]
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level fmha_iree modules that ``path`` imports (relative imports resolved)."""
+    found = set()
+    inside_package = path.parent != PKG
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if node.level == 1 and inside_package:
+                continue  # a sibling in the same package
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(a.name for a in node.names)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found.update(n.split(".")[1] for n in names if n.startswith("fmha_iree."))
+    return found
+
+
+def test_every_module_has_a_layer():
+    modules = {_module_of(p) for p in PKG.rglob("*.py")}
+    assert modules <= set(LAYER), f"modules without a layer: {sorted(modules - set(LAYER))}"
+
+
+def test_imports_go_downward():
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        me = _module_of(path)
+        for dep in _imports(path):
+            if dep != me and LAYER[dep] >= LAYER[me]:
+                bad.append(f"{path.relative_to(PKG)} imports {dep} (layer {LAYER[dep]} >= {LAYER[me]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_importing_the_runtime_loads_nothing_above_it():
+    code = "import sys, fmha_iree.runtime; print(' '.join(m for m in sys.modules if m.startswith('fmha_iree.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    loaded = {m.split(".")[1] for m in out}
+    above = sorted(m for m in loaded if LAYER[m] > LAYER["runtime"])
+    assert not above, f"import fmha_iree.runtime loaded {above}"
+    assert "compile" not in loaded and "torch" not in out
