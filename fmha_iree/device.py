@@ -7,11 +7,13 @@ Needs only ``iree-base-runtime`` and numpy. Devices are opened once per process
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import numpy as np
 
-__all__ = ["DeviceRegistry", "DEVICES", "get_device", "DeviceTensor", "element_type", "memory_errors", "HOST_DTYPES"]
+__all__ = ["DeviceRegistry", "DEVICES", "get_device", "DeviceTensor", "element_type", "exhausted", "memory_errors",
+           "HOST_DTYPES"]
 
 
 class DeviceRegistry:
@@ -48,22 +50,32 @@ def get_device(uri: str):
 _EXHAUSTED = ("RESOURCE_EXHAUSTED", "OUT_OF_MEMORY", "out of memory")
 
 
+def exhausted(e: RuntimeError, uri: str, what: str) -> MemoryError | None:
+    """A ``MemoryError`` naming the device and what needed the memory, to raise from ``e``, where
+    IREE reported an out-of-memory failure (a RuntimeError carrying ``RESOURCE_EXHAUSTED``); else
+    None. The device stays usable for calls that fit."""
+    if any(s in str(e) for s in _EXHAUSTED):
+        return MemoryError(f"device {uri!r} ran out of memory for {what}: {str(e)[:300]}")
+    return None
+
+
 @contextlib.contextmanager
 def memory_errors(uri: str, what: str):
-    """Re-raise the runtime's out-of-memory failures inside the block as ``MemoryError`` naming
-    the device and what needed the memory (IREE reports them as a RuntimeError carrying
-    ``RESOURCE_EXHAUSTED``); the device stays usable for calls that fit."""
+    """Raise the runtime's out-of-memory failures inside the block as ``MemoryError`` (see
+    :func:`exhausted`)."""
     try:
         yield
     except RuntimeError as e:
-        if any(s in str(e) for s in _EXHAUSTED):
-            raise MemoryError(f"device {uri!r} ran out of memory for {what}: {str(e)[:300]}") from e
-        raise
+        err = exhausted(e, uri, what)
+        if err is None:
+            raise
+        raise err from e
 
 
 HOST_DTYPES = {"f16": np.float16, "bf16": np.int16, "f32": np.float32, "i32": np.int32}
 
 
+@functools.lru_cache(maxsize=None)
 def element_type(dtype: str, typed_bf16: bool = True):
     import iree.runtime as rt
 
@@ -89,6 +101,7 @@ class DeviceTensor:
         # HalFence reached once the contents are written (results of asynchronous calls; None:
         # ready now). Reading it (to_numpy, or as the input of another call) waits for it first.
         self.ready = ready
+        self._views: dict = {}
 
     @classmethod
     def from_host(cls, array: np.ndarray, dtype: str, device_uri: str) -> "DeviceTensor":
@@ -118,9 +131,14 @@ class DeviceTensor:
         return DeviceTensor(self.device_uri, self._buffer, shape, self.dtype, self.ready)
 
     def buffer_view(self, typed_bf16: bool = True):
-        import iree.runtime as rt
+        """The tensor as a HalBufferView (made once per element typing)."""
+        bv = self._views.get(typed_bf16)
+        if bv is None:
+            import iree.runtime as rt
 
-        return rt.HalBufferView(self._buffer, list(self.shape), element_type(self.dtype, typed_bf16))
+            bv = self._views[typed_bf16] = rt.HalBufferView(self._buffer, list(self.shape),
+                                                            element_type(self.dtype, typed_bf16))
+        return bv
 
     def wait(self) -> "DeviceTensor":
         """Block until the contents are written (results of asynchronous calls); returns self."""

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from .device import DeviceTensor, get_device, memory_errors
+from .device import DeviceTensor, exhausted, get_device, memory_errors
 from .plan import Plan
 
 __all__ = ["dense_entry"]
@@ -59,6 +59,7 @@ class FmhaModule:
         self.dense = dense
         self.typed_bf16 = typed_bf16
         self._scales: dict[tuple, object] = {}
+        self._abis: dict[str, tuple[bool, bool]] = {}
         self._lock = threading.Lock()
         self._ws_sizes: dict[tuple, int] = {}
         self._ws_slots = [[None, 0, None] for _ in range(self.WORKSPACE_SLOTS)]  # buffer, bytes, fence
@@ -152,12 +153,13 @@ class FmhaModule:
         # it), so the host waits for those first. Calls on ready inputs (uploaded tensors, the
         # usual case) return at once and queue on the device behind each other. torch-exported
         # functions (`init`, `finalize`) are called in their synchronous form.
-        with memory_errors(self.device_uri, f"the calls that write {fn}'s inputs"):
-            for _, w in args:
-                if w is not None:
+        waits = [w for _, w in args if w is not None]
+        if waits:
+            with memory_errors(self.device_uri, f"the calls that write {fn}'s inputs"):
+                for w in waits:
                     w.wait()
         f = self._fns[fn]
-        coarse = f.reflection.get("iree.abi.model") == "coarse-fences"
+        coarse, has_transients = self._abi(fn)
         lst = rt.VmVariantList(len(args) + len(scalars) + 3)
         for bv, _ in args:
             lst.push_ref(bv)
@@ -167,7 +169,7 @@ class FmhaModule:
             else:
                 lst.push_int(int(x))
         slot = None
-        if "iree.abi.transients.size" in f.reflection:
+        if has_transients:
             ws, slot = self._workspace(fn, [bv for bv, _ in args], coarse)
             lst.push_ref(ws)
         fence = None
@@ -178,11 +180,24 @@ class FmhaModule:
             lst.push_ref(rt.HalFence(1))  # nothing to wait for: the inputs are ready
             lst.push_ref(fence)
         rets = rt.VmVariantList(n_results)
-        with memory_errors(self.device_uri, f"{fn}'s results and intermediates"):
+        try:
             self._ctx.vm_context.invoke(f, lst, rets)
+        except RuntimeError as e:
+            err = exhausted(e, self.device_uri, f"{fn}'s results and intermediates")
+            if err is None:
+                raise
+            raise err from e
         if slot is not None:
             slot[2] = fence
         return [rets.get_as_object(i, rt.HalBufferView) for i in range(n_results)], fence
+
+    def _abi(self, fn: str) -> tuple[bool, bool]:
+        """(coarse fences, takes a workspace) of ``fn``, read from its reflection once."""
+        abi = self._abis.get(fn)
+        if abi is None:
+            r = self._fns[fn].reflection
+            abi = self._abis[fn] = (r.get("iree.abi.model") == "coarse-fences", "iree.abi.transients.size" in r)
+        return abi
 
     def _result(self, bv, fence, dtype: str, keep: bool):
         # Results are copied out (to_numpy): CPU drivers may map the device buffer itself, which

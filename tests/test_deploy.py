@@ -197,19 +197,25 @@ def test_host_module_runs_with_runtime_only(tmp_path):
     assert_close(lse, ref_lse, np.float32, kind="lse", what="deployed lse")
 
 
-def test_deployed_module_runs_group_mode(tmp_path):
+@pytest.fixture(scope="module")
+def bshd_module(tmp_path_factory):
+    """A host module compiled with ``--layout bshd`` (f32 d64, heads 4:2, default mask b)."""
+    vmfb = tmp_path_factory.mktemp("bshd") / "fmha_thd.vmfb"
+    subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "host", "--dtype", "f32",
+                    "--hdim", "64", "--heads", "4:2", "--layout", "bshd", "--mask", "b", "-o", str(vmfb)],
+                   check=True, capture_output=True)
+    return vmfb
+
+
+def test_deployed_module_runs_group_mode(bshd_module, tmp_path):
     """A module compiled with `--layout bshd` serves group mode (`DeployedFmha.varlen`) with each
     sequence's own lengths and mask; other layouts and wrong heads are refused before running."""
-    import json
     import shutil
 
     from fmha_iree import load
     from reference import varlen_ref
 
-    vmfb = tmp_path / "fmha_thd.vmfb"
-    subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "host", "--dtype", "f32",
-                    "--hdim", "64", "--heads", "4:2", "--layout", "bshd", "--mask", "b", "-o", str(vmfb)],
-                   check=True, capture_output=True)
+    vmfb = bshd_module
     f = load(vmfb, device="local-task")
     rng = np.random.default_rng(11)
     sq, sk = np.array([0, 5, 5, 38, 101], np.int32), np.array([0, 9, 20, 20, 150], np.int32)
@@ -229,3 +235,33 @@ def test_deployed_module_runs_group_mode(tmp_path):
         bhsd.varlen(q, k, v, sq, sk)
     with pytest.raises(ValueError, match="heads"):
         f.varlen(q[:, :2], k, v, sq, sk)
+
+
+def _damaged_copies(vmfb, tmp_path):
+    """(path, what) pairs: copies of a deployed module, each damaged one way."""
+    man = json.loads(vmfb.with_suffix(".json").read_text())
+    data = bytearray(vmfb.read_bytes())
+    for i in range(1000, len(data), 997):
+        data[i] ^= 0xFF
+    cases = {"flipped": (bytes(data), man), "truncated": (vmfb.read_bytes()[: len(data) // 2], man),
+             "extra-entry": (vmfb.read_bytes(), {**man, "entry_points": {**man["entry_points"], "causal_s64": {}}})}
+    for what, (blob, m) in cases.items():
+        path = tmp_path / f"{what}.vmfb"
+        path.write_bytes(blob)
+        path.with_suffix(".json").write_text(json.dumps(m))
+        yield path, what
+
+
+def test_damaged_module_files_are_refused(bshd_module, tmp_path):
+    """``load`` checks the bytes against the manifest's sha256 and the module's functions against
+    its entry points before the runtime runs anything (flipped bytes crashed IREE's runtime); the
+    handle that runs plans unchecked is not reachable from a deployed module."""
+    vmfb = bshd_module
+    for path, what in _damaged_copies(vmfb, tmp_path):
+        with pytest.raises(ValueError, match="sha256|entry points"):
+            fmha_iree.load(path)
+    f = fmha_iree.load(vmfb)
+    assert not hasattr(f, "module")
+    import fmha_iree.runtime
+
+    assert "FmhaModule" not in fmha_iree.runtime.__all__ and "FmhaModule" not in fmha_iree.__all__

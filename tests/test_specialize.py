@@ -60,6 +60,10 @@ def test_specialized_module_takes_other_shapes(tmp_path):
     shape = dict(Hq=c["Hq"], Hk=c["Hk"], Sq=c["S"], Sk=c["S"], Dq=c["D"])
     q2, k2, v2 = make_qkv(seed_of("specialize-other2"), B=2, **shape)
     assert f.route(q2, k2, v2, mask="b").entry == f"causal_s{c['S']}"
+    ref2, _ = attention_ref(q2, k2, v2, mask="b")
+    d2 = [fmha_iree.to_device(x) for x in (q2, k2, v2)]
+    for _ in range(3):  # the first call prepares, the others replay (DeployedFmha's PreparedCalls)
+        assert_close(f(*d2, mask="b").to_torch(), ref2, torch.float32, what="deployed replay")
     q, k, v = make_qkv(seed_of("specialize-other"), B=1, **shape)
     assert f.route(q, k, v, mask="b").path == "plan"
     out, lse = f(q, k, v, mask="b", return_lse=True)
@@ -72,3 +76,27 @@ def test_specialize_must_be_bool():
     q, k, v = make_qkv(seed_of("specialize-type"), B=1, Hq=1, Sq=4, Sk=4, Dq=16)
     with pytest.raises(TypeError, match="specialize"):
         fmha_iree.fmha_fwd(q, k, v, specialize="yes")
+
+
+def test_repeated_device_calls_replay_and_stay_checked():
+    """A repeated call on DeviceTensors replays its validated, routed form (``PreparedCalls``):
+    results match the reference on every repeat and for each mask and LSE choice, and arguments
+    that differ only in type (``return_lse=1``) or are invalid are still refused."""
+    c = SHAPES["f32-bhsd-gqa"]
+    q, k, v = make_qkv(seed_of("prepared"), B=c["B"], Hq=c["Hq"], Hk=c["Hk"], Sq=c["S"], Sk=c["S"], Dq=c["D"])
+    qd, kd, vd = (fmha_iree.to_device(x) for x in (q, k, v))
+    for mask in ("0", "b", "0", "t:5,0"):
+        ref_out, ref_lse = attention_ref(q, k, v, mask=mask)
+        for _ in range(2):
+            out, lse = fmha_iree.fmha_fwd(qd, kd, vd, mask=mask, return_lse=True, specialize=True)
+            assert_close(out.to_torch(), ref_out, torch.float32, what=f"replayed {mask} out")
+            assert_close(lse.to_torch(), ref_lse, torch.float32, kind="lse", what=f"replayed {mask} lse")
+            out = fmha_iree.fmha_fwd(qd, kd, vd, mask=mask, specialize=True)
+            assert_close(out.to_torch(), ref_out, torch.float32, what=f"replayed {mask} out only")
+    from fmha_iree.api import PREPARED
+
+    assert len(PREPARED) >= 4  # "0" and "b", with and without LSE (the window takes the plan: not kept)
+    with pytest.raises(TypeError, match="return_lse"):
+        fmha_iree.fmha_fwd(qd, kd, vd, mask="0", return_lse=1, specialize=True)
+    with pytest.raises(ValueError, match="scale"):
+        fmha_iree.fmha_fwd(qd, kd, vd, mask="0", scale=1e39, specialize=True)
