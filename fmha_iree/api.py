@@ -8,7 +8,7 @@ from . import compile as _compile
 from .device import DeviceTensor, get_device
 from .dispatch import PreparedCalls, Route, device_call_key, prepare, route as _route, run_batch, run_varlen
 from .runtime import FmhaModule
-from .source import dense_abi, dense_params
+from .source import dense_abi, dense_params, entry_points
 from .spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
 from .targets import resolve_device
 
@@ -34,6 +34,9 @@ class LoadedModules:
             vmfb = _compile.get_vmfb(spec)
             mod = FmhaModule(vmfb, device_uri, spec.module_name, typed_bf16=spec.target.backend != "llvm-cpu",
                              dense=dense_abi(spec))
+            missing = set(entry_points(spec)) - set(mod.function_names)
+            if missing:  # the cache checked the bytes and their spec: this would be a build fault
+                raise RuntimeError(f"module {spec.module_name} lacks the entry points {sorted(missing)} of its spec")
             with self._lock:
                 mod = self._modules.setdefault(key, mod)
         return mod

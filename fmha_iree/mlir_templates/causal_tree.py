@@ -65,36 +65,11 @@ def _tree_blocks_vt(body: list, f: dict, *, S: int, C: int, sg, lowering):
         body.append(_attn_op_vt(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vtP{j}", f=f, nb=nb, rows=G * L, keys=L, lowering=lowering))
 
 
-def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
-                       seqlen: int, diag: int, lowering: Mapping[str, Any] | str | None = None,
-                       workspace: bool = False, vt: bool | None = None) -> str:
-    """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: causal attention
-    (Sq == Sk == `seqlen`, fixed at compile time) that computes only the lower triangle, as a
-    binary tree of dense blocks. With C = `diag` and S = C * 2^n:
-
-    - the S/C diagonal C x C blocks: ONE masked online_attention (row i sees key j iff j <= i);
-    - level j = 0..n-1 (L = C * 2^j): the odd L-row blocks against the even L-key block before
-      them, all unmasked, ONE online_attention per level;
-    - one merge of the partial (acc, max, sum) of every row, normalized into out / lse.
-
-    Every block is read in place (a uniformly strided batch); a grouped Q (G > 1) from one copy
-    with G inside each C-row block (`_grouped_q_once`). `vt` (default: the lowering's `transpose_v`, at S >= TRANSPOSE_V_MIN_SEQLEN)
-    copies V once to [BH, Dv, S] and gives each op its V^T blocks (`_tree_blocks_vt`).
-    Work: S*C/2-ish masked plus S^2/2 - S*C/2 unmasked, about (1 + C/S) / 2 of the unmasked problem,
-    in n + 1 attention dispatches. `workspace`: see `_dense_common`."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
-    S, C, A, G = int(seqlen), int(diag), f["A"], f["G"]
-    if vt is None:
-        vt = bool(isinstance(lowering, Mapping) and lowering.get("transpose_v")) and S >= TRANSPOSE_V_MIN_SEQLEN
-    T, DQ, DV = f["T"], f["DQ"], f["DV"]
-    nd = S // C
-    if C <= 0 or S % C or nd & (nd - 1) or C % A:
-        raise ValueError(f"diag={diag}: seqlen {S} must be diag times a power of two and diag a multiple of {A}")
-    nl = nd.bit_length() - 1
-    props, attrs, sg, body = _blocks_start(f, lowering)
-    pinned = set()
+def _static_views(f: dict, S: int) -> list[str]:
+    """Static-S views [B, Hk, G, S, Dq] of q and [B, Hk, S, D] of k, v (``%qS``, ``%kS``, ``%vS``)."""
+    A, G, T, DQ, DV = f["A"], f["G"], f["T"], f["DQ"], f["DV"]
+    body = []
     ST = S // A
-    # static-S views [B, Hk, G, S, Dq] of q and [B, Hk, S, D] of k, v
     body.append(f"""  %qS5 = tensor.cast %qb : tensor<?x?x?x{A}x{DQ}x{T}> to tensor<?x?x{ST}x{A}x{DQ}x{T}>
   %qS6 = tensor.expand_shape %qS5 [[0], [1, 2], [3], [4], [5]] output_shape [%B, %Hk, {G}, {ST}, {A}, {DQ}]
       : tensor<?x?x{ST}x{A}x{DQ}x{T}> into tensor<?x?x{G}x{ST}x{A}x{DQ}x{T}>
@@ -102,8 +77,12 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
     for x, d in (("k", DQ), ("v", DV)):
         body.append(f"""  %{x}S5 = tensor.cast %{x}b : tensor<?x?x?x{A}x{d}x{T}> to tensor<?x?x{ST}x{A}x{d}x{T}>
   %{x}S = tensor.collapse_shape %{x}S5 [[0], [1], [2, 3], [4]] : tensor<?x?x{ST}x{A}x{d}x{T}> into tensor<?x?x{S}x{d}x{T}>""")
+    return body
 
-    body.append(f"""  %dmask_e = tensor.empty() : tensor<{G * C}x{C}xi1>
+
+def _diag_mask(G: int, C: int) -> str:
+    """The diagonal blocks' mask [G*C, C]: row i (mod C) sees key j iff j <= i."""
+    return f"""  %dmask_e = tensor.empty() : tensor<{G * C}x{C}xi1>
   %dmask = linalg.generic {{indexing_maps = [affine_map<(d0, d1) -> (d0, d1)>], iterator_types = ["parallel", "parallel"]}}
       outs(%dmask_e : tensor<{G * C}x{C}xi1>) {{
   ^bb0(%o: i1):
@@ -113,47 +92,88 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
     %i = arith.remui %i0, %cC : index
     %vis = arith.cmpi ule, %j, %i : index
     linalg.yield %vis : i1
-  }} -> tensor<{G * C}x{C}xi1>""")
-    if vt:
-        _tree_blocks_vt(body, f, S=S, C=C, sg=sg, lowering=lowering)
-        pinned.update(["%dg"] + [f"%lv{j}" for j in range(nl)])
-    else:
-        # diagonal blocks: q [B*Hk*nd, G*C, Dq] (rows g-major), k/v [B*Hk*nd, C, D]
-        if G == 1:
-            body.append(f"""  %qD6 = tensor.expand_shape %qS [[0], [1], [2], [3, 4], [5]] output_shape [%B, %Hk, {G}, {nd}, {C}, {DQ}]
+  }} -> tensor<{G * C}x{C}xi1>"""
+
+
+def _tree_blocks_inplace(body: list, f: dict, *, S: int, C: int, sg, lowering, props: str, attrs: str):
+    """The tree's ops on blocks read in place (V as is): one masked op over the diagonal blocks,
+    then per level j the odd L-row blocks against the even L-key block before each."""
+    G, T, DQ, DV = f["G"], f["T"], f["DQ"], f["DV"]
+    nd = S // C
+    nl = nd.bit_length() - 1
+    # diagonal blocks: q [B*Hk*nd, G*C, Dq] (rows g-major), k/v [B*Hk*nd, C, D]
+    if G == 1:
+        body.append(f"""  %qD6 = tensor.expand_shape %qS [[0], [1], [2], [3, 4], [5]] output_shape [%B, %Hk, {G}, {nd}, {C}, {DQ}]
           : tensor<?x?x{G}x{S}x{DQ}x{T}> into tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>""")
-            body.append(f"  %qDc = tensor.collapse_shape %qD6 [[0, 1, 2, 3], [4], [5]] : tensor<?x?x1x{nd}x{C}x{DQ}x{T}> into tensor<?x{C}x{DQ}x{T}>")
-        else:
-            body.append(_grouped_q_once(f, S, C, sg))
-            body.append(f"  %qDc = tensor.collapse_shape %qG [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
-        for x, d in (("k", DQ), ("v", DV)):
-            body.append(f"""  %{x}D5 = tensor.expand_shape %{x}S [[0], [1], [2, 3], [4]] output_shape [%B, %Hk, {nd}, {C}, {d}]
+        body.append(f"  %qDc = tensor.collapse_shape %qD6 [[0, 1, 2, 3], [4], [5]] : tensor<?x?x1x{nd}x{C}x{DQ}x{T}> into tensor<?x{C}x{DQ}x{T}>")
+    else:
+        body.append(_grouped_q_once(f, S, C, sg))
+        body.append(f"  %qDc = tensor.collapse_shape %qG [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
+    for x, d in (("k", DQ), ("v", DV)):
+        body.append(f"""  %{x}D5 = tensor.expand_shape %{x}S [[0], [1], [2, 3], [4]] output_shape [%B, %Hk, {nd}, {C}, {d}]
           : tensor<?x?x{S}x{d}x{T}> into tensor<?x?x{nd}x{C}x{d}x{T}>
       %{x}Dc = tensor.collapse_shape %{x}D5 [[0, 1, 2], [3], [4]] : tensor<?x?x{nd}x{C}x{d}x{T}> into tensor<?x{C}x{d}x{T}>""")
-        body.append(f"  %cnd = arith.constant {nd} : index\n  %nD = arith.muli %BH, %cnd : index")
-        for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
-            body.append(_pin_batch(f"%{x}Dp", f"%{x}Dc", f"tensor<?x{r}x{d}x{T}>", "%nD"))
-        dprops, dattrs = lowering_for_runtime_sizes(diag_lowering(lowering), DV)
-        body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=dprops, attrs=dattrs,
-                             mask="%dmask"))
+    body.append(f"  %cnd = arith.constant {nd} : index\n  %nD = arith.muli %BH, %cnd : index")
+    for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
+        body.append(_pin_batch(f"%{x}Dp", f"%{x}Dc", f"tensor<?x{r}x{d}x{T}>", "%nD"))
+    dprops, dattrs = lowering_for_runtime_sizes(diag_lowering(lowering), DV)
+    body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=dprops, attrs=dattrs,
+                         mask="%dmask"))
 
-        # level j: odd L-blocks of rows against the even L-block of keys before each, every block
-        # read in place (`_pair_slice`; a grouped Q from its one copy `%qG`, rows (L/C, G, C))
-        for j in range(nl):
-            L, nb = C << j, nd >> (j + 1)
-            body.append(f"  %cnb{j} = arith.constant {nb} : index\n  %nL{j} = arith.muli %BH, %cnb{j} : index")
-            for x, src, d, off in (("k", "%kS", DQ, 0), ("v", "%vS", DV, 0)) + ((("q", "%qS", DQ, L),) if G == 1 else ()):
-                body.append(_pair_slice(f"%{x}P{j}", src, 6 if x == "q" else 5, S, L, d, T, f"%nL{j}", off))
-            if G > 1:
-                body.append(_grouped_q_view(f"%qP{j}", f, nd=nd, C=C, nb=nb, span=2 << j, pick=1, flat=f"%nL{j}"))
-            body.append(_attn_op(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vP{j}", f=f, n=nb, rows=G * L, keys=L, props=props, attrs=attrs))
-            # compute_barrier.end: the merge's views of the partials would otherwise be propagated
-            # through the op into its operands, putting reshapes between the slices and the op (IREE
-            # clones a slice into its consumer's dispatch, not a reshape: each would become a copy)
-            for idx, ty in enumerate((f"tensor<?x{G * L}x{DV}xf32>", f"tensor<?x{G * L}xf32>", f"tensor<?x{G * L}xf32>")):
-                body.append(f"  %lv{j}_r{idx} = iree_tensor_ext.compute_barrier.end %lv{j}#{idx} : {ty}{{%nL{j}}} -> {ty}")
-            pinned.add(f"%lv{j}")
+    # level j: odd L-blocks of rows against the even L-block of keys before each, every block
+    # read in place (`_pair_slice`; a grouped Q from its one copy `%qG`, rows (L/C, G, C))
+    for j in range(nl):
+        L, nb = C << j, nd >> (j + 1)
+        body.append(f"  %cnb{j} = arith.constant {nb} : index\n  %nL{j} = arith.muli %BH, %cnb{j} : index")
+        for x, src, d, off in (("k", "%kS", DQ, 0), ("v", "%vS", DV, 0)) + ((("q", "%qS", DQ, L),) if G == 1 else ()):
+            body.append(_pair_slice(f"%{x}P{j}", src, 6 if x == "q" else 5, S, L, d, T, f"%nL{j}", off))
+        if G > 1:
+            body.append(_grouped_q_view(f"%qP{j}", f, nd=nd, C=C, nb=nb, span=2 << j, pick=1, flat=f"%nL{j}"))
+        body.append(_attn_op(f"lv{j}", f"%qP{j}", f"%kP{j}", f"%vP{j}", f=f, n=nb, rows=G * L, keys=L, props=props, attrs=attrs))
+        # compute_barrier.end: the merge's views of the partials would otherwise be propagated
+        # through the op into its operands, putting reshapes between the slices and the op (IREE
+        # clones a slice into its consumer's dispatch, not a reshape: each would become a copy)
+        for idx, ty in enumerate((f"tensor<?x{G * L}x{DV}xf32>", f"tensor<?x{G * L}xf32>", f"tensor<?x{G * L}xf32>")):
+            body.append(f"  %lv{j}_r{idx} = iree_tensor_ext.compute_barrier.end %lv{j}#{idx} : {ty}{{%nL{j}}} -> {ty}")
 
+
+def _merge_math(n_parts: int, nl: int, with_d: bool, out_cast: str) -> list[str]:
+    """The merge region's body: the largest max over the parts whose rows hold the element (part
+    0, the diagonal, always; level j's where bit ``nl - 1 - j`` of the row block is 1), each
+    part's sum (and acc, ``with_d``) rescaled to it and added; out = acc / sum, lse = ln of the
+    sum's exp2 scale."""
+    calc = ["    %mx0 = arith.addf %m0, %zero : f32"]
+    for i in range(1, n_parts):
+        j = i - 1
+        calc += [f"    %t{i} = linalg.index {3 + (nl - 1 - j)} : index",
+                 f"    %ok{i} = arith.cmpi eq, %t{i}, %c1 : index",
+                 f"    %ms{i} = arith.select %ok{i}, %m{i}, %fmin : f32",
+                 f"    %mx{i} = arith.maximumf %mx{i - 1}, %ms{i} : f32"]
+    mx = f"%mx{n_parts - 1}"
+    for i in range(n_parts):
+        calc += [f"    %dm{i} = arith.subf {'%m0' if i == 0 else f'%ms{i}'}, {mx} : f32",
+                 f"    %fx{i} = math.exp2 %dm{i} : f32"]
+        calc.append(f"    %f{i} = arith.select %ok{i}, %fx{i}, %zero : f32" if i else f"    %f{i} = arith.addf %fx{i}, %zero : f32")
+        calc += [f"    %fl{i} = arith.mulf %f{i}, %l{i} : f32",
+                 f"    %sl{i} = arith.addf {'%zero' if i == 0 else f'%sl{i - 1}'}, %fl{i} : f32"]
+        if with_d:
+            calc += [f"    %fa{i} = arith.mulf %f{i}, %a{i} : f32",
+                     f"    %sa{i} = arith.addf {'%zero' if i == 0 else f'%sa{i - 1}'}, %fa{i} : f32"]
+    n = n_parts - 1
+    if with_d:
+        calc.append(f"    %y = arith.divf %sa{n}, %sl{n} : f32")
+        calc.append(out_cast)
+    else:
+        calc += [f"    %lg = math.log2 %sl{n} : f32", f"    %tt = arith.addf {mx}, %lg : f32",
+                 "    %e = arith.mulf %tt, %ln2 : f32", "    linalg.yield %e : f32"]
+    return calc
+
+
+def _tree_merge(body: list, f: dict, *, S: int, C: int, pinned: set):
+    """Merge the partial (acc, max, sum) of the diagonal op and of every level into out / lse, in
+    the ABI layout (``pinned``: the partials read through their ``compute_barrier`` results)."""
+    G, T, DV = f["G"], f["T"], f["DV"]
+    nl = (S // C).bit_length() - 1
     # merge: iteration space (b, hk, g, t_{n-1} .. t_0, r[, d]) with s = (t_{n-1} .. t_0) * C + r;
     # a level's partial has its rows as (G, lo bits, C), or (lo bits, G, C) after `_grouped_q_once`
     q_once = G > 1
@@ -200,30 +220,7 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
         res_ty = oty if with_d else lty
         maps.append(f"affine_map<({dims_d if with_d else dims}) -> ({dims_d if with_d else dims})>")
         rank = len(it) + (1 if with_d else 0)
-        calc = ["    %mx0 = arith.addf %m0, %zero : f32"]
-        for i in range(1, len(parts)):
-            j = i - 1
-            calc += [f"    %t{i} = linalg.index {3 + (nl - 1 - j)} : index",
-                     f"    %ok{i} = arith.cmpi eq, %t{i}, %c1 : index",
-                     f"    %ms{i} = arith.select %ok{i}, %m{i}, %fmin : f32",
-                     f"    %mx{i} = arith.maximumf %mx{i - 1}, %ms{i} : f32"]
-        mx = f"%mx{len(parts) - 1}"
-        for i in range(len(parts)):
-            calc += [f"    %dm{i} = arith.subf {'%m0' if i == 0 else f'%ms{i}'}, {mx} : f32",
-                     f"    %fx{i} = math.exp2 %dm{i} : f32"]
-            calc.append(f"    %f{i} = arith.select %ok{i}, %fx{i}, %zero : f32" if i else f"    %f{i} = arith.addf %fx{i}, %zero : f32")
-            calc += [f"    %fl{i} = arith.mulf %f{i}, %l{i} : f32",
-                     f"    %sl{i} = arith.addf {'%zero' if i == 0 else f'%sl{i - 1}'}, %fl{i} : f32"]
-            if with_d:
-                calc += [f"    %fa{i} = arith.mulf %f{i}, %a{i} : f32",
-                         f"    %sa{i} = arith.addf {'%zero' if i == 0 else f'%sa{i - 1}'}, %fa{i} : f32"]
-        n = len(parts) - 1
-        if with_d:
-            calc.append(f"    %y = arith.divf %sa{n}, %sl{n} : f32")
-            calc.append(f["out_cast"])
-        else:
-            calc += [f"    %lg = math.log2 %sl{n} : f32", f"    %tt = arith.addf {mx}, %lg : f32",
-                     "    %e = arith.mulf %tt, %ln2 : f32", "    linalg.yield %e : f32"]
+        calc = _merge_math(len(parts), nl, with_d, f["out_cast"])
         nm = "mo" if with_d else "ml"
         body.append(f"""  %{nm}_e = tensor.empty(%B, %Hk) : {res_ty}
   %{nm} = linalg.generic {{indexing_maps = [{", ".join(maps)}],
@@ -234,6 +231,45 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
   }} -> {res_ty}""")
     grp = list(range(3, 4 + nl))
     body.append(_merged_to_abi(f, S, oty, f"[[0], [1, 2], {grp}, [{4 + nl}]]", lty, f"[[0], [1, 2], {grp}]"))
+
+
+def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
+                       seqlen: int, diag: int, lowering: Mapping[str, Any] | str | None = None,
+                       workspace: bool = False, vt: bool | None = None) -> str:
+    """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: causal attention
+    (Sq == Sk == `seqlen`, fixed at compile time) that computes only the lower triangle, as a
+    binary tree of dense blocks. With C = `diag` and S = C * 2^n:
+
+    - the S/C diagonal C x C blocks: ONE masked online_attention (row i sees key j iff j <= i);
+    - level j = 0..n-1 (L = C * 2^j): the odd L-row blocks against the even L-key block before
+      them, all unmasked, ONE online_attention per level;
+    - one merge of the partial (acc, max, sum) of every row, normalized into out / lse.
+
+    Every block is read in place (a uniformly strided batch); a grouped Q (G > 1) from one copy
+    with G inside each C-row block (`_grouped_q_once`). `vt` (default: the lowering's `transpose_v`, at S >= TRANSPOSE_V_MIN_SEQLEN)
+    copies V once to [BH, Dv, S] and gives each op its V^T blocks (`_tree_blocks_vt`).
+    Work: S*C/2-ish masked plus S^2/2 - S*C/2 unmasked, about (1 + C/S) / 2 of the unmasked problem,
+    in n + 1 attention dispatches. `workspace`: see `_dense_common`."""
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
+    S, C, A, G = int(seqlen), int(diag), f["A"], f["G"]
+    if vt is None:
+        vt = bool(isinstance(lowering, Mapping) and lowering.get("transpose_v")) and S >= TRANSPOSE_V_MIN_SEQLEN
+    T, DQ, DV = f["T"], f["DQ"], f["DV"]
+    nd = S // C
+    if C <= 0 or S % C or nd & (nd - 1) or C % A:
+        raise ValueError(f"diag={diag}: seqlen {S} must be diag times a power of two and diag a multiple of {A}")
+    nl = nd.bit_length() - 1
+    props, attrs, sg, body = _blocks_start(f, lowering)
+    pinned = set()
+    body += _static_views(f, S) + [_diag_mask(G, C)]
+    if vt:
+        _tree_blocks_vt(body, f, S=S, C=C, sg=sg, lowering=lowering)
+        pinned.update(["%dg"] + [f"%lv{j}" for j in range(nl)])
+    else:
+        _tree_blocks_inplace(body, f, S=S, C=C, sg=sg, lowering=lowering, props=props, attrs=attrs)
+        pinned.update(f"%lv{j}" for j in range(nl))
+
+    _tree_merge(body, f, S=S, C=C, pinned=pinned)
     head = (f"// causal attention as a binary tree of dense blocks (mlir_templates.render_causal_tree):\n"
             f"// S={S}, diagonal blocks C={C}, {nl} levels, G={G}, {T}, Dq={DQ}, Dv={DV}, {layout}\n"
             f"util.func public @{func_name}({f['args']})\n"

@@ -53,31 +53,12 @@ def window_block(seqlen: int, align: int) -> int:
     return c if c > 0 and seqlen % c == 0 and c % align == 0 else 0
 
 
-def render_window(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
-                  seqlen: int, block: int, lowering: Mapping[str, Any] | str | None = None,
-                  workspace: bool = False, vt: bool | None = None) -> str:
-    """MLIR text of `util.func public @func_name(q, k, v, scale, win) -> (out, lse)`: a sliding
-    window, Sq == Sk == `seqlen` fixed, row i sees key j iff i - W <= j <= i with W = win[0] a
-    runtime value in [0, C] (C = `block`; CK's mask `b:W,0` / `t:W,0` at Sq == Sk). The rows are cut
-    into S/C blocks; each block's keys lie in its own block and the one before, so the work is two
-    masked online_attention ops over C x C blocks (2 S C instead of S^2):
-
-    - diagonal: row block r against key block r, visible iff i - W <= j <= i (read in place);
-    - previous: row block r >= 1 against key block r - 1, visible iff j >= i + C - W (copied into
-      contiguous batches; with `vt` read in place);
-    - a merge of the two partials (block 0 has the diagonal one only) into out / lse.
-
-    `vt` (default: the lowering's `transpose_v` at S >= TRANSPOSE_V_MIN_SEQLEN): V transposed once
-    and both ops over (BH, blocks) with their blocks read in place (`_window_blocks_vt`)."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, extra_args=("%win: tensor<1xi32>",))
-    S, C, A, G = int(seqlen), int(block), f["A"], f["G"]
-    T, DQ, DV = f["T"], f["DQ"], f["DV"]
-    nd = S // C if C > 0 and S % C == 0 else 0
-    if nd < 2 or C % A:
-        raise ValueError(f"block={block}: seqlen {S} must be at least two blocks and block a multiple of {A}")
-    if vt is None:
-        vt = bool(isinstance(lowering, Mapping) and lowering.get("transpose_v")) and S >= TRANSPOSE_V_MIN_SEQLEN
-    props, attrs, sg, body = _blocks_start(f, lowering)
+def _window_views(f: dict, S: int, C: int) -> list[str]:
+    """Static-S views of q (``%qD6`` [B, Hk, G, S/C, C, Dq]) and k, v (``%kS``, ``%kD5``
+    [B, Hk, S/C, C, D], ...)."""
+    A, G, T, DQ, DV = f["A"], f["G"], f["T"], f["DQ"], f["DV"]
+    nd = S // C
+    body = []
     ST = S // A
     body.append(f"""  %qS5 = tensor.cast %qb : tensor<?x?x?x{A}x{DQ}x{T}> to tensor<?x?x{ST}x{A}x{DQ}x{T}>
   %qS6 = tensor.expand_shape %qS5 [[0], [1, 2], [3], [4], [5]] output_shape [%B, %Hk, {G}, {ST}, {A}, {DQ}]
@@ -90,40 +71,49 @@ def render_window(*, func_name: str, dtype: str, layout: str, group: int, dq: in
   %{x}S = tensor.collapse_shape %{x}S5 [[0], [1], [2, 3], [4]] : tensor<?x?x{ST}x{A}x{d}x{T}> into tensor<?x?x{S}x{d}x{T}>
   %{x}D5 = tensor.expand_shape %{x}S [[0], [1], [2, 3], [4]] output_shape [%B, %Hk, {nd}, {C}, {d}]
       : tensor<?x?x{S}x{d}x{T}> into tensor<?x?x{nd}x{C}x{d}x{T}>""")
+    return body
 
+
+def _window_blocks_inplace(body: list, f: dict, *, S: int, C: int, sg):
+    """Both ops' operands with V as is: the diagonal blocks read in place (``%qDp``, ...), the
+    previous blocks (row blocks 1.. against key blocks ..-1) copied into batches (``%qPp``, ...)."""
+    G, T, DQ, DV = f["G"], f["T"], f["DQ"], f["DV"]
+    nd = S // C
     n1 = nd - 1
-    if vt:
-        _window_blocks_vt(body, f, S=S, C=C, sg=sg)
+    # diagonal blocks: q [B*Hk*nd, G*C, Dq] (rows g-major), k/v [B*Hk*nd, C, D], read in place
+    if G == 1:
+        body.append(f"  %qDc = tensor.collapse_shape %qD6 [[0, 1, 2, 3], [4], [5]] : tensor<?x?x1x{nd}x{C}x{DQ}x{T}> into tensor<?x{C}x{DQ}x{T}>")
     else:
-        # diagonal blocks: q [B*Hk*nd, G*C, Dq] (rows g-major), k/v [B*Hk*nd, C, D], read in place
-        if G == 1:
-            body.append(f"  %qDc = tensor.collapse_shape %qD6 [[0, 1, 2, 3], [4], [5]] : tensor<?x?x1x{nd}x{C}x{DQ}x{T}> into tensor<?x{C}x{DQ}x{T}>")
-        else:
-            body.append(_copy("qDt", "%qD6", f"tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", 6,
-                              [0, 1, 3, 2, 4, 5], subgroup=sg))
-            body.append(f"  %qDc = tensor.collapse_shape %qDt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
-        for x, d in (("k", DQ), ("v", DV)):
-            body.append(f"  %{x}Dc = tensor.collapse_shape %{x}D5 [[0, 1, 2], [3], [4]] : tensor<?x?x{nd}x{C}x{d}x{T}> into tensor<?x{C}x{d}x{T}>")
-        body.append(f"  %cnd = arith.constant {nd} : index\n  %nD = arith.muli %BH, %cnd : index")
-        for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
-            body.append(_pin_batch(f"%{x}Dp", f"%{x}Dc", f"tensor<?x{r}x{d}x{T}>", "%nD"))
-
-        # previous blocks: row blocks 1..nd-1 against key blocks 0..nd-2, copied into batches
-        body.append(f"""  %qPs = tensor.extract_slice %qD6[0, 0, 0, 1, 0, 0] [%B, %Hk, {G}, {n1}, {C}, {DQ}] [1, 1, 1, 1, 1, 1]
-          : tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}> to tensor<?x?x{G}x{n1}x{C}x{DQ}x{T}>""")
-        body.append(_copy("qPt", "%qPs", f"tensor<?x?x{G}x{n1}x{C}x{DQ}x{T}>", f"tensor<?x?x{n1}x{G}x{C}x{DQ}x{T}>", 6,
+        body.append(_copy("qDt", "%qD6", f"tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}>", f"tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}>", 6,
                           [0, 1, 3, 2, 4, 5], subgroup=sg))
-        body.append(f"  %qPc = tensor.collapse_shape %qPt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{n1}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
-        for x, d in (("k", DQ), ("v", DV)):
-            body.append(f"""  %{x}Ps = tensor.extract_slice %{x}D5[0, 0, 0, 0, 0] [%B, %Hk, {n1}, {C}, {d}] [1, 1, 1, 1, 1]
-          : tensor<?x?x{nd}x{C}x{d}x{T}> to tensor<?x?x{n1}x{C}x{d}x{T}>""")
-            body.append(_copy(f"{x}Pt", f"%{x}Ps", f"tensor<?x?x{n1}x{C}x{d}x{T}>", f"tensor<?x?x{n1}x{C}x{d}x{T}>", 5,
-                              [0, 1, 2, 3, 4], subgroup=sg))
-            body.append(f"  %{x}Pc = tensor.collapse_shape %{x}Pt [[0, 1, 2], [3], [4]] : tensor<?x?x{n1}x{C}x{d}x{T}> into tensor<?x{C}x{d}x{T}>")
-        body.append(f"  %cn1 = arith.constant {n1} : index\n  %nP = arith.muli %BH, %cn1 : index")
-        for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
-            body.append(_pin_batch(f"%{x}Pp", f"%{x}Pc", f"tensor<?x{r}x{d}x{T}>", "%nP"))
+        body.append(f"  %qDc = tensor.collapse_shape %qDt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{nd}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
+    for x, d in (("k", DQ), ("v", DV)):
+        body.append(f"  %{x}Dc = tensor.collapse_shape %{x}D5 [[0, 1, 2], [3], [4]] : tensor<?x?x{nd}x{C}x{d}x{T}> into tensor<?x{C}x{d}x{T}>")
+    body.append(f"  %cnd = arith.constant {nd} : index\n  %nD = arith.muli %BH, %cnd : index")
+    for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
+        body.append(_pin_batch(f"%{x}Dp", f"%{x}Dc", f"tensor<?x{r}x{d}x{T}>", "%nD"))
 
+    # previous blocks: row blocks 1..nd-1 against key blocks 0..nd-2, copied into batches
+    body.append(f"""  %qPs = tensor.extract_slice %qD6[0, 0, 0, 1, 0, 0] [%B, %Hk, {G}, {n1}, {C}, {DQ}] [1, 1, 1, 1, 1, 1]
+          : tensor<?x?x{G}x{nd}x{C}x{DQ}x{T}> to tensor<?x?x{G}x{n1}x{C}x{DQ}x{T}>""")
+    body.append(_copy("qPt", "%qPs", f"tensor<?x?x{G}x{n1}x{C}x{DQ}x{T}>", f"tensor<?x?x{n1}x{G}x{C}x{DQ}x{T}>", 6,
+                      [0, 1, 3, 2, 4, 5], subgroup=sg))
+    body.append(f"  %qPc = tensor.collapse_shape %qPt [[0, 1, 2], [3, 4], [5]] : tensor<?x?x{n1}x{G}x{C}x{DQ}x{T}> into tensor<?x{G * C}x{DQ}x{T}>")
+    for x, d in (("k", DQ), ("v", DV)):
+        body.append(f"""  %{x}Ps = tensor.extract_slice %{x}D5[0, 0, 0, 0, 0] [%B, %Hk, {n1}, {C}, {d}] [1, 1, 1, 1, 1]
+          : tensor<?x?x{nd}x{C}x{d}x{T}> to tensor<?x?x{n1}x{C}x{d}x{T}>""")
+        body.append(_copy(f"{x}Pt", f"%{x}Ps", f"tensor<?x?x{n1}x{C}x{d}x{T}>", f"tensor<?x?x{n1}x{C}x{d}x{T}>", 5,
+                          [0, 1, 2, 3, 4], subgroup=sg))
+        body.append(f"  %{x}Pc = tensor.collapse_shape %{x}Pt [[0, 1, 2], [3], [4]] : tensor<?x?x{n1}x{C}x{d}x{T}> into tensor<?x{C}x{d}x{T}>")
+    body.append(f"  %cn1 = arith.constant {n1} : index\n  %nP = arith.muli %BH, %cn1 : index")
+    for x, r, d in (("q", G * C, DQ), ("k", C, DQ), ("v", C, DV)):
+        body.append(_pin_batch(f"%{x}Pp", f"%{x}Pc", f"tensor<?x{r}x{d}x{T}>", "%nP"))
+
+
+def _window_masks(G: int, C: int) -> list[str]:
+    """The two ops' masks [G*C, C] (row i0 = g*C + i) from the runtime W: ``%dmask`` (diagonal,
+    i - W <= j <= i) and ``%pmask`` (previous block, j >= i + C - W)."""
+    body = []
     # masks [G*C, C] (row i0 = g*C + i), from the runtime W
     for name, cond in (("dmask", ["    %lo = arith.addi %j, %w : index", "    %vis0 = arith.cmpi uge, %lo, %i : index",
                                    "    %vis1 = arith.cmpi ule, %j, %i : index", "    %vis = arith.andi %vis0, %vis1 : i1"]),
@@ -142,14 +132,14 @@ def render_window(*, func_name: str, dtype: str, layout: str, group: int, dq: in
 {chr(10).join(cond)}
     linalg.yield %vis : i1
   }} -> tensor<{G * C}x{C}xi1>""")
-    if vt:
-        for name, n, m in (("dg", nd, "%dmask"), ("pv", n1, "%pmask")):
-            q_, k_, v_ = (f"%{x}{'D' if name == 'dg' else 'P'}p" for x in ("q", "k", "vt"))
-            body.append(_attn_op_vt(name, q_, k_, v_, f=f, nb=n, rows=G * C, keys=C, lowering=lowering, mask=m))
-    else:
-        body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=props, attrs=attrs, mask="%dmask"))
-        body.append(_attn_op("pv", "%qPp", "%kPp", "%vPp", f=f, n=n1, rows=G * C, keys=C, props=props, attrs=attrs, mask="%pmask"))
+    return body
 
+
+def _window_merge(body: list, f: dict, *, S: int, C: int, vt: bool):
+    """Merge the diagonal and previous-block partials into out / lse, in the ABI layout."""
+    G, T, DV = f["G"], f["T"], f["DV"]
+    nd = S // C
+    n1 = nd - 1
     # merge over (b, hk, g, blk, c[, d]); the previous-block partial (blocks 1..nd-1) is read
     # inside the region at blk - 1 (an affine map cannot skip block 0), and dropped for block 0
     dims6, dims5 = "d0, d1, d2, d3, d4, d5", "d0, d1, d2, d3, d4"
@@ -211,6 +201,50 @@ def render_window(*, func_name: str, dtype: str, layout: str, group: int, dq: in
     linalg.yield %e : f32
   }} -> {lty}""")
     body.append(_merged_to_abi(f, S, oty, "[[0], [1, 2], [3, 4], [5]]", lty, "[[0], [1, 2], [3, 4]]"))
+
+
+def render_window(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
+                  seqlen: int, block: int, lowering: Mapping[str, Any] | str | None = None,
+                  workspace: bool = False, vt: bool | None = None) -> str:
+    """MLIR text of `util.func public @func_name(q, k, v, scale, win) -> (out, lse)`: a sliding
+    window, Sq == Sk == `seqlen` fixed, row i sees key j iff i - W <= j <= i with W = win[0] a
+    runtime value in [0, C] (C = `block`; CK's mask `b:W,0` / `t:W,0` at Sq == Sk). The rows are cut
+    into S/C blocks; each block's keys lie in its own block and the one before, so the work is two
+    masked online_attention ops over C x C blocks (2 S C instead of S^2):
+
+    - diagonal: row block r against key block r, visible iff i - W <= j <= i (read in place);
+    - previous: row block r >= 1 against key block r - 1, visible iff j >= i + C - W (copied into
+      contiguous batches; with `vt` read in place);
+    - a merge of the two partials (block 0 has the diagonal one only) into out / lse.
+
+    `vt` (default: the lowering's `transpose_v` at S >= TRANSPOSE_V_MIN_SEQLEN): V transposed once
+    and both ops over (BH, blocks) with their blocks read in place (`_window_blocks_vt`)."""
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, extra_args=("%win: tensor<1xi32>",))
+    S, C, A, G = int(seqlen), int(block), f["A"], f["G"]
+    T, DQ, DV = f["T"], f["DQ"], f["DV"]
+    nd = S // C if C > 0 and S % C == 0 else 0
+    if nd < 2 or C % A:
+        raise ValueError(f"block={block}: seqlen {S} must be at least two blocks and block a multiple of {A}")
+    if vt is None:
+        vt = bool(isinstance(lowering, Mapping) and lowering.get("transpose_v")) and S >= TRANSPOSE_V_MIN_SEQLEN
+    props, attrs, sg, body = _blocks_start(f, lowering)
+    body += _window_views(f, S, C)
+    n1 = nd - 1
+    if vt:
+        _window_blocks_vt(body, f, S=S, C=C, sg=sg)
+    else:
+        _window_blocks_inplace(body, f, S=S, C=C, sg=sg)
+
+    body += _window_masks(G, C)
+    if vt:
+        for name, n, m in (("dg", nd, "%dmask"), ("pv", n1, "%pmask")):
+            q_, k_, v_ = (f"%{x}{'D' if name == 'dg' else 'P'}p" for x in ("q", "k", "vt"))
+            body.append(_attn_op_vt(name, q_, k_, v_, f=f, nb=n, rows=G * C, keys=C, lowering=lowering, mask=m))
+    else:
+        body.append(_attn_op("dg", "%qDp", "%kDp", "%vDp", f=f, n=nd, rows=G * C, keys=C, props=props, attrs=attrs, mask="%dmask"))
+        body.append(_attn_op("pv", "%qPp", "%kPp", "%vPp", f=f, n=n1, rows=G * C, keys=C, props=props, attrs=attrs, mask="%pmask"))
+
+    _window_merge(body, f, S=S, C=C, vt=vt)
     head = (f"// sliding window (mlir_templates.render_window): S={S}, blocks C={C}, G={G}, {T}, Dq={DQ}, Dv={DV}, {layout}\n"
             f"util.func public @{func_name}({f['args']})\n"
             f"    -> ({f['out_type']}, {f['lse_type']}) {{")
