@@ -249,39 +249,10 @@ def native_exp2_default(spec: KernelSpec) -> bool:
     return spec.target.backend == "cuda"
 
 
-def entry_points(spec: KernelSpec) -> dict:
-    """The module's functions and argument shapes/dtypes; ``?`` marks a runtime (dynamic) size."""
-    from .graph import DESC_COLUMNS
-
-    t = "i16(bf16 bits)" if spec.dtype == "bf16" else spec.dtype
-    gr = spec.group * spec.tiles.m0
-    seq = lambda h, d, s="?": ["?", h, s, d] if spec.layout == "bhsd" else ["?", s, h, d]  # noqa: E731
-    hq = "?" if spec.group == 1 else f"{spec.group}*Hk"
-    state = {"acc": [["?", "Hk", gr, spec.dv], "f32"], "m": [["?", "Hk", gr], "f32"], "l": [["?", "Hk", gr], "f32"]}
-    out = {
-        "init": {"args": {"carrier": [["NT", "Hk"], "i32"]}, "results": state},
-        "step": {
-            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
-                     "scale": [[1], "f32"], **state, "desc": [["P", len(DESC_COLUMNS)], "i32"]},
-            "results": state,
-            "desc_columns": list(DESC_COLUMNS),
-        },
-        "finalize": {
-            "args": {**state, "out_map": [["?", "?"], "i32"], "lse_map": [["?", "?"], "i32"]},
-            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
-        },
-    }
-    if fwd_plan(spec) is not None:
-        lay = "[B, Hq, Sq, D]" if spec.layout == "bhsd" else "[B, Sq, Hq, D]"
-        out["fwd"] = {
-            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
-                     "scale": [[], "f32 scalar"], "y": [[], "i64 scalar"], "x": [[], "i64 scalar"]},
-            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"],
-                        "scratch": [["padded Q", "edge masks", "acc", "max", "sum"], "dropped by the caller"]},
-            "note": (f"any Sq, Sk >= 1 and any CK mask in one call ({lay} layout): row s sees keys "
-                     "s - y + 1 <= j < s + x (CK's coordinates, clipped to [-Sk, Sq + 1] / [-Sq, Sk + 1]); "
-                     "batch lengths uniform (no cu_seqlen padding)"),
-        }
+def _dense_entry_points(spec: KernelSpec, t: str, seq, hq: str) -> dict:
+    """The one-call entry points of ``entry_points``: compiled-in CPU row blocks, or the GPU
+    templates (``dense``, ``causal`` and the per-length entries)."""
+    out = {}
     dense = dense_params(spec)
     if dense and not dense["tiled"]:
         for s in sorted(dense["seqlens"]):
@@ -324,6 +295,43 @@ def entry_points(spec: KernelSpec) -> dict:
                 out[f"window_s{s}"] = {"args": wio, "results": sres,
                                        "note": f"row i sees keys i - win[0] <= j <= i, 0 <= win[0] <= {dense['window'][s]}; "
                                                f"Sq == Sk == {s} (diagonal and previous blocks of {dense['window'][s]})"}
+    return out
+
+
+def entry_points(spec: KernelSpec) -> dict:
+    """The module's functions and argument shapes/dtypes; ``?`` marks a runtime (dynamic) size."""
+    from .graph import DESC_COLUMNS
+
+    t = "i16(bf16 bits)" if spec.dtype == "bf16" else spec.dtype
+    gr = spec.group * spec.tiles.m0
+    seq = lambda h, d, s="?": ["?", h, s, d] if spec.layout == "bhsd" else ["?", s, h, d]  # noqa: E731
+    hq = "?" if spec.group == 1 else f"{spec.group}*Hk"
+    state = {"acc": [["?", "Hk", gr, spec.dv], "f32"], "m": [["?", "Hk", gr], "f32"], "l": [["?", "Hk", gr], "f32"]}
+    out = {
+        "init": {"args": {"carrier": [["NT", "Hk"], "i32"]}, "results": state},
+        "step": {
+            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+                     "scale": [[1], "f32"], **state, "desc": [["P", len(DESC_COLUMNS)], "i32"]},
+            "results": state,
+            "desc_columns": list(DESC_COLUMNS),
+        },
+        "finalize": {
+            "args": {**state, "out_map": [["?", "?"], "i32"], "lse_map": [["?", "?"], "i32"]},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
+        },
+    }
+    if fwd_plan(spec) is not None:
+        lay = "[B, Hq, Sq, D]" if spec.layout == "bhsd" else "[B, Sq, Hq, D]"
+        out["fwd"] = {
+            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+                     "scale": [[], "f32 scalar"], "y": [[], "i64 scalar"], "x": [[], "i64 scalar"]},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"],
+                        "scratch": [["padded Q", "edge masks", "acc", "max", "sum"], "dropped by the caller"]},
+            "note": (f"any Sq, Sk >= 1 and any CK mask in one call ({lay} layout): row s sees keys "
+                     "s - y + 1 <= j < s + x (CK's coordinates, clipped to [-Sk, Sq + 1] / [-Sq, Sk + 1]); "
+                     "batch lengths uniform (no cu_seqlen padding)"),
+        }
+    out.update(_dense_entry_points(spec, t, seq, hq))
     return out
 
 

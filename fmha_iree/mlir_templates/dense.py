@@ -10,26 +10,8 @@ from typing import Any, Mapping
 from .copies import _pin_batch, _rt_zero, _transpose_copy
 from .lowering import _DTYPES, _load, lowering_for_runtime_sizes
 
-def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
-                  seqlen: int | None = None, workspace: bool = False, extra_args: tuple[str, ...] = ()) -> dict:
-    """Fields shared by the dense and causal templates.
-
-    The sequence axis crosses the ABI split as (S / A, A) with A = `align` (the host reshapes, for
-    free): IREE's GPU pipeline only distributes an attention whose M and K2 it can prove to be
-    multiples of its tiles, and a product with a static factor is such a proof.
-    `prologue` defines the constants, `%scale_t`, the inputs as bhsd (`%qb`, `%kb`, `%vb`:
-    [B, H, S/A, A, D], a transpose each for bshd) and their dims; `from_bhsd` turns `%o4`
-    [B, Hq, S/A, A, Dv] into `%out` in `layout`, `epilogue` casts it and `%lse` to the result types.
-
-    `seqlen` (a multiple of A) makes S static in the function's types (a shape-specialized entry
-    point; the runtime refuses other lengths): the arguments are cast to the dynamic types the
-    templates use and IREE propagates the static sizes into every dispatch.
-
-    `extra_args` follow the scale. `workspace` adds `%workspace: !hal.buffer {iree.abi.transients}` last: the
-    caller's buffer holds the function's intermediates (partials, copies), sized by IREE's
-    generated `<func>_transients_size` query. Without it IREE allocates them per call, and its
-    CUDA HAL frees them with a host wait for the call's last kernel (`queue_dealloca`), which
-    serialized back-to-back calls."""
+def _check_dense(dtype: str, layout: str, group: int, dq: int, dv: int, align: int, seqlen: int | None) -> str:
+    """The element type of a dense template's arguments; ValueError for arguments it cannot take."""
     t = _DTYPES.get(str(dtype))
     if t is None:
         raise ValueError(f"dtype {dtype!r} not in f16/bf16/f32")
@@ -38,15 +20,19 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
     for name, val in (("group", group), ("dq", dq), ("dv", dv), ("align", align)):
         if int(val) <= 0:
             raise ValueError(f"{name} must be positive, got {val}")
-    a = int(align)
-    if seqlen is not None and (int(seqlen) <= 0 or int(seqlen) % a):
-        raise ValueError(f"seqlen must be a positive multiple of align={a}, got {seqlen}")
-    st = "?" if seqlen is None else str(int(seqlen) // a)
+    if seqlen is not None and (int(seqlen) <= 0 or int(seqlen) % int(align)):
+        raise ValueError(f"seqlen must be a positive multiple of align={int(align)}, got {seqlen}")
+    return t
+
+
+def _prologue(t: str, layout: str, group: int, a: int, st: str, dq: int, dv: int) -> tuple[list[str], dict]:
+    """The prologue's lines (constants, ``%scale_t``, q/k/v as bhsd ``%qb``/``%kb``/``%vb``, the
+    dims ``%B``, ``%Hk``, ``%BH``) and the arguments' types."""
     ty = {x: f"tensor<?x?x?x{a}x{d}x{t}>" for x, d in (("q", dq), ("k", dq), ("v", dv))}
     lines = [
         "  %c0 = arith.constant 0 : index", "  %c1 = arith.constant 1 : index",
         "  %c2 = arith.constant 2 : index", "  %c3 = arith.constant 3 : index",
-        f"  %cG = arith.constant {int(group)} : index", f"  %cA = arith.constant {a} : index",
+        f"  %cG = arith.constant {group} : index", f"  %cA = arith.constant {a} : index",
         "  %zero = arith.constant 0.0 : f32", "  %fmin = arith.constant -3.40282347E+38 : f32",
         "  %ln2 = arith.constant 0.693147180559945309 : f32",
         "  %scale_f32 = tensor.extract %scale[%c0] : tensor<1xf32>",
@@ -74,6 +60,12 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
         f"  %Hk = tensor.dim %kb, %c1 : {ty['k']}",
         "  %BH = arith.muli %B, %Hk : index",
     ]
+    return lines, arg_ty
+
+
+def _from_bhsd(t: str, layout: str, a: int, st: str, dv: int) -> tuple[str, str, str]:
+    """(text turning ``%o4`` [B, Hq, S/A, A, Dv] into ``%out`` in ``layout``, its dynamic type,
+    the result type)."""
     oty = f"tensor<?x?x?x{a}x{dv}x{t}>"
     if layout == "bhsd":
         from_bhsd = f"  %out = tensor.cast %o4 : {oty} to {oty}"
@@ -85,6 +77,34 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
             f"  %o_S = tensor.dim %o4, %c2 : {oty}", f"  %o_e = tensor.empty(%o_B, %o_S, %o_H) : {res_dyn}",
             f"  %out = linalg.transpose ins(%o4 : {oty}) outs(%o_e : {res_dyn}) permutation = [0, 2, 3, 1, 4]",
         ])
+    return from_bhsd, res_dyn, res
+
+
+def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
+                  seqlen: int | None = None, workspace: bool = False, extra_args: tuple[str, ...] = ()) -> dict:
+    """Fields shared by the dense and causal templates.
+
+    The sequence axis crosses the ABI split as (S / A, A) with A = `align` (the host reshapes, for
+    free): IREE's GPU pipeline only distributes an attention whose M and K2 it can prove to be
+    multiples of its tiles, and a product with a static factor is such a proof.
+    `prologue` defines the constants, `%scale_t`, the inputs as bhsd (`%qb`, `%kb`, `%vb`:
+    [B, H, S/A, A, D], a transpose each for bshd) and their dims; `from_bhsd` turns `%o4`
+    [B, Hq, S/A, A, Dv] into `%out` in `layout`, `epilogue` casts it and `%lse` to the result types.
+
+    `seqlen` (a multiple of A) makes S static in the function's types (a shape-specialized entry
+    point; the runtime refuses other lengths): the arguments are cast to the dynamic types the
+    templates use and IREE propagates the static sizes into every dispatch.
+
+    `extra_args` follow the scale. `workspace` adds `%workspace: !hal.buffer {iree.abi.transients}` last: the
+    caller's buffer holds the function's intermediates (partials, copies), sized by IREE's
+    generated `<func>_transients_size` query. Without it IREE allocates them per call, and its
+    CUDA HAL frees them with a host wait for the call's last kernel (`queue_dealloca`), which
+    serialized back-to-back calls."""
+    t = _check_dense(dtype, layout, group, dq, dv, align, seqlen)
+    a = int(align)
+    st = "?" if seqlen is None else str(int(seqlen) // a)
+    lines, arg_ty = _prologue(t, layout, int(group), a, st, dq, dv)
+    from_bhsd, res_dyn, res = _from_bhsd(t, layout, a, st, dv)
     args = ", ".join([f"%{x}_arg: {arg_ty[x]}" for x in ("q", "k", "v")] + ["%scale: tensor<1xf32>", *extra_args]
                      + (["%workspace: !hal.buffer {iree.abi.transients}"] if workspace else []))
     lse_dyn, lse_ty = f"tensor<?x?x?x{a}xf32>", f"tensor<?x?x{st}x{a}xf32>"

@@ -93,44 +93,19 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
     """
     if not lowering:
         return "", ""
-    if isinstance(lowering, str):
-        lowering = {"backend": lowering}
-    lw = dict(lowering)
+    lw = {"backend": lowering} if isinstance(lowering, str) else dict(lowering)
     xb, x0 = [1] * (batch_dims - 1), [0] * (batch_dims - 1)
     if lw.get("backend") == "cpu":
-        # llvm-cpu, N kept whole (IREE's default tiles N by 8; with the old state chained
-        # through the op's outs that gave a sum Dv/8 times too large -- see module docstring).
-        wm = int(lw.get("workgroup_m", m_total))
-        k2 = int(lw.get("reduction_k2", 2))
-        return "", (
-            " {compilation_info = #iree_codegen.compilation_info<\n"
-            "        lowering_config = #iree_cpu.lowering_config<"
-            f"distribution = {_ilist(xb + [1, wm, 0, 0, 0])}, "
-            f"vector_common_parallel = {_ilist(xb + [1, 1, 0, 0, 0])}, "
-            f"vector_reduction = {_ilist(x0 + [0, 0, 0, k2, 0])}>,\n"
-            "        translation_info = #iree_codegen.translation_info<"
-            "pipeline = #iree_cpu.pipeline<LinalgExtTileAndVectorize>>>}")
+        return "", _cpu_attrs(lw, m_total, xb, x0)
     wm = int(lw.get("workgroup_m", m_total))
     wn = int(lw.get("workgroup_n", dv))
     k2 = int(lw.get("reduction_k2", 64))
     if m_total % wm or dv % wn or c % k2:
         raise ValueError(f"tile (M={wm}, N={wn}, K2={k2}) must divide (G*R={m_total}, "
                          f"Dv={dv}, C={c})")
-    sg = int(lw.get("subgroup_size", 64))
-    sgm = lw.get("subgroups_m")
-    sgn = int(lw.get("subgroups_n", 1))
-    wg = lw.get("workgroup_size")
-    if sgm is None:
-        sgm = (int(wg) // sg // sgn) if wg else 4
-    sgm = int(sgm)
-    if wg is None:
-        wg = sg * sgm * sgn
-    wg = int(wg)
-    if wg != sg * sgm * sgn:
-        raise ValueError(f"workgroup_size {wg} != subgroup_size {sg} * {sgm} * {sgn}")
-    promote = lw.get("promote_operands", [1, 2])
-
+    sg, sgm, sgn, wg = _threads(lw)
     lc = f"workgroup = {_ilist(xb + [1, wm, 0, 0, wn])}, reduction = {_ilist(x0 + [0, 0, 0, k2, 0])}"
+    promote = lw.get("promote_operands", [1, 2])
     if promote is not None:
         lc += f", promote_operands = {_ilist(promote)}"
     extra = []
@@ -148,27 +123,59 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
         "pipeline = #iree_gpu.pipeline<VectorDistribute>\n"
         f"          workgroup_size = [{wg}, 1, 1] subgroup_size = {sg}{ti_extra}>>}}"
     )
-    props = ""
+    return _decomposition(lw, xb, batch_dims, sgm, sgn), attrs
+
+
+def _cpu_attrs(lw: dict, m_total: int, xb: list, x0: list) -> str:
+    """llvm-cpu, N kept whole (IREE's default tiles N by 8; with the old state chained through
+    the op's outs that gave a sum Dv/8 times too large -- see the module docstring)."""
+    wm = int(lw.get("workgroup_m", m_total))
+    k2 = int(lw.get("reduction_k2", 2))
+    return (" {compilation_info = #iree_codegen.compilation_info<\n"
+            "        lowering_config = #iree_cpu.lowering_config<"
+            f"distribution = {_ilist(xb + [1, wm, 0, 0, 0])}, "
+            f"vector_common_parallel = {_ilist(xb + [1, 1, 0, 0, 0])}, "
+            f"vector_reduction = {_ilist(x0 + [0, 0, 0, k2, 0])}>,\n"
+            "        translation_info = #iree_codegen.translation_info<"
+            "pipeline = #iree_cpu.pipeline<LinalgExtTileAndVectorize>>>}")
+
+
+def _threads(lw: dict) -> tuple[int, int, int, int]:
+    """(subgroup size, subgroups along M, along N, workgroup size) of a GPU lowering."""
+    sg = int(lw.get("subgroup_size", 64))
+    sgm = lw.get("subgroups_m")
+    sgn = int(lw.get("subgroups_n", 1))
+    wg = lw.get("workgroup_size")
+    if sgm is None:
+        sgm = (int(wg) // sg // sgn) if wg else 4
+    sgm = int(sgm)
+    wg = int(sg * sgm * sgn if wg is None else wg)
+    if wg != sg * sgm * sgn:
+        raise ValueError(f"workgroup_size {wg} != subgroup_size {sg} * {sgm} * {sgn}")
+    return sg, sgm, sgn, wg
+
+
+def _decomposition(lw: dict, xb: list, batch_dims: int, sgm: int, sgn: int) -> str:
+    """The op's decomposition_config: the intrinsics and subgroup layout of Q@K^T and P@V ("" when
+    the lowering names no intrinsic)."""
     pv_kind = lw.get("mma_kind")
-    if pv_kind:
-        qk_kind = lw.get("qk_mma_kind", pv_kind)
-        basis = _ilist(xb + [1, sgm, 1, 1, sgn])
-        nb = batch_dims
-        qk_dims, pv_dims = list(range(nb + 3)), list(range(nb + 1)) + [nb + 2, nb + 3]
-        qk = (f"mma_kind = {_mma_attr(qk_kind, lw.get('qk_virtual'))}, "
-              f"subgroup_basis = [{basis}, {_ilist(qk_dims)}], "
-              f"promote_operands = {_ilist(lw.get('qk_promote_operands', [1]))}")
-        pv = (f"mma_kind = {_mma_attr(pv_kind, False)}, "
-              f"subgroup_basis = [{basis}, {_ilist(pv_dims)}], "
-              f"promote_operands = {_ilist(lw.get('pv_promote_operands', [1]))}")
-        props = (
-            "decomposition_config = {\n"
+    if not pv_kind:
+        return ""
+    qk_kind = lw.get("qk_mma_kind", pv_kind)
+    basis = _ilist(xb + [1, sgm, 1, 1, sgn])
+    nb = batch_dims
+    qk_dims, pv_dims = list(range(nb + 3)), list(range(nb + 1)) + [nb + 2, nb + 3]
+    qk = (f"mma_kind = {_mma_attr(qk_kind, lw.get('qk_virtual'))}, "
+          f"subgroup_basis = [{basis}, {_ilist(qk_dims)}], "
+          f"promote_operands = {_ilist(lw.get('qk_promote_operands', [1]))}")
+    pv = (f"mma_kind = {_mma_attr(pv_kind, False)}, "
+          f"subgroup_basis = [{basis}, {_ilist(pv_dims)}], "
+          f"promote_operands = {_ilist(lw.get('pv_promote_operands', [1]))}")
+    return ("decomposition_config = {\n"
             f"        qk_attrs = {{attention_qk_matmul, lowering_config = "
             f"#iree_gpu.lowering_config<{{{qk}}}>}},\n"
             f"        pv_attrs = {{attention_pv_matmul, lowering_config = "
-            f"#iree_gpu.lowering_config<{{{pv}}}>}}}},"
-        )
-    return props, attrs
+            f"#iree_gpu.lowering_config<{{{pv}}}>}}}},")
 
 
 def default_lowering(target: str, *, dtype: str = "f16", r: int = 128, group: int = 1,
