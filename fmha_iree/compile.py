@@ -150,7 +150,7 @@ def compile_spec(spec: KernelSpec, *, extra_flags: list[str] | None = None,
         "flags": flags,
     }
     if exp2:
-        vmfb, record["native_exp2"] = _compile_native_exp2(mlir, flags)
+        vmfb, record["native_exp2"] = compile_native_exp2(mlir, flags)
         record["command"] = ["iree-compile", "<module>.mlir", *flags, "--iree-hal-link-executables=false",
                              "--iree-hal-dump-executable-binaries-to=<ptx>", "-o", "/dev/null", "&&",
                              "python", "-m", "fmha_iree.ptx", "<ptx>", "<patched>", "&&",
@@ -181,7 +181,9 @@ def _compile_quiet(mlir: str, flags: list[str], out: Path) -> bytes:
     return out.read_bytes()
 
 
-def _compile_native_exp2(mlir: str, flags: list[str]) -> tuple[bytes, dict]:
+def compile_native_exp2(mlir: str, flags: list[str]) -> tuple[bytes, dict]:
+    """Compile ``mlir`` with ``flags`` for CUDA, IREE's polynomial exp2 replaced by
+    ``ex2.approx`` (``ptx.patch_dir``): (vmfb, the patch report)."""
     import tempfile
 
     import iree.compiler.tools as ict
