@@ -144,3 +144,26 @@ def test_unwritable_entry_keeps_the_compiled_module(cache, monkeypatch):
     assert _compiles() == before + 1
     _run_checked()  # from memory
     assert _compiles() == before + 1
+
+
+def test_cache_folder_deleted_during_a_compile_keeps_the_module(cache, monkeypatch):
+    """The cache folder removed while a module compiles (a user clearing the cache): the call still
+    returns the right result with one warning, and the compiled module serves the next call."""
+    import shutil
+
+    from fmha_iree import compile as C
+
+    real = C.compile_spec
+
+    def compile_then_delete(spec, **kw):
+        out = real(spec, **kw)
+        shutil.rmtree(cache)
+        return out
+
+    monkeypatch.setattr(C, "compile_spec", compile_then_delete)
+    before = _compiles()
+    with pytest.warns(RuntimeWarning, match="not using the disk cache"):
+        _run_checked()
+    monkeypatch.setattr(C, "compile_spec", real)
+    _run_checked()  # from memory
+    assert _compiles() == before + 1
