@@ -71,6 +71,12 @@ class FmhaModule:
         """Device memory held for workspaces (see the class docstring)."""
         return sum(n for _, n, _ in self._ws_slots)
 
+    @property
+    def workspace_sizes(self) -> dict:
+        """Bytes each entry point asked for its intermediates, by (function, argument shapes...):
+        IREE's ``<fn>_transients_size`` answers, read once per shape."""
+        return dict(self._ws_sizes)
+
     def release_workspace(self):
         """Drop the workspace buffers (after waiting for the calls that use them)."""
         with self._lock:

@@ -202,7 +202,7 @@ def test_workspace_slots_serve_calls_in_flight(fused_module):
         p = check_batch(*dev, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None)
         outs.append(run_batch(p, True, TILES, lambda: mod, "gpu"))
     assert mod.dense_entry(512, 512, True, True) == "causal_s512"
-    sizes = [b for (fn, *_), b in mod._ws_sizes.items() if fn == "causal_s512"]
+    sizes = [b for (fn, *_), b in mod.workspace_sizes.items() if fn == "causal_s512"]
     assert sizes and sizes[0] > 0 and mod.workspace_bytes >= sizes[0]
     for (q, k, v), (out, lse) in zip(qkv, outs):
         ref_out, ref_lse = attention_ref(q, k, v, mask="b")

@@ -65,7 +65,7 @@ def owned_rows(lengths, phys_starts, total) -> np.ndarray:
 def check_varlen(q, k, v, seqstart_q, seqstart_k, *, what="", **kw):
     """Run fmha_fwd_varlen(return_lse=True) and compare out and lse with varlen_ref."""
     res = fmha_iree.fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, return_lse=True, **kw)
-    assert isinstance(res, tuple) and len(res) == 2, f"return_lse=True must give (out, lse)"
+    assert isinstance(res, tuple) and len(res) == 2, "return_lse=True must give (out, lse)"
     out, lse = res
     ref_kw = {n: kw[n] for n in ("seqlen_k", "seqstart_padded_q", "seqstart_padded_k", "mask",
                                   "scale") if n in kw}
