@@ -150,8 +150,10 @@ def fmha_fwd(
     that are multiples of the module's alignment runs as one fused kernel call (``dense_kind``),
     and with ``specialize`` also a sliding window ``b:W,0`` / ``t:W,0`` (Sq == Sk, W up to the
     window block of ``mlir_templates.window_block``); with ``specialize``, the unmasked and causal
-    cases on the CPU too for the compiled-in shape; every other call runs the tiled plan. All give
-    the same results.
+    cases on the CPU too for the compiled-in shape. On CUDA, ``fwd`` (one call, any lengths and
+    mask) runs every other call without cu_seqlen padding, the aligned causal case too unless its
+    length is compiled in (``dispatch.route``); every other call runs the tiled plan. All give the
+    same results.
     """
     key = None
     if cu_seqlen_q is None and cu_seqlen_k is None:

@@ -1,10 +1,10 @@
 """Dispatch: which entry point of a loaded module runs a validated problem, and running it.
 
 Shared by the API (:mod:`fmha_iree.api`) and deployed modules (:mod:`fmha_iree.deploy`). A batch-
-mode problem takes, in this order: ``fwd`` (GPU modules: any lengths and mask in one call), a
-compiled-in or aligned one-call entry point (``dense_kind``), or the tile plan
-(``init``/``step``/``finalize``), which also runs group mode and cu_seqlen padding.
-:func:`route` says which and why.
+mode problem takes a compiled-in or aligned one-call entry point that serves it (``dense_kind``;
+in a module with ``fwd``, not the generic two-block ``causal``), else ``fwd`` (CUDA modules: any
+lengths and mask in one call), else the tile plan (``init``/``step``/``finalize``), which also runs
+group mode and cu_seqlen padding. :func:`route` says which and why.
 """
 
 from __future__ import annotations

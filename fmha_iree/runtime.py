@@ -275,7 +275,7 @@ class FmhaModule:
 
     def run_fwd(self, q, k, v, dtype: str, scale: float, coords: tuple[int, int], *, keep_on_device: bool = False):
         """One ``fwd`` call: q/k/v in the module's layout (4-D), ``coords`` CK's (y, x) for this
-        problem, already clipped to the lengths (``spec.clip_coords``). Returns (out, lse [B, Hq, Sq])."""
+        problem, already clipped to the lengths (``Mask.clipped_coords``). Returns (out, lse [B, Hq, Sq])."""
         with self._lock:
             args = [self._put(x, dtype) for x in (q, k, v)]
             (out, lse), fence = self._call("fwd", args, 2, scalars=(float(scale), int(coords[0]), int(coords[1])))

@@ -157,7 +157,8 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``); those one-call entry points take a caller-owned
     workspace for their intermediates (``mlir_templates.dense._dense_common``). ``fused_step=True`` on
     the CPU builds the GPU formulation for llvm-cpu, so its numerics can be tested where CI runs.
-    GPU modules also get ``fwd`` (``kernels.general``: any lengths and mask, ``fwd_plan``);
+    CUDA modules (and those CPU builds) also get ``fwd`` (``kernels.general``: any lengths and mask,
+    ``fwd_plan``; gfx modules do not);
     ``with_fwd=False`` leaves it out (tests of the other entry points, which it would only slow
     to compile)."""
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step

@@ -95,7 +95,7 @@ def _gpu(n0_by_d: dict) -> dict:
     # MFMA/WMMA or 16x8x16 MMA intrinsic IREE uses), work units of 256 keys. Compile checks with
     # iree-compile 3.13 on 2026-11-29 (gfx942 f16 d128, kN0 = 64): 108 VGPRs, 43 KB LDS, no spills;
     # kN0 = 32 at Dv = 256 keeps LDS under 64 KiB (40 KB, 236 VGPRs, no spills). The H200 tile sweep
-    # in iree-findings.md found M64 / K2=32 fastest for IREE's attention op at d128.
+    # of 2026-11-29 (docs/tried.md) found M64 / K2=32 fastest for IREE's attention op at d128.
     return {d: TileConfig(64, n0, 16, d, 16, kv_chunk=256) for d, n0 in n0_by_d.items()}
 
 

@@ -14,7 +14,7 @@ BHSD is a batch-mode module (``fmha-iree compile --target sm_80 --dtype f16 --hd
 2. For ``--seconds``, mixed calls (both modules; batch and group mode; masks; decode, prefill,
    odd lengths; host arrays and DeviceTensors; with and without LSE), every 50th checked against
    a float64 torch reference. Free device memory (``torch.cuda.mem_get_info``, which sees IREE's
-   allocations too, read with torch's cache emptied) is printed at six marks: a leak falls from
+   allocations too, read with torch's cache emptied) is printed at seven marks: a leak falls from
    mark to mark, IREE's allocation pools level off once warm.
 """
 

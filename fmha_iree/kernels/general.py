@@ -16,7 +16,7 @@ in place. The function's index arithmetic (run by IREE on the host) cuts the pro
   edge (``bounds``); masked-out key blocks outside a group's union are never read.
 * split-KV (one group with too few workgroups to fill the GPU, e.g. decode): the interior cut into
   ``P`` pieces as a batch dim (plus single leftover columns), each piece and edge writing its own
-  state slot, slots merged through their max/sum (``finalize.combine_slots``).
+  state slot, slots merged through their max/sum (``finalize.normalize_slots``).
 * short queries (``Sq * G <= Plan.short_rows``) take the split-KV path with their own lowering
   (``Plan.short``: 16-row tiles).
 

@@ -1,11 +1,13 @@
-"""MLIR templates for the GPU entry points.
+"""Lowering configs of the GPU entry points' attention ops (`render_lowering_attrs`,
+`default_lowering`) and the loader of the `mlir/*.mlir.in` templates.
 
-`render_online_step` renders `mlir/online_step.mlir.in`: one wave of the plan (the `step`
-function) as gathers + one `iree_linalg_ext.online_attention` (single collapsed batch dim
+`render_online_step` (`step.py`) renders `mlir/online_step.mlir.in`: one wave of the plan (the
+`step` function) as gathers + one `iree_linalg_ext.online_attention` (single collapsed batch dim
 P*Hk, M = G*R, K1 = Dq, K2 = C, N = Dv) + scatters back into the state. `render_dense`,
-`render_dense_out`, `render_causal` (`mlir/dense*.mlir.in`, `mlir/causal*.mlir.in`) are the one-call
-entry points of a whole batch; `render_causal_tree` (generated here: its number of levels depends
-on the length) is causal at a compiled-in length as a binary tree of dense blocks.
+`render_dense_out`, `render_causal` (`dense.py`: `mlir/dense*.mlir.in`, `mlir/causal*.mlir.in`) are
+the one-call entry points of a whole batch; `render_causal_tree` (generated in `causal_tree.py`: its
+number of levels depends on the length) is causal at a compiled-in length as a binary tree of dense
+blocks.
 
 `lowering` (a dict, "cpu", or None to let IREE choose) becomes the op's `compilation_info` and
 `decomposition_config`, in the form IREE 3.13's VectorDistribute pipeline reads:
@@ -29,7 +31,8 @@ on the length) is causal at a compiled-in length as a binary tree of dense block
 
 `lowering="cpu"` (or {"backend": "cpu", ...}) renders an llvm-cpu config that keeps N whole
 (distribution/vector tiles [1, M, 0, 0, 0] / [1, 1, 0, 0, 0]). Not required: with the fresh-outs
-structure below IREE's own llvm-cpu default (which tiles N by 8) is also correct.
+structure of `mlir/online_step.mlir.in` IREE's own llvm-cpu default (which tiles N by 8) is also
+correct.
 
 The op starts from a fresh (0, -FLT_MAX, 0) and the chunk is merged into the old state afterwards,
 so workgroup_n < Dv is safe (chaining the old state through the op's outs is not: IREE binds those
