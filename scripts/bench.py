@@ -9,15 +9,15 @@ folder; only iree-base-runtime, numpy and torch needed on the GPU machine):
 
 Shapes (`--preset fa`) follow the FlashAttention benchmark: B*S = 16k tokens, Hq*D = 2048,
 S in 512..16k, D in {64, 128, 256}, causal and not; plus GQA (Hq/Hk = 8) and a `b:1024,0` window.
-FLOPs are 4*B*Hq*Sq*Sk*D times the visible fraction of query-key pairs (measured on at most
-4096 x 4096). Writes a table to stdout and, with --out, a JSON, a CSV and (when matplotlib is
-installed) a PNG. On a GPU, both sides are device-resident: fmha_iree gets its inputs as DeviceTensors (uploaded once, `fmha_iree.to_device`) and leaves its results on
-the device; `--reps` calls are issued back to back (asynchronously) and the time is their total
-over `--reps`, closed by a wait for the last result. The timed call returns the output only, as
-torch's SDPA does; the time with the LSE as well is recorded beside it. Torch is timed with CUDA
-events. IREE's runtime flags come from $IREE_PY_RUNTIME_FLAGS (read by `iree.runtime` at import),
-e.g. `--cuda_use_streams=false` for CUDA graphs; a run prints and records them.
-"""
+FLOPs are 4*B*Hq*Sq*Sk*D times the visible fraction of query-key pairs (measured on at most 4096 x
+4096). Writes a table to stdout and, with --out, a JSON, a CSV and (when matplotlib is installed) a
+PNG. On a GPU, both sides are device-resident: fmha_iree gets its inputs as DeviceTensors (uploaded
+once, `fmha_iree.to_device`) and leaves its results on the device; `--reps` calls are issued back to
+back (asynchronously) and the time is their total over `--reps`, closed by a wait for the last
+result. The timed call returns the output only, as torch's SDPA does; the time with the LSE as well
+is recorded beside it. Torch is timed with CUDA events. IREE's runtime flags come from
+$IREE_PY_RUNTIME_FLAGS (read by `iree.runtime` at import), e.g. `--cuda_use_streams=false` for CUDA
+graphs; a run prints and records them. """
 
 from __future__ import annotations
 
