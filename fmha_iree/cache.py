@@ -9,8 +9,8 @@ module once.
 A load checks the sidecar's key, spec and digest before the bytes reach the runtime (a flipped,
 truncated or foreign ``.vmfb`` crashed or misled IREE's runtime); an entry that fails is rebuilt
 and replaced, with a warning. A cache folder owned by another user or writable by others is not
-used (``FMHA_IREE_CACHE_TRUST=1`` opts in), nor one that cannot be written: modules then stay in
-this process's memory, with a warning.
+used (``FMHA_IREE_CACHE_TRUST=1`` opts in); one that cannot be written still serves the entries it
+holds, and modules it lacks stay in this process's memory, with a warning.
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ class DiskCache:
         self.folder = Path(folder)
 
     def problem(self) -> str | None:
+        """Why entries cannot be read and written here (None: they can)."""
+        why = self.untrusted()
+        if why is None and not os.access(self.folder, os.W_OK | os.X_OK):
+            why = f"{self.folder} is not writable"
+        return why
+
+    def untrusted(self) -> str | None:
+        """Why the folder is not one to load native code from (None: it is): it cannot be
+        created, or it or its parent is another user's or writable by every user."""
         try:
             self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
@@ -62,9 +71,13 @@ class DiskCache:
                     return f"{d} is owned by another user (set FMHA_IREE_CACHE_TRUST=1 to use it anyway)"
                 if st.st_mode & stat.S_IWOTH:
                     return f"{d} is writable by every user (set FMHA_IREE_CACHE_TRUST=1 to use it anyway)"
-        if not os.access(self.folder, os.W_OK | os.X_OK):
-            return f"{self.folder} is not writable"
         return None
+
+    def readable(self) -> bool:
+        """Whether a folder that cannot be written is still one to read entries from: trusted
+        (ours, not writable by others) and readable. Entries are written atomically, so reading
+        without the lock sees whole files."""
+        return self.untrusted() is None and os.access(self.folder, os.R_OK | os.X_OK)
 
     def lock(self, key: str):
         from filelock import FileLock

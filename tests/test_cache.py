@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -166,4 +167,26 @@ def test_cache_folder_deleted_during_a_compile_keeps_the_module(cache, monkeypat
         _run_checked()
     monkeypatch.setattr(C, "compile_spec", real)
     _run_checked()  # from memory
+    assert _compiles() == before + 1
+
+
+def test_read_only_cache_serves_its_entries(cache, monkeypatch):
+    """A cache folder that cannot be written (populated or empty) never fails a call: an entry it
+    holds is loaded without the lock and without compiling; a module it lacks is compiled and kept
+    in memory, with one warning. (Root writes through read-only modes, so the folder's
+    writability is denied through ``os.access``.)"""
+    _run_checked()
+    fmha_iree.clear_memory_caches()
+    folder = _entry(cache).parent
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: False if m & os.W_OK and Path(p) == folder else real_access(p, m))
+    before, hits = _compiles(), fmha_iree.cache_stats()["disk_hits"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run_checked()  # populated: loaded, no compile, no warning
+    assert _compiles() == before and fmha_iree.cache_stats()["disk_hits"] == hits + 1
+    q, k, v = (x[:, :, :, :8].copy() for x in _qkv())  # another head dim: a module the cache lacks
+    with pytest.warns(RuntimeWarning, match="not writable"):
+        out = fmha_iree.fmha_fwd(q, k, v, mask="b")
+    assert_close(out, attention_ref(q, k, v, mask="b")[0], np.float32, what="read-only cache, new module")
     assert _compiles() == before + 1
