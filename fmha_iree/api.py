@@ -8,6 +8,7 @@ from . import compile as _compile
 from .device import DeviceTensor, get_device
 from .dispatch import PreparedCalls, Route, device_call_key, prepare, route as _route, run_batch, run_varlen
 from .runtime import FmhaModule
+from .paged import paged_args
 from .source import dense_abi, dense_params, entry_points
 from .spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
 from .targets import resolve_device
@@ -189,7 +190,7 @@ def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=No
 
 def fmha_fwd_varlen(
     q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
-    mask=None, scale=None, return_lse=False, tiles=None, device=None,
+    block_table=None, mask=None, scale=None, return_lse=False, tiles=None, device=None,
 ):
     """CK's FMHA forward in group mode: sequences packed along the token axis ("thd").
 
@@ -200,6 +201,11 @@ def fmha_fwd_varlen(
         seqlen_k: int32 ``[B]``: keys actually used per sequence (a KV cache holding more).
         seqstart_padded_q, seqstart_padded_k: int32 ``[B+1]`` physical starts when sequences are
             stored with gaps: offsets come from these, lengths from the unpadded starts.
+        block_table: int32 ``[B, max_pages]``, a paged KV cache (``fmha_iree.paged``): ``k`` / ``v``
+            are then ``[num_pages, page_size, Hk, D]``, ``seqstart_k`` is None and ``seqlen_k``
+            gives each sequence's key count; sequence ``b``'s key ``j`` lives in page
+            ``block_table[b, j // page_size]``, row ``j % page_size`` (host arrays for now: the used
+            keys are gathered into a packed copy).
         mask: as in :func:`fmha_fwd`, applied per sequence with that sequence's own lengths
             (bottom-right aligns each sequence's last query with its last key).
 
@@ -207,6 +213,8 @@ def fmha_fwd_varlen(
     float32 ``[Hq, seqstart_q[-1]]`` indexed by the unpadded starts. One compiled module serves any
     number of sequences and any lengths.
     """
+    if block_table is not None:
+        k, v, seqstart_k, seqlen_k = paged_args(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
     p, (q_start, q_len, k_start, k_len, lse_start, total_q) = check_varlen(
         q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
         seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale,

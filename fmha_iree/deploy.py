@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from .dispatch import PreparedCalls, Route, device_call_key, prepare, route, run_batch, run_varlen
+from .paged import paged_args
 from .runtime import FmhaModule
 from .spec import check_batch, check_varlen
 from .targets import resolve_device
@@ -64,12 +65,16 @@ class DeployedFmha:
         return route(p, self._module if p.sq and p.sk and p.batch else None)
 
     def varlen(self, q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
-               seqstart_padded_k=None, mask=None, scale=None, return_lse=False):
-        """Group mode, as :func:`fmha_iree.fmha_fwd_varlen` (``q`` ``[Tq, Hq, Dq]`` ...): needs a
-        module compiled with ``--layout bshd`` (packed tokens are bshd rows of one sequence)."""
+               seqstart_padded_k=None, block_table=None, mask=None, scale=None, return_lse=False):
+        """Group mode, as :func:`fmha_iree.fmha_fwd_varlen` (``q`` ``[Tq, Hq, Dq]`` ...; a paged
+        cache with ``block_table``): needs a module compiled with ``--layout bshd`` (packed tokens
+        are bshd rows of one sequence)."""
         pr = self.manifest["problem"]
         if pr["layout"] != "bshd":
             raise ValueError(f"group mode needs a module compiled with --layout bshd; this one has layout {pr['layout']!r}")
+        if block_table is not None:
+            k, v, seqstart_k, seqlen_k = paged_args(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k,
+                                                    block_table)
         p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
                                  seqstart_padded_k=seqstart_padded_k, mask=pr.get("mask") if mask is None else mask,
                                  scale=scale)

@@ -183,7 +183,7 @@ def check_head_dims(dq: int, dv: int):
 
 def check_seqlens(cu, name: str, batch: int, limit: int) -> np.ndarray:
     """Validate a ``[B+1]`` cumulative int array; return the per-batch lengths."""
-    cu = _int_vector(cu, name, batch + 1)
+    cu = int_vector(cu, name, batch + 1)
     if (cu < 0).any():
         raise ValueError(f"{name} must be non-negative")
     lens = np.diff(cu)
@@ -242,7 +242,7 @@ def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k) -> Ba
     return BatchProblem(qo, ko, vo, layout, B, Hq, Hk, Sq, Sk, Dq, Dv, mask, scale, q_lens, k_lens)
 
 
-def _int_vector(x, name: str, length: int | None) -> np.ndarray:
+def int_vector(x, name: str, length: int | None) -> np.ndarray:
     """An int64 copy of a 1-D int array of shape [length] (any int dtype; torch tensors and lists
     accepted)."""
     if _is_torch(x):
@@ -269,7 +269,7 @@ def _check_starts(s: np.ndarray, name: str, total: int):
 
 
 def _check_padded(p, name: str, lens: np.ndarray, total: int) -> np.ndarray:
-    p = _int_vector(p, name, len(lens) + 1)
+    p = int_vector(p, name, len(lens) + 1)
     starts = p[:-1]
     if (starts < 0).any():
         raise ValueError(f"{name} must be non-negative")
@@ -294,8 +294,8 @@ def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q
     _check_kv(Hq, Dq, (Hk, Tk, Dk), (Hv, Tv, Dv), "tokens")
     scale = check_scale(scale, Dq)
 
-    sq = _int_vector(seqstart_q, "seqstart_q", None)
-    sk = _int_vector(seqstart_k, "seqstart_k", None)
+    sq = int_vector(seqstart_q, "seqstart_q", None)
+    sk = int_vector(seqstart_k, "seqstart_k", None)
     if sk.shape != sq.shape:
         raise ValueError(f"seqstart_k has {sk.shape[0]} entries but seqstart_q has {sq.shape[0]}: both are [B+1]")
     _check_starts(sq, "seqstart_q", Tq if seqstart_padded_q is None else np.iinfo(np.int64).max)
@@ -303,7 +303,7 @@ def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q
     q_len, k_have = np.diff(sq), np.diff(sk)
     k_len = k_have
     if seqlen_k is not None:
-        k_len = _int_vector(seqlen_k, "seqlen_k", len(q_len))
+        k_len = int_vector(seqlen_k, "seqlen_k", len(q_len))
         if (k_len < 0).any() or (k_len > k_have).any():
             b = int(np.argmax((k_len < 0) | (k_len > k_have)))
             raise ValueError(f"seqlen_k[{b}] = {int(k_len[b])} is outside [0, {int(k_have[b])}] (the keys sequence {b} has)")

@@ -9,6 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 
 import fmha_iree
 from fmha_iree.cli import compile_matrix
@@ -265,3 +266,20 @@ def test_damaged_module_files_are_refused(bshd_module, tmp_path):
     import fmha_iree.runtime
 
     assert "FmhaModule" not in fmha_iree.runtime.__all__ and "FmhaModule" not in fmha_iree.__all__
+
+
+def test_deployed_module_reads_a_paged_cache(bshd_module):
+    """``DeployedFmha.varlen`` takes the paged-cache arguments of ``fmha_fwd_varlen``."""
+    from test_paged import _cache, _reference, _table
+
+    f = fmha_iree.load(bshd_module)
+    k_cache, v_cache = _cache(21, 8, 16)
+    lk = [33, 1, 50]
+    bt = _table(22, lk, 16, 8, 5)
+    q = torch.randn(6, 4, 64, generator=torch.Generator().manual_seed(23))
+    sq = np.array([0, 2, 3, 6], np.int32)
+    out, lse = f.varlen(q, k_cache, v_cache, sq, None, seqlen_k=np.array(lk, np.int32), block_table=bt,
+                        return_lse=True)
+    ref_out, ref_lse = _reference(q, k_cache, v_cache, sq, bt, lk, "b")  # the module's default mask
+    assert_close(out, ref_out, torch.float32, what="deployed paged out")
+    assert_close(lse, ref_lse, torch.float32, kind="lse", what="deployed paged lse")

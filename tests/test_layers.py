@@ -19,6 +19,7 @@ LAYERS = [
     ["targets", "tiles", "mask", "cache", "isa", "ptx"],  # leaves: no fmha_iree imports
     ["device"],  # IREE devices, DeviceTensor
     ["spec", "plan"],  # problem spec, tiling plan
+    ["paged"],  # a paged KV cache's validation and gather
     ["graph", "mlir_templates"],  # kernel families: the torch graph, MLIR templates and lowering configs
     ["kernels"],  # the fwd family (uses mlir_templates' lowering configs)
     ["source"],  # what a module holds, as MLIR
