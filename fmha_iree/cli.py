@@ -153,6 +153,34 @@ def matrix_main(args) -> int:
     return 1 if bad else 0
 
 
+def info_main(args) -> int:
+    """Print a module's manifest in short: problem, target, tiles, entry points, ISA figures."""
+    from pathlib import Path
+
+    path = Path(args.module)
+    try:
+        man = json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError) as e:
+        print(f"fmha-iree info: cannot read the manifest of {path}: {e}", file=sys.stderr)
+        return 2
+    pr, tg, ck = man.get("problem", {}), man.get("target", {}), man.get("tiles", {}).get("ck", {})
+    print(f"module   {man.get('module')}  ({man.get('format')}, sha256 {str(man.get('sha256'))[:16]})")
+    print(f"target   {tg.get('backend')} {tg.get('name')}  (family {tg.get('family')})")
+    print("problem  " + ", ".join(f"{k}={v}" for k, v in pr.items()))
+    print("tiles    " + " ".join(f"{k}={v}" for k, v in ck.items()) + f"  kv_chunk={man.get('tiles', {}).get('kv_chunk')}")
+    tc = man.get("toolchain", {})
+    print("compiler " + ", ".join(f"{k} {v}" for k, v in tc.items() if isinstance(v, str)))
+    print("entries")
+    for name, e in man.get("entry_points", {}).items():
+        args_ = ", ".join(f"{a}[{', '.join(map(str, shape))}]" for a, (shape, _) in e.get("args", {}).items())
+        print(f"  {name}({args_})" + (f"  -- {e['note']}" if e.get("note") else ""))
+    for k in man.get("isa") or []:
+        print(f"isa      {k['kernel']}: vgpr {k['vgpr_count']} agpr {k['agpr_count']} sgpr {k['sgpr_count']} "
+              f"spills {k['vgpr_spill_count'] + k['sgpr_spill_count']} lds {k['group_segment_fixed_size']} "
+              f"mfma {k['mfma_count']} wmma {k['wmma_count']} waves/simd {k['occupancy_waves_per_simd']}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="fmha-iree", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -183,9 +211,13 @@ def main(argv=None) -> int:
     mx.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
     mx.add_argument("--jobs", type=int, default=2, help="parallel iree-compile processes")
     mx.add_argument("-o", "--output", required=True, help="output folder")
+    inf = sub.add_parser("info", help="print a module's manifest in short (target, tiles, entry points, ISA)")
+    inf.add_argument("module", help="a .vmfb written by fmha-iree compile (its .json beside it)")
     args = ap.parse_args(argv)
     if args.cmd == "matrix":
         return matrix_main(args)
+    if args.cmd == "info":
+        return info_main(args)
     args.heads_given = args.heads is not None
     if args.heads is None:
         args.heads = (1, 1)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -22,6 +24,7 @@ __all__ = ["compile_flags", "compile_spec", "get_vmfb", "build_artifact", "cache
            "COMPILED", "CompiledModules", "clear_memory_cache"]
 
 _PKG = Path(__file__).resolve().parent
+_LOG = logging.getLogger("fmha_iree")
 
 
 class CompiledModules:
@@ -137,6 +140,8 @@ def compile_spec(spec: KernelSpec, *, extra_flags: list[str] | None = None,
     (``--iree-hal-substitute-executable-objects-from``)."""
     import iree.compiler.tools as ict
 
+    t0 = time.perf_counter()
+    _LOG.info("compiling %s for %s %s", spec.module_name, spec.target.backend, spec.target.arch)
     flags = compile_flags(spec) + list(extra_flags or [])
     mlir = source_mlir(spec)
     exp2 = native_exp2_default(spec) if native_exp2 is None else bool(native_exp2)
@@ -159,14 +164,14 @@ def compile_spec(spec: KernelSpec, *, extra_flags: list[str] | None = None,
     else:
         vmfb = ict.compile_str(mlir, extra_args=flags)
     COMPILED.count("compiles")
+    _LOG.info("compiled %s in %.1f s (%d bytes)", spec.module_name, time.perf_counter() - t0, len(vmfb))
     return vmfb, record
 
 
 def _compile_quiet(mlir: str, flags: list[str], out: Path) -> bytes:
     """iree-compile without echoing its per-executable "NOTE: ... substituted" lines (one per
-    patched executable); anything else it prints still reaches stderr."""
+    patched executable); anything else it prints is logged as a warning."""
     import subprocess
-    import sys
 
     from iree.compiler.tools.binaries import find_tool
 
@@ -177,7 +182,7 @@ def _compile_quiet(mlir: str, flags: list[str], out: Path) -> bytes:
     if r.returncode:
         raise RuntimeError(f"iree-compile failed ({r.returncode}):\n{rest[-4000:]}")
     if rest.strip():
-        print(rest, file=sys.stderr)
+        _LOG.warning("iree-compile: %s", rest)
     return out.read_bytes()
 
 

@@ -132,7 +132,11 @@ def test_read_only_cache_falls_back_to_memory(cache):
         os.chmod(cache, 0o700)
 
 
-def test_unwritable_entry_keeps_the_compiled_module(cache, monkeypatch):
+def test_unwritable_entry_keeps_the_compiled_module(cache, monkeypatch, caplog):
+    """A write that fails keeps the compiled module for this process; the first compile says what
+    it compiles and how long it took (logger "fmha_iree", INFO)."""
+    import logging
+
     from fmha_iree import cache as disk
 
     def fail(*a, **k):
@@ -140,8 +144,11 @@ def test_unwritable_entry_keeps_the_compiled_module(cache, monkeypatch):
 
     monkeypatch.setattr(disk.DiskCache, "store", fail)
     before = _compiles()
-    with pytest.warns(RuntimeWarning, match="read-only file system"):
+    with pytest.warns(RuntimeWarning, match="read-only file system"), caplog.at_level(logging.INFO, "fmha_iree"):
         _run_checked()
+    said = [r.getMessage() for r in caplog.records if r.name == "fmha_iree"]
+    assert any(m.startswith("compiling fmha_f32_bhsd") for m in said), said
+    assert any(m.startswith("compiled fmha_f32_bhsd") and " s (" in m for m in said), said
     assert _compiles() == before + 1
     _run_checked()  # from memory
     assert _compiles() == before + 1

@@ -283,3 +283,17 @@ def test_deployed_module_reads_a_paged_cache(bshd_module):
     ref_out, ref_lse = _reference(q, k_cache, v_cache, sq, bt, lk, "b")  # the module's default mask
     assert_close(out, ref_out, torch.float32, what="deployed paged out")
     assert_close(lse, ref_lse, torch.float32, kind="lse", what="deployed paged lse")
+
+
+def test_info_prints_the_manifest(bshd_module, tmp_path):
+    """``fmha-iree info`` summarizes a module from its manifest; a path without one is exit 2."""
+    r = subprocess.run([sys.executable, "-m", "fmha_iree.cli", "info", str(bshd_module)], capture_output=True, text=True)
+    man = json.loads(bshd_module.with_suffix(".json").read_text())
+    assert r.returncode == 0, r.stderr
+    assert man["module"] in r.stdout and "llvm-cpu host" in r.stdout and "layout=bshd" in r.stdout
+    for name in man["entry_points"]:
+        assert f"  {name}(" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "fmha_iree.cli", "info", str(tmp_path / "none.vmfb")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "manifest" in r.stderr
+
