@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -297,3 +298,29 @@ def test_info_prints_the_manifest(bshd_module, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2 and "manifest" in r.stderr
 
+
+
+def test_iree_run_module_runs_a_cpu_module(tmp_path):
+    """Deployment without Python: a CPU module's compiled-in entry run by IREE's own
+    ``iree-run-module`` (arguments as the manifest lists them), checked against float64."""
+    import shutil
+
+    tool = shutil.which("iree-run-module") or str(Path(sys.executable).with_name("iree-run-module"))
+    vmfb = tmp_path / "cpu.vmfb"
+    subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "host", "--dtype", "f32", "--hdim",
+                    "64", "--heads", "2:2", "--batch", "1", "--seqlens", "128", "-o", str(vmfb)],
+                   check=True, capture_output=True)
+    args = json.loads(vmfb.with_suffix(".json").read_text())["entry_points"]["causal_s128"]["args"]
+    assert list(args) == ["q", "k", "v", "scale"]
+    rng = np.random.default_rng(17)
+    qkv = [rng.standard_normal((1, 2, 128, 64), dtype=np.float32) for _ in range(3)]
+    for n, x in zip("qkv", qkv):
+        np.save(tmp_path / f"{n}.npy", x)
+    r = subprocess.run([tool, f"--module={vmfb}", "--device=local-task", "--function=causal_s128",
+                        *(f"--input=@{tmp_path / n}.npy" for n in "qkv"), "--input=1xf32=0.125",
+                        f"--output=@{tmp_path / 'out.npy'}", f"--output=@{tmp_path / 'lse.npy'}"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    ref_out, ref_lse = attention_ref(*qkv, mask="b", scale=0.125)
+    assert_close(np.load(tmp_path / "out.npy"), ref_out, np.float32, what="iree-run-module out")
+    assert_close(np.load(tmp_path / "lse.npy"), ref_lse, np.float32, kind="lse", what="iree-run-module lse")
