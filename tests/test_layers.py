@@ -27,7 +27,7 @@ LAYERS = [
     ["runtime"],  # a loaded module's entry points
     ["dispatch"],  # which entry point a call takes
     ["api", "deploy"],  # public entry points
-    ["cli", "demo", "__init__"],
+    ["cli", "demo", "torch_ops", "__init__"],
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
