@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .spec import Operand, as_operand, int_vector
+from .spec import Operand, as_operand, int_array, int_vector
 
 __all__ = ["gather_pages", "paged_args"]
 
@@ -31,18 +31,10 @@ def _cache_operand(x, name: str) -> Operand:
 
 
 def _block_table(block_table, batch: int) -> np.ndarray:
-    bt = block_table
-    if type(bt).__module__.startswith("torch") and hasattr(bt, "detach"):
-        bt = bt.detach().cpu().numpy()
-    elif isinstance(bt, (list, tuple)):
-        bt = np.asarray(bt)
-    if not isinstance(bt, np.ndarray):
-        raise TypeError(f"block_table must be an int32 tensor/array [B, max_pages], got {type(block_table).__name__}")
-    if bt.dtype.kind not in "iu":
-        raise TypeError(f"block_table must hold integers (int32), got {bt.dtype}")
+    bt = int_array(block_table, "block_table", " [B, max_pages]")
     if bt.ndim != 2 or bt.shape[0] != batch:
         raise ValueError(f"block_table must have shape [B={batch}, max_pages], got {list(bt.shape)}")
-    return bt.astype(np.int64)
+    return bt
 
 
 def gather_pages(k_cache, v_cache, block_table, seqlen_k, batch: int):

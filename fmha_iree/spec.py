@@ -242,17 +242,23 @@ def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k) -> Ba
     return BatchProblem(qo, ko, vo, layout, B, Hq, Hk, Sq, Sk, Dq, Dv, mask, scale, q_lens, k_lens)
 
 
-def int_vector(x, name: str, length: int | None) -> np.ndarray:
-    """An int64 copy of a 1-D int array of shape [length] (any int dtype; torch tensors and lists
-    accepted)."""
+def int_array(x, name: str, shape_doc: str = "") -> np.ndarray:
+    """An int64 copy of an int array (any int dtype; torch tensors and lists accepted)."""
     if _is_torch(x):
         x = x.detach().cpu().numpy()
     elif isinstance(x, (list, tuple)):
         x = np.asarray(x)
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be an int32 tensor/array, got {type(x).__name__}")
+        raise TypeError(f"{name} must be an int32 tensor/array{shape_doc}, got {type(x).__name__}")
     if x.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers (int32), got {x.dtype}")
+    return x.astype(np.int64)
+
+
+def int_vector(x, name: str, length: int | None) -> np.ndarray:
+    """An int64 copy of a 1-D int array of shape [length] (any int dtype; torch tensors and lists
+    accepted)."""
+    x = int_array(x, name)
     if x.ndim != 1 or (length is not None and x.shape[0] != length):
         want = "[B+1]" if length is None else f"[{length}]"
         raise ValueError(f"{name} must have shape {want}, got {list(x.shape)}")
