@@ -85,12 +85,25 @@ def element_type(dtype: str, typed_bf16: bool = True):
             "i32": rt.HalElementType.SINT_32}[dtype]
 
 
+# DLPack device type codes (dlpack.h): CPU, CUDA, ROCm
+_DLPACK_CODES = {"local-task": 1, "local-sync": 1, "cuda": 2, "hip": 10}
+_DLPACK_DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32", "torch.int32": "i32"}
+
+
+def dlpack_device(uri: str) -> tuple[int, int]:
+    """(DLPack device type, device index) of an IREE device URI."""
+    driver, _, index = uri.partition("://")
+    return _DLPACK_CODES[driver], int(index or 0)
+
+
 class DeviceTensor:
     """An array that lives on an IREE device (see :func:`fmha_iree.to_device`).
 
     Inputs given as DeviceTensors are read where they are, and results come back as DeviceTensors
     (nothing crosses the host bus); ``to_numpy`` / ``to_torch`` copy to the host. bf16 data is
-    typed bf16 on the device; numpy sees its bits as int16.
+    typed bf16 on the device; numpy sees its bits as int16. DLPack both ways, without copies:
+    :meth:`from_dlpack` wraps another library's tensor, and ``torch.from_dlpack(t)`` (or any
+    DLPack consumer) views a DeviceTensor's memory.
     """
 
     def __init__(self, device_uri: str, buffer, shape, dtype: str, ready=None):
@@ -102,6 +115,7 @@ class DeviceTensor:
         # ready now). Reading it (to_numpy, or as the input of another call) waits for it first.
         self.ready = ready
         self._views: dict = {}
+        self._owner = None  # the tensor whose memory a DLPack import shares (kept alive with it)
 
     @classmethod
     def from_host(cls, array: np.ndarray, dtype: str, device_uri: str) -> "DeviceTensor":
@@ -114,6 +128,35 @@ class DeviceTensor:
                                                     allowed_usage=rt.BufferUsage.DEFAULT, device=dev, buffer=a,
                                                     element_type=element_type(dtype))
         return cls(device_uri, bv.get_buffer(), a.shape, dtype)
+
+    @classmethod
+    def from_dlpack(cls, x, device_uri: str = "local-task") -> "DeviceTensor":
+        """A DeviceTensor sharing ``x``'s memory (no copy): ``x`` is a torch tensor (or any DLPack
+        producer) on the device ``device_uri`` names (CPU tensors for ``local-task``), C-contiguous,
+        of dtype float16, bfloat16, float32 or int32. Writes to ``x`` show through; ``x`` is kept
+        alive while the DeviceTensor is. The caller orders ``x``'s pending writes before the call
+        that reads it (e.g. ``torch.cuda.current_stream().synchronize()``)."""
+        dtype = _DLPACK_DTYPES.get(str(getattr(x, "dtype", None)))
+        if dtype is None:
+            raise TypeError(f"x has dtype {getattr(x, 'dtype', type(x).__name__)}; DLPack import takes float16, "
+                            "bfloat16, float32 or int32")
+        if hasattr(x, "is_contiguous") and not x.is_contiguous():
+            raise ValueError("x must be contiguous for a DLPack import (call .contiguous() first)")
+        if hasattr(x, "__dlpack_device__") and tuple(x.__dlpack_device__())[0] != dlpack_device(device_uri)[0]:
+            raise ValueError(f"x lives on DLPack device {tuple(x.__dlpack_device__())}, not on {device_uri!r}")
+        dev = get_device(device_uri)
+        bv = dev.from_dlpack_capsule(x.__dlpack__())
+        t = cls(device_uri, bv.get_buffer(), tuple(x.shape), dtype)
+        t._owner = x
+        return t
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return dlpack_device(self.device_uri)
+
+    def __dlpack__(self, stream=None):
+        """A DLPack capsule viewing this tensor's memory (waits for its contents first)."""
+        self.wait()
+        return get_device(self.device_uri).create_dlpack_capsule(self.buffer_view(), *dlpack_device(self.device_uri))
 
     @classmethod
     def from_result(cls, bv, dtype: str, device_uri: str, ready=None) -> "DeviceTensor":
