@@ -156,7 +156,11 @@ class DeviceTensor:
     def __dlpack__(self, stream=None):
         """A DLPack capsule viewing this tensor's memory (waits for its contents first)."""
         self.wait()
-        return get_device(self.device_uri).create_dlpack_capsule(self.buffer_view(), *dlpack_device(self.device_uri))
+        try:
+            return get_device(self.device_uri).create_dlpack_capsule(self.buffer_view(), *dlpack_device(self.device_uri))
+        except RuntimeError as e:  # IREE 3.13's CUDA HAL: results live in pool allocations it cannot export
+            raise TypeError(f"this tensor's memory on {self.device_uri!r} cannot be exported through DLPack "
+                            f"({str(e)[:160]}); copy it with .to_torch()") from e
 
     @classmethod
     def from_result(cls, bv, dtype: str, device_uri: str, ready=None) -> "DeviceTensor":
