@@ -264,9 +264,9 @@ def test_damaged_module_files_are_refused(bshd_module, tmp_path):
             fmha_iree.load(path)
     f = fmha_iree.load(vmfb)
     assert not hasattr(f, "module")
-    import fmha_iree.runtime
+    from fmha_iree import runtime as runtime_module
 
-    assert "FmhaModule" not in fmha_iree.runtime.__all__ and "FmhaModule" not in fmha_iree.__all__
+    assert "FmhaModule" not in runtime_module.__all__ and "FmhaModule" not in fmha_iree.__all__
 
 
 def test_deployed_module_reads_a_paged_cache(bshd_module):
