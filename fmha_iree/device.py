@@ -87,7 +87,8 @@ def element_type(dtype: str, typed_bf16: bool = True):
 
 # DLPack device type codes (dlpack.h): CPU, CUDA, ROCm
 _DLPACK_CODES = {"local-task": 1, "local-sync": 1, "cuda": 2, "hip": 10}
-_DLPACK_DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32", "torch.int32": "i32"}
+_DLPACK_DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32", "torch.int32": "i32",
+                  "float16": "f16", "float32": "f32", "int32": "i32"}  # torch and numpy spellings
 
 
 def dlpack_device(uri: str) -> tuple[int, int]:
@@ -128,6 +129,21 @@ class DeviceTensor:
                                                     allowed_usage=rt.BufferUsage.DEFAULT, device=dev, buffer=a,
                                                     element_type=element_type(dtype))
         return cls(device_uri, bv.get_buffer(), a.shape, dtype)
+
+    @classmethod
+    def from_host_view(cls, array: np.ndarray, dtype: str, device_uri: str) -> "DeviceTensor":
+        """``array`` for a call on ``device_uri``: its own memory where the device reads host memory
+        (CPU drivers) and ``array`` is C-contiguous and 64-byte aligned (IREE's rule for imported
+        host buffers; torch's CPU allocator aligns so), else a copy (:meth:`from_host`). The caller
+        leaves ``array`` unchanged until the call that reads it has finished."""
+        a = np.ascontiguousarray(array)
+        if dlpack_device(device_uri)[0] != 1 or a.ctypes.data % 64 or a.size == 0:
+            return cls.from_host(a, dtype, device_uri)
+        with memory_errors(device_uri, f"a {list(a.shape)} {dtype} import"):
+            bv = get_device(device_uri).from_dlpack_capsule(a.__dlpack__())
+        t = cls(device_uri, bv.get_buffer(), a.shape, dtype)
+        t._owner = a
+        return t
 
     @classmethod
     def from_dlpack(cls, x, device_uri: str = "local-task") -> "DeviceTensor":

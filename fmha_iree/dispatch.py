@@ -2,8 +2,9 @@
 
 Shared by the API (:mod:`fmha_iree.api`) and deployed modules (:mod:`fmha_iree.deploy`). A batch-
 mode problem takes a compiled-in or aligned one-call entry point that serves it (``dense_kind``;
-in a module with ``fwd``, not the generic two-block ``causal``), else ``fwd`` (CUDA modules: any
-lengths and mask in one call), else the tile plan (``init``/``step``/``finalize``), which also runs
+in a module with ``fwd``, not the generic two-block ``causal``), else ``rows`` (CPU modules, short
+queries: any lengths and mask, cu_seqlen padding too), else ``fwd`` (CUDA modules: any lengths and
+mask in one call), else the tile plan (``init``/``step``/``finalize``), which also runs
 group mode and cu_seqlen padding. :func:`route` says which and why.
 """
 
@@ -26,8 +27,8 @@ __all__ = ["Route", "route", "dense_kind", "uses_fwd", "run_batch", "run_varlen"
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """The path a batch-mode call takes: ``path`` is ``"fwd"``, ``"dense"``, ``"causal"``,
-    ``"window"`` or ``"plan"``; ``entry`` the module function that runs it (None for the plan's
+    """The path a batch-mode call takes: ``path`` is ``"fwd"``, ``"rows"``, ``"dense"``,
+    ``"causal"``, ``"window"`` or ``"plan"``; ``entry`` the module function that runs it (None for the plan's
     ``init``/``step``/``finalize``); ``window`` the width of a ``"window"`` path; ``reason`` why
     this path and not an earlier one."""
 
@@ -69,6 +70,31 @@ def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_sh
     return out.reshape(out_shape), lse.reshape(lse_shape)
 
 
+# The CPU's ``rows`` entry point (rows.Rows) holds every score of a call, so it takes short
+# queries: at most ROWS_MAX_ROWS query rows per KV head (G * Sq). Dev CPU (2 cores, f32 D=64,
+# 2026-12-01, docs/BENCHMARKS.md): decode B4 Hq32 Hk8 Sq1 Sk4096 17 ms against 412 through the
+# tile plan; H8 Sk2048 against the plan: Sq64 13 vs 17 ms, Sq128 21 vs 20, Sq256 40 vs 31, Sq512
+# 94 vs 49 (every key of every row is scored, no block is skipped).
+ROWS_MAX_ROWS = 128
+ROWS_MAX_SCORES = 1 << 25  # 128 MiB of f32 scores (and as much for their exponentials)
+
+
+def rows_fit(p: BatchProblem, module) -> bool:
+    """Whether ``module``'s ``rows`` entry point takes the problem: a CPU module, short queries
+    (``ROWS_MAX_ROWS`` rows per KV head) and at most ``ROWS_MAX_SCORES`` scores."""
+    return bool(getattr(module, "has_rows", False)) and p.sq * (p.hq // p.hk) <= ROWS_MAX_ROWS and \
+        p.batch * p.hq * p.sq * p.sk <= ROWS_MAX_SCORES
+
+
+def rows_desc(p: BatchProblem) -> np.ndarray:
+    """``rows``' per-batch descriptor: (qlen, klen, y, x) with CK's coordinates for the batch's
+    own lengths (``rows.ROWS_DESC_COLUMNS``)."""
+    desc = np.zeros((p.batch, 4), np.int32)
+    for b, (ql, kl) in enumerate(zip(p.q_lens.tolist(), p.k_lens.tolist())):
+        desc[b] = (ql, kl, *p.mask.clipped_coords(ql, kl))
+    return desc
+
+
 def dense_kind(p: BatchProblem, dense: dict | None) -> tuple[str, int | None] | None:
     """Whether a batch-mode problem can take a module's one-call dense path: ``("dense", None)``
     (every row sees every key), ``("causal", None)`` (row i sees keys j <= i, Sq == Sk),
@@ -96,15 +122,21 @@ def dense_kind(p: BatchProblem, dense: dict | None) -> tuple[str, int | None] | 
 
 def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     """The path a batch-mode problem takes on ``module`` (a loaded module, or None when the
-    problem is empty and nothing is called), and why. ``fwd`` wherever the module has it and
-    every batch uses the full lengths, except where a compiled-in or aligned one-call entry
-    point serves the problem (``dense_kind``) other than the generic two-block ``causal``,
-    which ``fwd`` replaces; then that entry point; else the tile plan."""
+    problem is empty and nothing is called), and why. A compiled-in or aligned one-call entry
+    point that serves the problem (``dense_kind``), except the generic two-block ``causal`` where
+    the module has ``fwd``; else ``rows`` for short queries on a CPU module (``rows_fit``, cu_seqlen
+    padding included); else ``fwd`` wherever the module has it and every batch uses the full
+    lengths; else the tile plan."""
     if module is None:
         return Route("plan", "empty problem: no entry point is called")
-    if (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
+    padded = bool((p.q_lens != p.sq).any() or (p.k_lens != p.sk).any())
+    kind = None if padded else dense_kind(p, module.dense)
+    if kind is None and rows_fit(p, module):
+        entry = "rows_kpad" if (p.k_lens != p.sk).any() else "rows"
+        return Route("rows", f"short queries (Sq={p.sq}, {p.batch * p.hq * p.sq * p.sk} scores): whole key rows, "
+                             "each batch's own lengths and mask", entry)
+    if padded:
         return Route("plan", "cu_seqlen padding: the tile plan reads each batch's own lengths")
-    kind = dense_kind(p, module.dense)
     entry = None if kind is None else module.dense_entry(p.sq, p.sk, kind[0] == "causal", with_lse, p.batch, p.hk,
                                                          kind[1])
     if module.has_fwd and (kind is None or entry == "causal"):
@@ -126,12 +158,8 @@ def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str)
     out_shape = (p.batch, p.hq, p.sq, p.dv) if p.layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
     module = get_module() if p.sq and p.sk and p.batch else None
     r = route(p, module, return_lse)
-    if r.path == "fwd":
-        out, lse = module.run_fwd(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.mask.clipped_coords(p.sq, p.sk),
-                                  keep_on_device=p.q.on_device)
-    elif r.path != "plan":
-        out, lse = module.run_dense(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.layout, r.path == "causal",
-                                    keep_on_device=p.q.on_device, with_lse=return_lse, window=r.window)
+    if r.path != "plan":
+        out, lse = _runner(p, r, module, return_lse, p.q.on_device)(p.q.array, p.k.array, p.v.array)
     else:
         seqs = Sequences.batch(p.q_lens, p.k_lens)
         out, lse = _execute(p, seqs, out_shape, (p.batch, p.hq, p.sq), (p.batch, p.sq), (p.batch, p.sq), tiles,
@@ -160,19 +188,26 @@ def prepare(p: BatchProblem, return_lse: bool, module):
     r = route(p, module, return_lse)
     if r.path == "plan":
         return None
+    call = _runner(p, r, module, return_lse, True)
+
+    def run(q, k, v):
+        out, lse = call(q, k, v)
+        return (out, lse) if return_lse else out
+    return run
+
+
+def _runner(p: BatchProblem, r: Route, module, return_lse: bool, keep: bool):
+    """``(q, k, v) -> (out, lse)`` on the one-call entry point of the route ``r`` (not the plan),
+    with everything but the tensors fixed now (results left on the device with ``keep``)."""
     dtype, scale, layout = p.q.dtype, p.scale, p.layout
     if r.path == "fwd":
         coords = p.mask.clipped_coords(p.sq, p.sk)
-
-        def run(q, k, v):
-            out, lse = module.run_fwd(q, k, v, dtype, scale, coords, keep_on_device=True)
-            return (out, lse) if return_lse else out
-    else:
-        def run(q, k, v):
-            out, lse = module.run_dense(q, k, v, dtype, scale, layout, r.path == "causal", keep_on_device=True,
-                                        with_lse=return_lse, window=r.window)
-            return (out, lse) if return_lse else out
-    return run
+        return lambda q, k, v: module.run_fwd(q, k, v, dtype, scale, coords, keep_on_device=keep)
+    if r.path == "rows":
+        desc, padded = rows_desc(p), r.entry == "rows_kpad"
+        return lambda q, k, v: module.run_rows(q, k, v, dtype, scale, desc, padded_keys=padded, keep_on_device=keep)
+    return lambda q, k, v: module.run_dense(q, k, v, dtype, scale, layout, r.path == "causal", keep_on_device=keep,
+                                            with_lse=return_lse, window=r.window)
 
 
 def device_call_key(q, k, v, *rest):

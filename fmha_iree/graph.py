@@ -26,36 +26,18 @@ largest intermediate is a unit's ``R x C`` scores per head.
 
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
 
+from .rows import export_rows, export_short
 from .spec import KernelSpec
+from .torch_abi import LN2, LOG2E, NEG_INF, abi_dtype, from_abi, to_abi
 
 __all__ = ["DESC_COLUMNS", "ABI_VERSION", "export_module", "build_programs"]
 
 ABI_VERSION = 1
 DESC_COLUMNS = ("tile", "b", "q0", "k0", "qrel0", "krel0", "qlen", "klen", "y", "x")
-LOG2E = 1.0 / math.log(2.0)
-LN2 = math.log(2.0)
-NEG_INF = float("-inf")
-
-_TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
-
-
-def _from_abi(t: torch.Tensor, dtype: str) -> torch.Tensor:
-    return t.view(torch.bfloat16) if dtype == "bf16" else t
-
-
-def _to_abi(t: torch.Tensor, dtype: str) -> torch.Tensor:
-    t = t.to(_TORCH_DTYPES[dtype])
-    return t.view(torch.int16) if dtype == "bf16" else t
-
-
-def _abi_dtype(dtype: str) -> torch.dtype:
-    return torch.int16 if dtype == "bf16" else _TORCH_DTYPES[dtype]
-
 
 class Init(torch.nn.Module):
     def __init__(self, spec: KernelSpec):
@@ -93,7 +75,7 @@ class Step(torch.nn.Module):
         sp = self.spec
         R, C, G, Dv = sp.tiles.m0, sp.tiles.kv_chunk, sp.group, sp.dv
         bhsd = sp.layout == "bhsd"
-        q, k, v = _from_abi(q, sp.dtype), _from_abi(k, sp.dtype), _from_abi(v, sp.dtype)
+        q, k, v = from_abi(q, sp.dtype), from_abi(k, sp.dtype), from_abi(v, sp.dtype)
         d = desc.to(torch.int64)
         tile, b, q0, k0, qrel0, krel0, qlen, klen, y, x = (d[:, i] for i in range(10))
         sq = q.shape[2] if bhsd else q.shape[1]
@@ -190,65 +172,7 @@ class Finalize(torch.nn.Module):
         lse = torch.where(torch.logical_and((lmap >= 0)[:, None], ll > 0), lse, torch.full_like(lse, NEG_INF))
         lse = torch.where(torch.isnan(ll), ll, lse)
         lse = lse.reshape(bl, sl, hq_n).permute(0, 2, 1)
-        return _to_abi(out, sp.dtype), lse
-
-
-# Rows per block of the CPU entry points at compiled-in lengths (``dense_s<S>``, ``causal_s<S>``).
-# Dev CPU (2 cores, f32 B=1 H=8 D=64, 2026-11-30): 128 rows took 33.7 ms at S=1024 against 36.5
-# for 256, and 559 ms at S=4096 against 562 (a block's scores, H * R * S floats, stay cache-sized).
-CPU_ROWS = 128
-
-
-class RowBlocks(torch.nn.Module):
-    """Attention at a compiled-in length S (Sq == Sk == S) for the CPU: ``CPU_ROWS`` query rows
-    at a time against whole key rows, as a plain matmul, exp2-softmax and matmul (IREE's CPU
-    matmul and elementwise code is much faster than its attention op, and static shapes let it
-    plan every buffer). Causal blocks read only the keys up to their diagonal and mask the last
-    ``CPU_ROWS`` of them (row i sees key j iff j <= i), so causal costs about half. Returns
-    (out, lse) like ``finalize``, or out alone without ``with_lse`` (the LSE cost ~15% at
-    S=1024); no sequence padding (the plan handles that)."""
-
-    def __init__(self, spec: KernelSpec, seqlen: int, causal: bool, with_lse: bool = True):
-        super().__init__()
-        self.spec, self.seqlen, self.causal, self.with_lse = spec, int(seqlen), bool(causal), bool(with_lse)
-
-    def forward(self, q, k, v, scale):
-        sp, S = self.spec, self.seqlen
-        G, Dv = sp.group, sp.dv
-        R = CPU_ROWS if S % CPU_ROWS == 0 else S
-        q, k, v = (_from_abi(x, sp.dtype).to(torch.float32) for x in (q, k, v))
-        if sp.layout == "bshd":
-            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-        B, Hq, Hk = q.shape[0], q.shape[1], k.shape[1]
-        qs = q * (scale * LOG2E)
-        if G > 1:  # the G query heads of a KV head as rows [g*R + r] of one matmul
-            qs = qs.reshape(B, Hk, G, S, sp.dq)
-        outs, lses = [], []
-        for r0 in range(0, S, R):
-            end = r0 + R if self.causal else S
-            qb = qs[:, :, :, r0:r0 + R].reshape(B, Hk, G * R, sp.dq) if G > 1 else qs[:, :, r0:r0 + R]
-            # K sliced, then transposed (slicing a transposed K made IREE copy it per block:
-            # S=4096 causal 434 -> 255 ms, unmasked 547 -> 470 ms on the dev CPU, 2026-11-30)
-            s = torch.matmul(qb, k[:, :, :end].transpose(2, 3))  # [B, Hk, G*R, end], log2 units
-            if self.causal:
-                i = torch.arange(r0, r0 + R).repeat(G) if G > 1 else torch.arange(r0, r0 + R)
-                j = torch.arange(end)
-                s = torch.where(j[None, :] <= i[:, None], s, NEG_INF)
-            m = s.amax(-1, keepdim=True)
-            p = torch.exp2(s - m)
-            l = p.sum(-1, keepdim=True)
-            o = torch.matmul(p, v[:, :, :end]) / l
-            outs.append(o.reshape(B, Hk, G, R, Dv) if G > 1 else o)  # (5-D only when needed:
-            if self.with_lse:  # a 5-D concat for G = 1 doubled the time)
-                lse = (m + torch.log2(l)) * LN2
-                lses.append(lse.reshape(B, Hk, G, R) if G > 1 else lse)
-        out = torch.cat(outs, 3).reshape(B, Hq, S, Dv) if G > 1 else torch.cat(outs, 2)
-        if sp.layout == "bshd":
-            out = out.transpose(1, 2)
-        if not self.with_lse:
-            return _to_abi(out, sp.dtype)
-        lse = torch.cat(lses, 3).reshape(B, Hq, S) if G > 1 else torch.cat(lses, 2)[..., 0]
-        return _to_abi(out, sp.dtype), lse
+        return to_abi(out, sp.dtype), lse
 
 
 def _examples(spec: KernelSpec):
@@ -258,7 +182,7 @@ def _examples(spec: KernelSpec):
     G, R, Dq, Dv = spec.group, spec.tiles.m0, spec.dq, spec.dv
     B, Sq, Sk, Hk, NT, P = 2, 37, 41, 3, 5, 4
     Hq = Hk * G
-    dt = _abi_dtype(spec.dtype)
+    dt = abi_dtype(spec.dtype)
     qshape = (B, Hq, Sq, Dq) if spec.layout == "bhsd" else (B, Sq, Hq, Dq)
     kshape = (B, Hk, Sk, Dq) if spec.layout == "bhsd" else (B, Sk, Hk, Dq)
     vshape = kshape[:3] + (Dv,)
@@ -321,42 +245,14 @@ def build_programs(spec: KernelSpec, *, with_step: bool = True):
     def _finalize(root, acc, m, l, out_map, lse_map):
         return root.finalize_(acc, m, l, out_map, lse_map)
 
-    if with_step:  # the torch (CPU) formulation: row-block entry points at compiled-in lengths
+    if with_step:  # the torch (CPU) formulation: whole-key-row entry points (rows.py)
+        export_short(fxb, spec)
         for seqlen in spec.seqlens:
             for causal in (False, True):
                 for with_lse in (True, False):
-                    _export_rows(fxb, spec, seqlen, causal, with_lse)
+                    export_rows(fxb, spec, seqlen, causal, with_lse)
 
     return fxb
-
-
-def _export_rows(fxb, spec: KernelSpec, seqlen: int, causal: bool, with_lse: bool):
-    from torch.export import Dim
-
-    G, dt = spec.group, _abi_dtype(spec.dtype)
-    B, Hk = spec.batch or 2, spec.kv_heads or 3
-    s_ax, h_ax = (2, 1) if spec.layout == "bhsd" else (1, 2)
-
-    def shape(h, d):
-        return (B, h, seqlen, d) if spec.layout == "bhsd" else (B, seqlen, h, d)
-
-    dB, dHk = Dim("B"), Dim("Hk")
-    dHq = dHk * G if G > 1 else dHk
-    args = (torch.zeros(shape(Hk * G, spec.dq), dtype=dt), torch.zeros(shape(Hk, spec.dq), dtype=dt),
-            torch.zeros(shape(Hk, spec.dv), dtype=dt), torch.ones(1))
-    qd, kd = {}, {}  # batch / heads left dynamic unless the spec fixes them
-    if not spec.batch:
-        qd[0] = kd[0] = dB
-    if not spec.kv_heads:
-        qd[h_ax], kd[h_ax] = dHq, dHk
-    dyn = {"q": qd or None, "k": kd or None, "v": dict(kd) or None, "scale": None}
-    mod = RowBlocks(spec, seqlen, causal, with_lse)
-    name = f"{'causal' if causal else 'dense'}{'' if with_lse else '_o'}_s{seqlen}"
-    setattr(fxb.root_module, name.replace("_s", "_rows_"), mod)
-
-    @fxb.export_program(name=name, args=args, dynamic_shapes=dyn)
-    def _rows(root, q, k, v, scale):
-        return mod(q, k, v, scale)
 
 
 # torch.export keeps its tracing modes on a process-wide stack: two exports at once in two

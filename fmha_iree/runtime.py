@@ -126,13 +126,13 @@ class FmhaModule:
         return slot[0], slot
 
     def _put(self, a, dtype: str):
-        """(buffer view, fence or None) of an input: uploaded from the host, or a DeviceTensor's
-        own buffer."""
+        """(buffer view, fence or None) of an input: a host array (read in place by CPU drivers,
+        ``DeviceTensor.from_host_view``, else uploaded), or a DeviceTensor's own buffer."""
         if isinstance(a, DeviceTensor):
             if a.device_uri != self.device_uri:
                 raise ValueError(f"input lives on {a.device_uri!r}, the module on {self.device_uri!r}")
             return a.buffer_view(self.typed_bf16), a.ready
-        return DeviceTensor.from_host(a, dtype, self.device_uri).buffer_view(self.typed_bf16), None
+        return DeviceTensor.from_host_view(a, dtype, self.device_uri).buffer_view(self.typed_bf16), None
 
     def _scale(self, scale: float):
         """The scale as a device buffer, uploaded once per value (a host array would be copied
@@ -272,6 +272,22 @@ class FmhaModule:
     def has_fwd(self) -> bool:
         """Whether the module has ``fwd`` (any lengths and mask in one call, ``kernels.general``)."""
         return "fwd" in self._fns
+
+    @property
+    def has_rows(self) -> bool:
+        """Whether the module has ``rows`` / ``rows_kpad`` (CPU modules: any lengths and mask, whole
+        key rows)."""
+        return "rows" in self._fns and "rows_kpad" in self._fns
+
+    def run_rows(self, q, k, v, dtype: str, scale: float, desc: np.ndarray, *, padded_keys: bool = False,
+                 keep_on_device: bool = False):
+        """One ``rows`` call (``rows_kpad`` with ``padded_keys``: some batch's klen < Sk; ``rows.Rows``):
+        ``desc`` int32 ``[B, 4]``, each batch's (qlen, klen, y, x). Returns (out, lse [B, Hq, Sq])."""
+        with self._lock:
+            args = [self._put(x, dtype) for x in (q, k, v)]
+            args += [(self._scale(float(scale)), None), (self._constant(np.ascontiguousarray(desc, np.int32), "i32"), None)]
+            (out, lse), fence = self._call("rows_kpad" if padded_keys else "rows", args, 2)
+            return self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
 
     def run_fwd(self, q, k, v, dtype: str, scale: float, coords: tuple[int, int], *, keep_on_device: bool = False):
         """One ``fwd`` call: q/k/v in the module's layout (4-D), ``coords`` CK's (y, x) for this

@@ -58,7 +58,7 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     modules without ``seqlens``; GPU lowerings IREE picks; lowerings that split Dv across
     workgroups, which were not checked on a GPU).
 
-    CPU torch modules with ``seqlens`` get ``dense_s<S>`` / ``causal_s<S>`` (``graph.RowBlocks``)
+    CPU torch modules with ``seqlens`` get ``dense_s<S>`` / ``causal_s<S>`` (``rows.RowBlocks``)
     only: ``tiled`` False (plain 4-D arguments), ``dynamic`` False (no entries for other lengths).
 
     ``align``: sequence lengths the dense path takes are multiples of this (the workgroup M and
@@ -74,7 +74,7 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     if not fused:
         if not spec.seqlens:
             return None
-        from .graph import CPU_ROWS
+        from .rows import CPU_ROWS
 
         for s in spec.seqlens:
             if int(s) <= 0 or int(s) % CPU_ROWS:
@@ -332,6 +332,19 @@ def entry_points(spec: KernelSpec) -> dict:
                      "s - y + 1 <= j < s + x (CK's coordinates, clipped to [-Sk, Sq + 1] / [-Sq, Sk + 1]); "
                      "batch lengths uniform (no cu_seqlen padding)"),
         }
+    if spec.target.backend == "llvm-cpu":
+        from .rows import ROWS_DESC_COLUMNS
+
+        rows = {
+            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+                     "scale": [[1], "f32"], "desc": [["B", len(ROWS_DESC_COLUMNS)], "i32"]},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
+            "desc_columns": list(ROWS_DESC_COLUMNS),
+        }
+        why = ("any lengths and CK mask, whole key rows (short queries): row i of batch b sees key j iff "
+               "i < qlen[b], j < klen[b] and i - y[b] + 1 <= j < i + x[b]")
+        out["rows"] = {**rows, "note": why + "; klen[b] == Sk for every batch"}
+        out["rows_kpad"] = {**rows, "note": why + "; V past klen[b] is never read"}
     out.update(_dense_entry_points(spec, t, seq, hq))
     return out
 

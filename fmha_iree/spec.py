@@ -35,7 +35,7 @@ class KernelSpec:
     work units are runtime values: changing them never compiles again. ``seqlens`` optionally
     adds entry points specialized on those lengths (Sq == Sk == S): on GPUs causal as a tree of
     dense blocks and out-only fused ops (``mlir_templates``), on the CPU row blocks of plain
-    matmul/softmax (``graph.RowBlocks``), which ``batch`` / ``kv_heads`` (0: any) also fix:
+    matmul/softmax (``rows.RowBlocks``), which ``batch`` / ``kv_heads`` (0: any) also fix:
     IREE's CPU code for them with a dynamic batch dim was ~3x slower. Other shapes still run.
     """
 

@@ -1,5 +1,5 @@
 """``fmha_fwd(..., specialize=True)`` on the CPU: a module whose row-block entry points
-(``graph.RowBlocks``) are fixed to one shape (Sq == Sk == S, batch, KV heads), checked against the
+(``rows.RowBlocks``) are fixed to one shape (Sq == Sk == S, batch, KV heads), checked against the
 float64 reference; calls those entries do not take (windows, other shapes) run on the generic
 entry points of the same module.
 
