@@ -16,10 +16,11 @@ PKG = Path(fmha_iree.__file__).resolve().parent
 
 # Lowest first. A module may import any module of an earlier layer.
 LAYERS = [
-    ["targets", "tiles", "mask", "cache", "isa", "ptx"],  # leaves: no fmha_iree imports
+    ["targets", "tiles", "mask", "cache", "isa", "ptx", "torch_abi"],  # leaves: no fmha_iree imports
     ["device"],  # IREE devices, DeviceTensor
     ["spec", "plan"],  # problem spec, tiling plan
     ["paged"],  # a paged KV cache's validation and gather
+    ["rows"],  # the CPU's whole-key-row graphs (used by the torch graph module)
     ["graph", "mlir_templates"],  # kernel families: the torch graph, MLIR templates and lowering configs
     ["kernels"],  # the fwd family (uses mlir_templates' lowering configs)
     ["source"],  # what a module holds, as MLIR
@@ -27,7 +28,8 @@ LAYERS = [
     ["runtime"],  # a loaded module's entry points
     ["dispatch"],  # which entry point a call takes
     ["api", "deploy"],  # public entry points
-    ["cli", "demo", "torch_ops", "__init__"],
+    ["cli", "demo", "torch_ops"],
+    ["hf", "distributed", "__init__"],  # transformers integration, context parallelism (torch.distributed)
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
@@ -77,3 +79,11 @@ def test_importing_the_runtime_loads_nothing_above_it():
     above = sorted(m for m in loaded if LAYER[m] > LAYER["runtime"])
     assert not above, f"import fmha_iree.runtime loaded {above}"
     assert "compile" not in loaded and "torch" not in out
+
+
+def test_cache_fingerprint_leaves_out_only_layers_above_compile():
+    """Editing a module above ``compile`` keeps cached modules; every other module is hashed."""
+    from fmha_iree.compile import ABOVE_COMPILE
+
+    assert all(LAYER[name] > LAYER["compile"] for name in ABOVE_COMPILE)
+    assert {n for n in LAYER if LAYER[n] > LAYER["compile"]} == set(ABOVE_COMPILE)
