@@ -1,0 +1,273 @@
+"""Context-parallel (ring) attention over torch.distributed (``fmha_iree.distributed``), on the CPU
+with ``gloo``: 2 and 4 ranks in child processes (one start per world size runs every case of
+that size), a 1-rank group in this process; results against the float64 reference and against one
+``fmha_fwd`` call over the whole sequence. The shard layout, the ring's block plan and the LSE merge
+are tested on their own (no IREE).
+
+Kernel key: f32, Hq=4 Hk=2 (GQA 2), D=32, bhsd, for every case (``bshd`` inputs too: the ring
+computes in bhsd). The ``module`` fixture loads it here first (compiling it once into the disk
+cache), so the ranks read it from the cache instead of each compiling it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fmha_iree
+from fmha_iree.distributed import (chunk_bounds, context_parallel_attention, gather_sequence, merge_attention,
+                                   ring_blocks, shard_lengths, shard_sequence, unshard_sequence)
+from reference import assert_close, attention_ref, make_qkv, seed_of
+
+HEADS = dict(Hq=4, Hk=2, Dq=32)  # the one kernel key
+F32 = torch.float32
+# (name, S, causal, layout, B): S not a multiple of 2N in most; causal-S3 leaves rank 3 no positions
+CASES = {
+    2: [("causal-S37", 37, True, "bhsd", 1), ("full-S37", 37, False, "bhsd", 1),
+        ("causal-S64-bshd-B2", 64, True, "bshd", 2)],
+    4: [("causal-S50", 50, True, "bhsd", 1), ("full-S50-bshd", 50, False, "bshd", 1),
+        ("causal-S3", 3, True, "bhsd", 1)],
+}
+SPAWN_TIMEOUT_S = 120
+
+
+def _inputs(name: str, S: int, layout: str, B: int):
+    return make_qkv(seed_of("cp", name), B=B, Sq=S, layout=layout, **HEADS)
+
+
+def _seq_dim(layout: str) -> int:
+    return 2 if layout == "bhsd" else 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# In the ranks (child processes)
+# ---------------------------------------------------------------------------------------------
+def _errors(rank: int, world: int) -> dict:
+    """Arguments refused on every rank alike (no rank left waiting): a scale only rank 1 has, a
+    bad head count only rank 1 has, and shard lengths that are not the load-balanced layout."""
+    q, k, v = (shard_sequence(x, rank, world) for x in _inputs("err", 40, "bhsd", 1))
+    got = {}
+    calls = {
+        "scale": lambda: context_parallel_attention(q, k, v, scale=0.5 if rank == 1 else None),
+        "heads": lambda: context_parallel_attention(q[:, :3] if rank == 1 else q, k, v),
+        "lengths": lambda: context_parallel_attention(*(x[:, :, :20 - 10 * rank] for x in (q, k, v))),
+    }
+    for what, call in calls.items():
+        try:
+            call()
+            got[what] = None
+        except ValueError as e:
+            got[what] = str(e)
+    return got
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        results = {}
+        for name, S, causal, layout, B in CASES[world]:
+            dim = _seq_dim(layout)
+            shards = [shard_sequence(x, rank, world, dim) for x in _inputs(name, S, layout, B)]
+            out, lse = context_parallel_attention(*shards, causal=causal, layout=layout, return_lse=True)
+            results[name] = dict(out=out, lse=lse, gathered=gather_sequence(out, dim=dim))
+        if world == 2:
+            results["errors"] = _errors(rank, world)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# In this process
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def module():
+    """Load (on first use compile) the kernel every rank uses, before any rank starts."""
+    q, k, v = _inputs("warm", 8, "bhsd", 1)
+    fmha_iree.fmha_fwd(q, k, v, return_lse=True)
+
+
+@pytest.fixture(scope="module")
+def spawned(module, tmp_path_factory):
+    """``spawned(world)``: every rank's results of ``CASES[world]`` (one start per world size).
+    The ranks are forked from a forkserver that imported torch and fmha_iree once (starting each
+    rank as a fresh interpreter cost about 8 s for 4 ranks on a 2-core machine); the forkserver
+    itself has run nothing, so the ranks open their own IREE devices."""
+    cache = {}
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "fmha_iree.api", "fmha_iree.distributed",
+                                            "reference", _rank_main.__module__])
+
+    def run(world: int) -> list[dict]:
+        if world not in cache:
+            out_dir = tmp_path_factory.mktemp(f"cp{world}")
+            ctx = mp.start_processes(_rank_main, args=(world, _free_port(), str(out_dir)), nprocs=world,
+                                     join=False, start_method="forkserver")
+            deadline = time.monotonic() + SPAWN_TIMEOUT_S
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    pytest.fail(f"{world} ranks did not finish within {SPAWN_TIMEOUT_S} s")
+            cache[world] = [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+        return cache[world]
+
+    return run
+
+
+def _single(q, k, v, causal: bool, layout: str):
+    """One fmha_fwd over the whole sequence (in bhsd: the same kernel key)."""
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    out, lse = fmha_iree.fmha_fwd(q, k, v, mask="t" if causal else None, return_lse=True)
+    return (out.transpose(1, 2) if layout == "bshd" else out), lse
+
+
+@pytest.mark.parametrize("world,case", [(w, c) for w, cs in CASES.items() for c in cs],
+                         ids=[f"N{w}-{c[0]}" for w, cs in CASES.items() for c in cs])
+def test_ring_matches_reference_and_one_call(spawned, world, case):
+    name, S, causal, layout, B = case
+    ranks = spawned(world)
+    dim = _seq_dim(layout)
+    q, k, v = _inputs(name, S, layout, B)
+    for r, res in enumerate(ranks):
+        n = sum(shard_lengths(S, world)[r])
+        assert res[name]["out"].dtype == F32 and res[name]["lse"].dtype == F32
+        assert res[name]["out"].shape[dim] == n and tuple(res[name]["lse"].shape) == (B, HEADS["Hq"], n)
+    out = unshard_sequence([res[name]["out"] for res in ranks], dim)
+    lse = unshard_sequence([res[name]["lse"] for res in ranks], 2)
+    ref_out, ref_lse = attention_ref(q, k, v, mask="t" if causal else None, layout=layout)
+    assert_close(out, ref_out, F32, what=name)
+    assert_close(lse, ref_lse, F32, kind="lse", what=name)
+    one_out, one_lse = _single(q, k, v, causal, layout)
+    assert_close(out, one_out.double().numpy(), F32, what=f"{name} vs one call")
+    assert_close(lse, one_lse.double().numpy(), F32, kind="lse", what=f"{name} vs one call")
+    for r, res in enumerate(ranks):
+        assert torch.equal(res[name]["gathered"], out), f"gather_sequence on rank {r}"
+
+
+def test_mismatched_arguments_raise_on_every_rank(spawned):
+    errors = [res["errors"] for res in spawned(2)]
+    for r, e in enumerate(errors):
+        assert e["scale"] and "disagree on scale" in e["scale"] and "0.5" in e["scale"], (r, e)
+        assert e["lengths"] and "load-balanced layout" in e["lengths"], (r, e)
+    assert "multiple of k/v heads" in errors[1]["heads"]
+    assert "ranks [1]" in errors[0]["heads"]
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_group_is_a_value_error_naming_group():
+    q, k, v = _inputs("nogroup", 8, "bhsd", 1)
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="group"):
+        context_parallel_attention(q, k, v)
+
+
+def test_one_rank_equals_fmha_fwd(module, world_of_one):
+    q, k, v = _inputs("one", 37, "bhsd", 1)
+    for causal in (True, False):
+        out, lse = context_parallel_attention(q, k, v, causal=causal, return_lse=True)
+        one_out, one_lse = _single(q, k, v, causal, "bhsd")
+        assert_close(out, one_out.double().numpy(), F32, what=f"causal={causal}")
+        assert_close(lse, one_lse.double().numpy(), F32, kind="lse", what=f"causal={causal}")
+    assert isinstance(context_parallel_attention(q, k, v, scale=0.3), torch.Tensor)
+
+
+def test_bad_arguments_name_the_argument(world_of_one):
+    q, k, v = _inputs("bad", 8, "bhsd", 1)
+    with pytest.raises(ValueError, match="layout"):
+        context_parallel_attention(q, k, v, layout="bsdh")
+    with pytest.raises(ValueError, match="k/v heads"):
+        context_parallel_attention(q[:, :3], k, v)
+    with pytest.raises(TypeError, match="dtype"):
+        context_parallel_attention(q.double(), k.double(), v.double())
+    with pytest.raises(TypeError, match="causal"):
+        context_parallel_attention(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="4-D"):
+        context_parallel_attention(q[0], k[0], v[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout, plan, merge (no IREE, no process group)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_unshard_round_trip(world):
+    for S in (0, 1, 3, 7, 8, 37, 50):
+        x = torch.arange(2 * S * 3).reshape(2, S, 3)
+        chunks = torch.tensor_split(x, 2 * world, dim=1)
+        assert [c.shape[1] for c in chunks] == [b - a for a, b in chunk_bounds(S, world)]
+        shards = [shard_sequence(x, r, world, dim=-2) for r in range(world)]
+        for r, s in enumerate(shards):
+            assert torch.equal(s, torch.cat([chunks[r], chunks[2 * world - 1 - r]], 1))
+        assert torch.equal(unshard_sequence(shards, dim=1), x)
+    with pytest.raises(ValueError, match="shards\\[0\\]"):
+        unshard_sequence([x[:, :2], x[:, :4]], dim=1)
+    with pytest.raises(ValueError, match="rank"):
+        shard_sequence(x, world, world, dim=1)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_blocks_cover_each_visible_pair_once(world, causal):
+    """Over every (rank, source) step, the blocks' visible (query, key) pairs in global positions
+    are the mask's pairs, each exactly once; nothing masked is computed as visible."""
+    for S in (0, 1, 3, 7, 8, 37, 50):
+        lengths = shard_lengths(S, world)
+        pos = [shard_sequence(torch.arange(S), r, world, dim=0) for r in range(world)]
+        seen = torch.zeros(S, S, dtype=torch.int64)
+        for r in range(world):
+            for src in range(world):
+                for b in ring_blocks(r, src, lengths, causal):
+                    vis = torch.ones(b.q1 - b.q0, b.k1 - b.k0, dtype=torch.int64)
+                    if b.mask == "t":
+                        vis = vis.tril()
+                    else:
+                        assert b.mask is None
+                    seen[pos[r][b.q0:b.q1, None], pos[src][None, b.k0:b.k1]] += vis
+        want = torch.ones(S, S, dtype=torch.int64)
+        assert torch.equal(seen, want.tril() if causal else want), (S, world)
+
+
+def test_merge_attention_equals_softmax_over_both_key_sets():
+    g = torch.Generator().manual_seed(seed_of("merge"))
+    s = torch.randn(1, 2, 5, 9, generator=g, dtype=torch.float64)
+    val = torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64)
+    vis = torch.ones(5, 9, dtype=torch.bool)
+    vis[1, 4:] = False   # row 1: the second key set fully masked
+    vis[2, :] = False    # row 2: nothing visible anywhere
+
+    def part(keys):
+        logits = s[..., keys].masked_fill(~vis[:, keys], -torch.inf)
+        lse = torch.logsumexp(logits, -1)
+        p = torch.exp(logits - torch.where(torch.isneginf(lse), 0, lse)[..., None])
+        return (p @ val[:, :, keys]).float(), lse.float()
+
+    out, lse = merge_attention(*part(slice(0, 4)), *part(slice(4, 9)))
+    ref_out, ref_lse = part(slice(0, 9))
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.isneginf(lse[:, :, 2]).all() and (out[:, :, 2] == 0).all()
+    assert_close(out, ref_out.double().numpy(), F32)
+    assert_close(lse, ref_lse.double().numpy(), F32, kind="lse")
