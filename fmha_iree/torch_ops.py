@@ -1,8 +1,10 @@
-"""torch-native entry points: ``torch.ops.fmha_iree.fmha_fwd`` (a ``torch.library`` custom op with a
-fake kernel, so ``torch.compile(fullgraph=True)`` and ``torch.export`` see through it) and
-:func:`sdpa`, a drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+"""torch-native entry points: ``torch.ops.fmha_iree.fmha_fwd`` and ``torch.ops.fmha_iree.fmha_fwd_varlen``
+(``torch.library`` custom ops with fake kernels, so ``torch.compile(fullgraph=True)`` and
+``torch.export`` see through them), :func:`fmha_fwd_varlen` (group mode with the keyword arguments
+of :func:`fmha_iree.fmha_fwd_varlen`) and :func:`sdpa`, a drop-in for
+``torch.nn.functional.scaled_dot_product_attention``.
 
-Importing this module registers the op (``import fmha_iree.torch_ops``); nothing else in the
+Importing this module registers the ops (``import fmha_iree.torch_ops``); nothing else in the
 package imports torch at import time. Torch tensors on the CPU only, as :func:`fmha_iree.fmha_fwd`
 takes them today (their data goes through host memory).
 """
@@ -10,15 +12,17 @@ takes them today (their data goes through host memory).
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from .api import fmha_fwd
+from .api import fmha_fwd, fmha_fwd_varlen as _fmha_fwd_varlen
+from .mask import Mask
 
-__all__ = ["sdpa", "mask_of"]
+__all__ = ["sdpa", "mask_of", "fmha_fwd_varlen"]
 
 
 @torch.library.custom_op("fmha_iree::fmha_fwd", mutates_args=())
-def _fmha_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float | None,
-                 layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _fmha_fwd_op(q: Tensor, k: Tensor, v: Tensor, mask: str, scale: float | None,
+                 layout: str) -> tuple[Tensor, Tensor]:
     out, lse = fmha_fwd(q, k, v, mask=mask, scale=scale, layout=layout, return_lse=True)
     return out, lse
 
@@ -30,11 +34,61 @@ def _(q, k, v, mask, scale, layout):
     return q.new_empty(q.shape[:3] + (v.shape[-1],)), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
+@torch.library.custom_op("fmha_iree::fmha_fwd_varlen", mutates_args=())
+def _fmha_fwd_varlen_op(q: Tensor, k: Tensor, v: Tensor, seqstart_q: Tensor, seqstart_k: Tensor | None = None,
+                        seqlen_k: Tensor | None = None, seqstart_padded_q: Tensor | None = None,
+                        seqstart_padded_k: Tensor | None = None, block_table: Tensor | None = None,
+                        mask: str = "0", scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """Group mode (:func:`fmha_iree.fmha_fwd_varlen`): ``out [Tq, Hq, Dv]`` and float32
+    ``lse [Hq, seqstart_q[-1]]``. The LSE's length is the *value* of ``seqstart_q[-1]``: under
+    ``torch.compile`` / ``torch.export`` it is an unbacked (data-dependent) size."""
+    out, lse = _fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
+                                seqstart_padded_k=seqstart_padded_k, block_table=block_table, mask=mask, scale=scale,
+                                return_lse=True)
+    return out, lse
+
+
+@_fmha_fwd_varlen_op.register_fake
+def _(q, k, v, seqstart_q, seqstart_k=None, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
+      block_table=None, mask="0", scale=None):
+    if q.ndim != 3 or v.ndim not in (3, 4):
+        raise ValueError(f"fmha_fwd_varlen takes q [Tq, Hq, Dq] and v [Tk, Hk, Dv] (paged: [pages, page_size, Hk, "
+                         f"Dv]), got q {list(q.shape)} and v {list(v.shape)}")
+    total_q = torch.library.get_ctx().new_dynamic_size()  # seqstart_q[-1]
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), q.new_empty((q.shape[1], total_q), dtype=torch.float32)
+
+
+def fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
+                    block_table=None, mask=None, scale=None, return_lse=False):
+    """:func:`fmha_iree.fmha_fwd_varlen` through ``torch.ops.fmha_iree.fmha_fwd_varlen`` (torch tensors; the
+    int32 start / length arrays as tensors too): ``out [Tq, Hq, Dv]``, or ``(out, lse)`` with lse float32
+    ``[Hq, seqstart_q[-1]]``. ``mask``: None, a CK mask string or a :class:`fmha_iree.Mask`."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    ints = dict(seqstart_q=seqstart_q, seqstart_k=seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
+                seqstart_padded_k=seqstart_padded_k, block_table=block_table)
+    for name, x in ints.items():
+        if x is not None and not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (int32) or None, got {type(x).__name__}")
+    out, lse = torch.ops.fmha_iree.fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q,
+                                                   seqstart_padded_k, block_table, _mask_str(mask), scale)
+    return (out, lse) if return_lse else out
+
+
+def _mask_str(mask) -> str:
+    if mask is None:
+        return "0"
+    if isinstance(mask, (str, Mask)):
+        return str(mask)
+    raise TypeError(f"mask must be None, a CK mask string or a fmha_iree.Mask, got {type(mask).__name__}")
+
+
 def mask_of(attn_mask: torch.Tensor | None, is_causal: bool, sq: int, sk: int) -> str:
     """The CK mask string of torch's ``attn_mask`` / ``is_causal`` (torch's ``is_causal`` is
     top-left: row i sees keys j <= i). A boolean ``attn_mask`` shared by every batch and head is
-    taken when each row's visible keys form one run ``i - l <= j <= i + r`` with the same ``l``,
-    ``r`` for every row; anything else is a ``ValueError`` naming ``attn_mask``."""
+    taken when each row's visible keys form one run ``i + d - l <= j <= i + d + r`` with the same
+    ``l``, ``r`` for every row, top-left (``d = 0``) or bottom-right (``d = Sk - Sq``; tried first
+    when Sq < Sk, as with a KV cache); anything else is a ``ValueError`` naming ``attn_mask``."""
     if attn_mask is None:
         return "t" if is_causal else "0"
     if is_causal:
@@ -51,34 +105,38 @@ def mask_of(attn_mask: torch.Tensor | None, is_causal: bool, sq: int, sk: int) -
 
 
 def _window(m: torch.Tensor, sq: int, sk: int) -> str:
-    """``t:l,r`` for a boolean [Sq, Sk] mask that is a window (``-1``: unlimited side)."""
+    """``t:l,r`` / ``b:l,r`` (``t`` / ``b`` when causal) for a boolean [Sq, Sk] mask that is a
+    window (``-1``: unlimited side)."""
     if bool(m.all()):
         return "0"
     i = torch.arange(sq)[:, None]
     j = torch.arange(sk)[None, :]
-    for left in _candidates(m, i, j, lower=True):
-        for right in _candidates(m, i, j, lower=False):
-            vis = torch.ones(sq, sk, dtype=torch.bool)
-            if left >= 0:
-                vis &= j >= i - left
-            if right >= 0:
-                vis &= j <= i + right
-            if torch.equal(vis, m):
-                return f"t:{left},{right}"
-    raise ValueError("attn_mask is not a CK mask (one run of keys per row, i - l <= j <= i + r with l, r the same "
-                     "for every row): use fmha_fwd with a mask string, or torch's SDPA")
+    for top_left in ((False, True) if sq < sk else (True, False)):
+        shift = 0 if top_left else sk - sq
+        for left in _candidates(m, shift, lower=True):
+            for right in _candidates(m, shift, lower=False):
+                vis = torch.ones(sq, sk, dtype=torch.bool)
+                if left >= 0:
+                    vis &= j >= i + shift - left
+                if right >= 0:
+                    vis &= j <= i + shift + right
+                if torch.equal(vis, m):
+                    side = "t" if top_left else "b"
+                    return side if (left, right) == (-1, 0) else f"{side}:{left},{right}"
+    raise ValueError("attn_mask is not a CK mask (one run of keys per row, i + d - l <= j <= i + d + r with l, r the "
+                     "same for every row, d = 0 or Sk - Sq): use fmha_fwd with a mask string, or torch's SDPA")
 
 
-def _candidates(m: torch.Tensor, i, j, lower: bool) -> list[int]:
-    """Side lengths a window could have: the widest reach of any row to its left (or right) of
-    the diagonal, and -1 (unlimited)."""
+def _candidates(m: torch.Tensor, shift: int, lower: bool) -> list[int]:
+    """Side lengths a window on the diagonal ``j = i + shift`` could have: the widest reach of any
+    row to its left (or right) of that diagonal, and -1 (unlimited)."""
     rows = torch.nonzero(m.any(dim=1)).flatten()
     if len(rows) == 0:
         return [-1]
     sub = m[rows]
     first = sub.int().argmax(dim=1)
     last = sub.shape[1] - 1 - sub.flip(1).int().argmax(dim=1)
-    side = int((rows - first).max()) if lower else int((last - rows).max())
+    side = int((rows + shift - first).max()) if lower else int((last - rows - shift).max())
     return [-1, max(side, 0)]
 
 
