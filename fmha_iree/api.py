@@ -35,9 +35,9 @@ class LoadedModules:
             vmfb = _compile.get_vmfb(spec)
             mod = FmhaModule(vmfb, device_uri, spec.module_name, typed_bf16=spec.target.backend != "llvm-cpu",
                              dense=dense_abi(spec))
-            missing = set(entry_points(spec)) - set(mod.function_names)
+            missing = mod.lacks(entry_points(spec))
             if missing:  # the cache checked the bytes and their spec: this would be a build fault
-                raise RuntimeError(f"module {spec.module_name} lacks the entry points {sorted(missing)} of its spec")
+                raise RuntimeError(f"module {spec.module_name} lacks the entry points {missing} of its spec")
             with self._lock:
                 mod = self._modules.setdefault(key, mod)
         return mod

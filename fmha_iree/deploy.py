@@ -44,10 +44,7 @@ class DeployedFmha:
             run = self._prepared.get(key)
             if run is not None:
                 return run(q, k, v)
-        pr = self.manifest["problem"]
-        p = check_batch(q, k, v, mask=pr.get("mask") if mask is None else mask, scale=scale, layout=pr["layout"],
-                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
-        self._check(p, return_lse)
+        p = self._batch(q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse)
         if key is not None:
             run = prepare(p, return_lse, self._module)
             self._prepared.put(key, run)
@@ -58,10 +55,7 @@ class DeployedFmha:
     def route(self, q, k, v, *, mask=None, scale=None, cu_seqlen_q=None, cu_seqlen_k=None) -> Route:
         """The path a batch-mode call with these arguments would take (``dispatch.route``: which
         entry point, and why), without running it."""
-        pr = self.manifest["problem"]
-        p = check_batch(q, k, v, mask=pr.get("mask") if mask is None else mask, scale=scale, layout=pr["layout"],
-                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
-        self._check(p, False)
+        p = self._batch(q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, False)
         return route(p, self._module if p.sq and p.sk and p.batch else None)
 
     def varlen(self, q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
@@ -80,6 +74,14 @@ class DeployedFmha:
                                  scale=scale)
         self._check(p, return_lse)
         return run_varlen(p, starts, return_lse, self.tiles, lambda: self._module, self.manifest["target"]["family"])
+
+    def _batch(self, q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse):
+        """A batch-mode call checked against the arguments' rules and the manifest."""
+        pr = self.manifest["problem"]
+        p = check_batch(q, k, v, mask=pr.get("mask") if mask is None else mask, scale=scale, layout=pr["layout"],
+                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
+        self._check(p, return_lse)
+        return p
 
     def _check(self, p, return_lse):
         """Refuse a problem the module was not compiled for, before anything runs."""
@@ -117,7 +119,7 @@ def load(path, device: str = "local-task") -> DeployedFmha:
     uri, _ = resolve_device(device)
     mod = FmhaModule(vmfb, uri, manifest["module"], dense=manifest.get("dense"),
                      typed_bf16=manifest["target"]["backend"] != "llvm-cpu")
-    missing = set(manifest.get("entry_points", ())) - set(mod.function_names)
+    missing = mod.lacks(manifest.get("entry_points", ()))
     if missing:
-        raise ValueError(f"{path} lacks the entry points its manifest lists: {sorted(missing)}")
+        raise ValueError(f"{path} lacks the entry points its manifest lists: {missing}")
     return DeployedFmha(manifest, mod)

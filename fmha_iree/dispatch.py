@@ -169,14 +169,58 @@ def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str)
 
 
 def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, family: str):
-    """A checked group-mode problem (``check_varlen``'s two results) on a module: the tile plan
-    over its sequences (shared by ``fmha_fwd_varlen`` and deployed modules)."""
+    """A checked group-mode problem (``check_varlen``'s two results) on a module, shared by
+    ``fmha_fwd_varlen`` and deployed modules: on a CPU module with host inputs, sequences of short
+    queries in ``rows`` calls (:func:`short_sequences`, each call a batch of them padded to its
+    longest), the others in the tile plan."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
-    zeros = np.zeros(len(q_len), np.int64)
-    seqs = Sequences(zeros, q_start, q_len, k_start, k_len, lse_start)
+    module = get_module() if p.sq and p.sk and not p.q.on_device else None
+    short = short_sequences(p, q_len, k_len) if getattr(module, "has_rows", False) else []
+    long = np.ones(len(q_len), bool)
+    for group in short:
+        long[group] = False
+    seqs = Sequences(np.zeros(int(long.sum()), np.int64), q_start[long], q_len[long], k_start[long], k_len[long],
+                     lse_start[long])
     out, lse = _execute(p, seqs, (p.sq, p.hq, p.dv), (p.hq, total_q), (1, p.sq), (1, total_q), tiles, get_module, family)
+    for group in short:
+        _rows_group(p, module, group, starts, out, lse)
     out = _wrap(out, p.q, p.q.dtype)
     return (out, _wrap(lse, p.q, "f32")) if return_lse else out
+
+
+def short_sequences(p: BatchProblem, q_len: np.ndarray, k_len: np.ndarray) -> list[np.ndarray]:
+    """Group mode: the sequences ``rows`` serves (at most ``ROWS_MAX_ROWS`` query rows per KV
+    head, at least one query and one key), in groups of similar key counts, each group's padded
+    batch within ``ROWS_MAX_SCORES`` scores. Returns index arrays, one per ``rows`` call."""
+    g = p.hq // p.hk
+    ok = np.flatnonzero((q_len * g <= ROWS_MAX_ROWS) & (q_len > 0) & (k_len > 0)
+                        & (p.hq * q_len * k_len <= ROWS_MAX_SCORES))
+    groups, cur, most_q = [], [], 0
+    for i in ok[np.argsort(k_len[ok], kind="stable")]:  # ascending keys: the last one is the longest
+        if cur and (len(cur) + 1) * p.hq * max(most_q, int(q_len[i])) * int(k_len[i]) > ROWS_MAX_SCORES:
+            groups.append(np.array(cur))
+            cur, most_q = [], 0
+        cur.append(i)
+        most_q = max(most_q, int(q_len[i]))
+    return groups + ([np.array(cur)] if cur else [])
+
+
+def _rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarray, lse: np.ndarray):
+    """Run the sequences ``group`` of a group-mode problem in one ``rows_kpad`` call: gathered
+    into a batch padded to their longest (rows past a sequence's lengths are masked, never read
+    into the output), written back into the packed ``out`` ``[Tq, Hq, Dv]`` and ``lse`` ``[Hq, total]``."""
+    q_start, q_len, k_start, k_len, lse_start, _ = (x[group] if isinstance(x, np.ndarray) else x for x in starts)
+    mq, mk = int(q_len.max()), int(k_len.max())
+    qi = np.minimum(q_start[:, None] + np.arange(mq), p.sq - 1)
+    ki = np.minimum(k_start[:, None] + np.arange(mk), p.sk - 1)
+    q, k, v = (x.array[0][idx] for x, idx in ((p.q, qi), (p.k, ki), (p.v, ki)))  # [n, S, H, D], bshd
+    desc = np.array([(ql, kl, *p.mask.clipped_coords(ql, kl)) for ql, kl in zip(q_len.tolist(), k_len.tolist())],
+                    np.int32)
+    o, l = module.run_rows(q, k, v, p.q.dtype, p.scale, desc, padded_keys=True)
+    rows = np.repeat(np.arange(len(group)), q_len)
+    rel = np.arange(int(q_len.sum())) - np.repeat(np.cumsum(q_len) - q_len, q_len)
+    out[q_start[rows] + rel] = o[rows, rel]
+    lse[:, lse_start[rows] + rel] = l[rows, :, rel].T
 
 
 def prepare(p: BatchProblem, return_lse: bool, module):

@@ -268,6 +268,10 @@ class FmhaModule:
         """The module's exported functions."""
         return list(self._fns)
 
+    def lacks(self, names) -> list[str]:
+        """Those of the function ``names`` the module does not export, sorted."""
+        return sorted(set(names) - set(self._fns))
+
     @property
     def has_fwd(self) -> bool:
         """Whether the module has ``fwd`` (any lengths and mask in one call, ``kernels.general``)."""
