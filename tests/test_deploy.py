@@ -286,6 +286,54 @@ def test_deployed_module_reads_a_paged_cache(bshd_module):
     assert_close(lse, ref_lse, torch.float32, kind="lse", what="deployed paged lse")
 
 
+def test_group_mode_and_paged_cache_with_runtime_only(bshd_module, tmp_path):
+    """Group mode (padded starts, seqlen_k, short and long sequences) and a paged cache through a
+    loaded module in a process where importing torch or iree.compiler fails."""
+    from reference import varlen_ref
+    from test_paged import _cache, _reference, _table
+
+    rng = np.random.default_rng(29)
+    sq, sk = np.array([0, 1, 1, 140, 143], np.int32), np.array([0, 300, 305, 445, 450], np.int32)
+    used = np.array([290, 0, 140, 5], np.int32)
+    q = rng.standard_normal((143, 4, 64), dtype=np.float32)
+    k = rng.standard_normal((450, 2, 64), dtype=np.float32)
+    v = rng.standard_normal((450, 2, 64), dtype=np.float32)
+    k_cache, v_cache = (x.numpy() for x in _cache(31, 8, 16))
+    lk = [33, 1, 50]
+    bt = np.asarray(_table(32, lk, 16, 8, 5), np.int32)
+    qp = rng.standard_normal((6, 4, 64), dtype=np.float32)
+    sqp = np.array([0, 2, 3, 6], np.int32)
+    arrays = dict(q=q, k=k, v=v, sq=sq, sk=sk, used=used, kc=k_cache, vc=v_cache, bt=bt, qp=qp, sqp=sqp,
+                  lk=np.array(lk, np.int32))
+    for name, a in arrays.items():
+        np.save(tmp_path / f"{name}.npy", a)
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["torch"] = None
+        sys.modules["iree.compiler"] = None
+        import numpy as np
+        from fmha_iree import load
+        d = {str(tmp_path)!r}
+        a = {{n: np.load(f"{{d}}/{{n}}.npy") for n in {sorted(arrays)!r}}}
+        f = load({str(bshd_module)!r}, device="local-task")
+        out, lse = f.varlen(a["q"], a["k"], a["v"], a["sq"], a["sk"], seqlen_k=a["used"], mask="b", return_lse=True)
+        np.save(f"{{d}}/out.npy", out); np.save(f"{{d}}/lse.npy", lse)
+        out, lse = f.varlen(a["qp"], a["kc"], a["vc"], a["sqp"], None, seqlen_k=a["lk"], block_table=a["bt"],
+                            return_lse=True)
+        np.save(f"{{d}}/pout.npy", out); np.save(f"{{d}}/plse.npy", lse)
+        assert sys.modules.get("torch") is None
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    ref_out, ref_lse = varlen_ref(q, k, v, sq, sk, seqlen_k=used, mask="b")
+    assert_close(np.load(tmp_path / "out.npy"), ref_out, np.float32, what="runtime-only varlen out")
+    assert_close(np.load(tmp_path / "lse.npy"), ref_lse, np.float32, kind="lse", what="runtime-only varlen lse")
+    ref_out, ref_lse = _reference(torch.from_numpy(qp), torch.from_numpy(k_cache), torch.from_numpy(v_cache), sqp,
+                                  torch.from_numpy(bt), lk, "b")
+    assert_close(np.load(tmp_path / "pout.npy"), ref_out, np.float32, what="runtime-only paged out")
+    assert_close(np.load(tmp_path / "plse.npy"), ref_lse, np.float32, kind="lse", what="runtime-only paged lse")
+
+
 def test_info_prints_the_manifest(bshd_module, tmp_path):
     """``fmha-iree info`` summarizes a module from its manifest; a path without one is exit 2."""
     r = subprocess.run([sys.executable, "-m", "fmha_iree.cli", "info", str(bshd_module)], capture_output=True, text=True)
