@@ -85,7 +85,7 @@ def _specialized(p: BatchProblem, spec: KernelSpec) -> KernelSpec:
     cu_seqlen padding and S a multiple of the target's alignment; else ``spec`` unchanged."""
     import dataclasses
 
-    from .graph import CPU_ROWS
+    from .rows import CPU_ROWS
 
     if p.sq != p.sk or p.sq == 0 or (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
         return spec
