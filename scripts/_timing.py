@@ -28,3 +28,37 @@ def cuda_time(fn, reps: int, warmup: int = 1) -> float:
     e1.record()
     torch.cuda.synchronize()
     return e0.elapsed_time(e1) / reps / 1e3
+
+
+def _wait_last(res):
+    """Wait for a call's result where it is still on its way (fmha_iree DeviceTensors); host
+    results (torch / numpy) are ready when the call returns."""
+    last = res[-1] if isinstance(res, tuple) else res
+    if hasattr(last, "wait"):
+        last.wait()
+
+
+def device_time(fn, reps: int, blocks: int = 3) -> float:
+    """Seconds per call of ``reps`` back-to-back calls of ``fn`` (best of ``blocks`` blocks), each
+    block closed by a wait for its last result: fmha_iree GPU calls on DeviceTensors return before
+    the GPU is done and queue on the device. One warm-up call first."""
+    _wait_last(fn())
+    best = float("inf")
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            res = fn()
+        _wait_last(res)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def host_time(fn, reps: int) -> float:
+    """Host seconds to issue one call of ``fn`` (the wait for the last result not counted)."""
+    _wait_last(fn())
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        res = fn()
+    t1 = time.perf_counter()
+    _wait_last(res)
+    return (t1 - t0) / reps

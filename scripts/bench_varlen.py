@@ -1,65 +1,466 @@
 #!/usr/bin/env python3
-"""Group mode cost follows the work: one long sequence plus many short ones, against the long one
-alone and against padding everything to the longest (batch mode), in one run.
+"""Group mode (fmha_fwd_varlen) and the paged KV cache against torch, same inputs, same process:
+time, TFLOP/s, decode GB/s, ratios (peer time / ours), agreement with a loop of torch SDPA.
 
-    python scripts/bench_varlen.py --long 2048 --short 64 --count 32 --heads 8 --hdim 64
+CPU (compiles the group-mode modules on first use; a quick check: --scale 0.1):
+    python scripts/bench_varlen.py --preset cpu [--reps 5] [--out DIR]
+GPU (modules compiled here for $FMHA_IREE_CUDA_TARGET, e.g. sm_90, or `fmha-iree compile --layout bshd ...`
+elsewhere into --modules):
+    python scripts/bench_varlen.py --preset gpu --device cuda://0 [--modules gpu_modules] --out DIR
+
+Rows (`--preset gpu`, f16 D128): 16 causal sequences of random lengths 128..2047 (seeded, about
+17k tokens, H16); a decode batch (B32, one query each, KV lengths random in 256..8192, Hq32/Hk8);
+the same decode from a paged KV cache (page 64, pages in a shuffled order); the 16-sequence
+prefill from a paged cache. `--preset cpu` (f32 D64): 16 causal sequences 128..1023 (H8), decode
+B32 with KV 256..4096 (Hq32/Hk8), that decode paged, and 1 x 2048 + 32 x 64 causal (H8) beside
+the 1 x 2048 alone and the same batch padded to 2048 in batch mode (fmha_fwd). Every row's mask is
+CK's "b" (bottom-right causal, per sequence).
+
+Peers, on the same data: a loop of torch SDPA over the sequences (enable_gqa; is_causal where
+Sq == Sk, else a bottom-right bool mask; Sq == 1 sees every key) -- also the reference of
+`max_abs_diff`; torch SDPA on the batch padded to its longest sequence (is_causal for prefill, a
+key-padding bool mask for decode; on CUDA the flash backend for causal, the efficient backend for
+masks); on CUDA `torch.nn.attention.varlen.varlen_attn` (packed, as ours) and FlexAttention with a
+document-causal BlockMask built from the sequence ids. Paged rows: the SDPA loop gathers each
+sequence's pages; on CUDA varlen_attn reads the cache through its block_table (where this torch
+takes it) and, apart, after a torch gather of the used rows ("gather+varlen").
+
+`ratio_vs_<peer>` = peer time / ours (> 1: ours faster); `ratio_vs_ref` = the time of the row
+named in `ref` / this row's (paged rows: our contiguous-cache row; the mixed rows: 1 x 2048 alone).
+`compiles` counts fmha_iree compiles from a row's first call to its last timed call, after a
+warm-up per module on another batch composition: it must be 0 (one module serves every batch).
+On a GPU our inputs are uploaded once (`fmha_iree.to_device`), the calls issued back to back and
+closed by a wait (best of 3 blocks); torch is timed with CUDA events. A paged cache that
+fmha_iree refuses as DeviceTensors is passed as host arrays, and `inputs` says so (the time then
+includes the host gather and the transfers). Writes a table to stdout and, with --out, bench.json
+and bench.csv.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
+import math
+import os
 import platform
 import time
+from pathlib import Path
 
 import numpy as np
-from _timing import median_time
+from _timing import cuda_time, device_time, host_time, median_time
+from _varlen_peers import _pad, _starts, _torch_peers, _unpad
+
+HBM_TB_PER_S = 4.3  # the H200's HBM copy rate, the reference of the decode rows' GB/s
+PAGE = 64
 
 
-def main():
+def _case(label, q_lens, k_lens, hq, hk, d, dtype, *, mask="b", paged=0, ref=None, mode="varlen"):
+    """One row: sequences of ``q_lens`` queries and ``k_lens`` keys; ``paged``: the page size of a
+    paged KV cache (0: packed K/V); ``mode`` "varlen" (group mode) or "padded" (batch mode on the
+    batch padded to its longest sequence); ``ref``: the label of the row it is compared with."""
+    return dict(label=label, q_lens=[int(x) for x in q_lens], k_lens=[int(x) for x in k_lens], Hq=hq, Hk=hk, D=d,
+                dtype=dtype, mask=mask, paged=paged, ref=ref, mode=mode)
+
+
+def presets(name: str, scale: float = 1.0, seed: int = 0) -> list[dict]:
+    """The rows of a preset; lengths (not counts) multiplied by ``scale`` for a quick check."""
+    rng = np.random.default_rng(seed)
+
+    def lens(n, lo, hi):
+        return [max(1, round(int(x) * scale)) for x in rng.integers(lo, hi + 1, n)]
+
+    if name == "gpu":
+        pre, kv = lens(16, 128, 2047), lens(32, 256, 8192)
+        return [_case("prefill 16 seqs", pre, pre, 16, 16, 128, "f16"),
+                _case("decode B32", [1] * 32, kv, 32, 8, 128, "f16"),
+                _case("decode B32 paged", [1] * 32, kv, 32, 8, 128, "f16", paged=PAGE, ref="decode B32"),
+                _case("prefill 16 seqs paged", pre, pre, 16, 16, 128, "f16", paged=PAGE, ref="prefill 16 seqs")]
+    if name == "cpu":
+        pre, kv = lens(16, 128, 1023), lens(32, 256, 4096)
+        long, short = max(1, round(2048 * scale)), max(1, round(64 * scale))
+        mix = [long] + [short] * 32
+        alone = f"mixed: 1 x {long} alone"
+        return [_case("prefill 16 seqs", pre, pre, 8, 8, 64, "f32"),
+                _case("decode B32", [1] * 32, kv, 32, 8, 64, "f32"),
+                _case("decode B32 paged", [1] * 32, kv, 32, 8, 64, "f32", paged=PAGE, ref="decode B32"),
+                _case(alone, [long], [long], 8, 8, 64, "f32"),
+                _case(f"mixed: 1 x {long} + 32 x {short}", mix, mix, 8, 8, 64, "f32", ref=alone),
+                _case(f"mixed: padded to {long} (batch mode)", mix, mix, 8, 8, 64, "f32", mode="padded", ref=alone)]
+    raise ValueError(f"unknown preset {name!r}")
+
+
+def _visible_pairs(mask: str, lq: int, lk: int) -> int:
+    """Query-key pairs a sequence's mask lets through (CK's (y, x), row by row)."""
+    from fmha_iree.mask import Mask
+
+    y, x = Mask.from_str(mask).clipped_coords(lq, lk)
+    i = np.arange(lq)
+    return int(np.maximum(np.minimum(i + x, lk) - np.maximum(i - y + 1, 0), 0).sum())
+
+
+def _data(c: dict, seed: int):
+    """Packed q [Tq, Hq, D], k / v [Tk, Hk, D] (torch CPU), the same for every row of one
+    composition and shapes; with ``paged`` also the cache: k_cache / v_cache [num_pages, page,
+    Hk, D] (rows past a sequence's keys are random, so a kernel reading them would show),
+    block_table int32 [B, max_pages] (pages in a shuffled order; entries past a sequence's last
+    page are 0, a valid page, since torch's kernels are given the same table) and the flat row of
+    each used key in the cache (for torch's gathers)."""
+    import torch
+
+    dt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[c["dtype"]]
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(c["q_lens"]), sum(c["k_lens"])
+    q = torch.randn(tq, c["Hq"], c["D"], generator=g).to(dt)
+    k = torch.randn(tk, c["Hk"], c["D"], generator=g).to(dt)
+    v = torch.randn(tk, c["Hk"], c["D"], generator=g).to(dt)
+    d = dict(q=q, k=k, v=v)
+    if c["paged"]:
+        page = c["paged"]
+        n = [math.ceil(lk / page) for lk in c["k_lens"]]
+        perm = np.random.default_rng(seed + 1).permutation(sum(n))
+        bt = np.zeros((len(n), max(n)), np.int32)
+        kc = torch.randn(sum(n), page, c["Hk"], c["D"], generator=g).to(dt)
+        vc = torch.randn(sum(n), page, c["Hk"], c["D"], generator=g).to(dt)
+        rows, off, ks = [], 0, _starts(c["k_lens"])
+        for b, (lk, nb) in enumerate(zip(c["k_lens"], n)):
+            pages = perm[off: off + nb]
+            off += nb
+            bt[b, :nb] = pages
+            flat = (pages[:, None] * page + np.arange(page)).reshape(-1)[:lk]
+            kc.view(-1, c["Hk"], c["D"])[torch.from_numpy(flat)] = k[ks[b]: ks[b + 1]]
+            vc.view(-1, c["Hk"], c["D"])[torch.from_numpy(flat)] = v[ks[b]: ks[b + 1]]
+            rows.append(flat)
+        d.update(k_cache=kc, v_cache=vc, block_table=bt, flat_rows=np.concatenate(rows))
+    return d
+
+
+def _find_module(folder, dtype, hdim, group, hq, hk):
+    """A module of ``folder`` for group mode (bshd layout) with this dtype, head dim and group:
+    one without compiled-in lengths first."""
+    best = []
+    for f in sorted(Path(folder).glob("*.json")):
+        try:
+            m = json.loads(f.read_text())
+            pr = m["problem"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if (pr.get("dtype"), pr.get("hdim"), pr.get("group"), pr.get("layout")) != (dtype, hdim, group, "bshd"):
+            continue
+        if pr.get("heads") not in (None, hq) or pr.get("kv_heads") not in (None, hk):
+            continue
+        best.append((bool((m.get("dense") or {}).get("seqlens")), f))
+    return min(best)[1].with_suffix(".vmfb") if best else None
+
+
+class Ours:
+    """fmha_iree's calls for the rows: fmha_fwd_varlen / fmha_fwd, or a loaded module's varlen /
+    batch call (``--modules``)."""
+
+    def __init__(self, device, modules=None):
+        self.device, self.modules, self.loaded = device, modules, {}
+        self.gpu = not device.startswith("local")
+
+    def _module(self, c):
+        import fmha_iree
+
+        key = (c["dtype"], c["D"], c["Hq"] // c["Hk"], c["Hq"], c["Hk"])
+        if key not in self.loaded:
+            path = _find_module(self.modules, *key)
+            if path is None:
+                raise LookupError(f"no bshd module for dtype {key[0]} hdim {key[1]} group {key[2]} in {self.modules}")
+            print(f"  loading {path.name}")
+            self.loaded[key] = fmha_iree.load(path, device=self.device)
+        return self.loaded[key]
+
+    def varlen(self, c, *args, **kw):
+        import fmha_iree
+
+        if self.modules:
+            return self._module(c).varlen(*args, **kw)
+        return fmha_iree.fmha_fwd_varlen(*args, device=self.device, **kw)
+
+    def batch(self, c, q, k, v, **kw):
+        import fmha_iree
+
+        if self.modules:
+            return self._module(c)(q, k, v, **kw)
+        return fmha_iree.fmha_fwd(q, k, v, layout="bshd", device=self.device, **kw)
+
+    def up(self, x):
+        """On a GPU, the array uploaded once (a DeviceTensor); on the CPU the host array."""
+        import fmha_iree
+
+        return fmha_iree.to_device(x, self.device) if self.gpu else x
+
+    def warm_up(self, c):
+        """Compile / load the row's module on a small batch composition of its own."""
+        import torch
+
+        dt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[c["dtype"]]
+        q = torch.randn(3, c["Hq"], c["D"]).to(dt)
+        k, v = (torch.randn(5, c["Hk"], c["D"]).to(dt) for _ in range(2))
+        out = self.varlen(c, *(self.up(x) for x in (q, k, v)), np.array([0, 1, 3], np.int32),
+                          np.array([0, 2, 5], np.int32), mask=c["mask"])
+        if hasattr(out, "wait"):
+            out.wait()
+
+    def call(self, c, d):
+        """(fn, inputs): fn() runs the row once; ``inputs`` says where the data lives."""
+        sq, mask = _starts(c["q_lens"]), c["mask"]
+        if c["mode"] == "padded":
+            mq, mk = max(c["q_lens"]), max(c["k_lens"])
+            qp, kp, vp = (self.up(_pad(x, ln, m)) for x, ln, m in
+                          ((d["q"], c["q_lens"], mq), (d["k"], c["k_lens"], mk), (d["v"], c["k_lens"], mk)))
+            return (lambda: self.batch(c, qp, kp, vp, mask=mask)), "device" if self.gpu else "host"
+        if not c["paged"]:
+            q, k, v = (self.up(d[n]) for n in "qkv")
+            sk = _starts(c["k_lens"])
+            return (lambda: self.varlen(c, q, k, v, sq, sk, mask=mask)), "device" if self.gpu else "host"
+        lens = np.array(c["k_lens"], np.int32)
+        bt = d["block_table"]
+
+        def paged(q, kc, vc):
+            return lambda: self.varlen(c, q, kc, vc, sq, None, seqlen_k=lens, block_table=bt, mask=mask)
+        if self.gpu:
+            fn = paged(*(self.up(d[n]) for n in ("q", "k_cache", "v_cache")))
+            try:
+                out = fn()
+                if hasattr(out, "wait"):
+                    out.wait()
+                return fn, "device"
+            except (TypeError, ValueError) as e:  # "a paged cache is read from host arrays ... for now"
+                print(f"  fmha_iree paged cache as DeviceTensors: {str(e).splitlines()[0][:110]}; host arrays instead")
+                return paged(d["q"], d["k_cache"], d["v_cache"]), "host (paged cache refused as DeviceTensors)"
+        return paged(d["q"], d["k_cache"], d["v_cache"]), "host"
+
+
+def _median(fn, reps):
+    """Median seconds of ``reps`` calls, no warm-up."""
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def _to_torch(out):
+    return out.to_torch() if hasattr(out, "to_torch") else out
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+def run(args) -> list[dict]:
     import torch
 
     import fmha_iree
 
+    gpu = not args.device.startswith("local")
+    cuda = args.device.startswith("cuda") and torch.cuda.is_available()
+    if args.device.startswith("cuda") and not cuda:
+        print("# torch has no CUDA here: torch peers are not timed, the SDPA loop runs on the CPU for the diff only")
+    dev = f"cuda:{args.device.split('://')[-1] or 0}" if cuda else "cpu"
+    reps = args.reps or (20 if gpu else 5)
+    ours = Ours(args.device, args.modules)
+    cases = [c for c in presets(args.preset, args.scale, args.seed)
+             if not args.label or any(w in c["label"] for w in args.label)]
+
+    warmed = set()
+    for c in cases:
+        key = (c["dtype"], c["D"], c["Hq"], c["Hk"], c["mask"])
+        if key not in warmed:
+            before = dict(fmha_iree.cache_stats())
+            t0 = time.perf_counter()
+            ours.warm_up(c)
+            after = fmha_iree.cache_stats()
+            print(f"# warm-up {c['dtype']} D{c['D']} H{c['Hq']}/{c['Hk']} (2 sequences): {time.perf_counter() - t0:.1f} s, "
+                  f"{after['compiles'] - before['compiles']} compiles, {after['disk_hits'] - before['disk_hits']} disk hits",
+                  flush=True)
+            warmed.add(key)
+
+    rows, by_label, data, peer_memo = [], {}, {}, {}
+    for c in cases:
+        dkey = (tuple(c["q_lens"]), tuple(c["k_lens"]), c["Hq"], c["Hk"], c["D"], c["dtype"], c["paged"])
+        if dkey not in data:
+            data = {dkey: _data(c, args.seed)}  # one composition's data at a time
+        d = data[dkey]
+        ql, kl = c["q_lens"], c["k_lens"]
+        dsize = d["q"].element_size()
+
+        # ours: first call (a new batch composition) .. last timed call, compiles counted across
+        c0 = fmha_iree.cache_stats()["compiles"]
+        call, inputs = ours.call(c, d)
+        last = {}
+
+        def fn():
+            last["out"] = call()
+            return last["out"]
+        if gpu:
+            t = device_time(fn, reps)
+            t_host = host_time(fn, reps)
+        elif c["mode"] == "padded":
+            # batch mode on the padded batch is slow on the CPU (tens of seconds): half the calls, no
+            # warm-up (the module is loaded; compiles still counted)
+            t, t_host = _median(fn, max(1, reps // 2)), None
+        else:
+            t, t_host = median_time(fn, reps), None
+        compiles = fmha_iree.cache_stats()["compiles"] - c0
+        out = _to_torch(last["out"])
+        if c["mode"] == "padded":
+            out = _unpad(out, ql)
+
+        # torch on the same data (computed once per composition: the padded row shares the mixed row's)
+        pkey = dkey + (c["mask"],)
+        if pkey not in peer_memo:
+            peer_memo.clear()
+            res, ref = {}, None
+            for name, pf, packed in _torch_peers(c, d, dev, cuda):
+                try:
+                    o = pf()  # the first call: compiles (flex), checks
+                    o = packed(o) if packed else o
+                    if ref is None:
+                        ref = o.float().cpu()
+                        diff = 0.0
+                    else:
+                        diff = (o.float().cpu() - ref).abs().max().item()
+                    if cuda:
+                        pt = cuda_time(pf, reps, warmup=1)
+                    elif gpu:
+                        pt = None  # a CPU peer against a GPU: not compared
+                    else:
+                        pt = median_time(pf, reps)
+                    res[name] = (pt, diff)
+                except Exception as e:  # a peer this torch / device / shape does not take
+                    res[name] = (None, None)
+                    print(f"  torch {name}: {type(e).__name__}: {str(e).splitlines()[0][:110] if str(e) else ''}")
+            peer_memo[pkey] = (res, ref)
+        res, ref = peer_memo[pkey]
+        err = (out.float().cpu() - ref).abs().max().item() if ref is not None else float("nan")
+
+        flops = 4 * c["Hq"] * c["D"] * sum(_visible_pairs(c["mask"], lq, lk) for lq, lk in zip(ql, kl))
+        decode = max(ql) == 1
+        kv_bytes = 2 * sum(kl) * c["Hk"] * c["D"] * dsize
+        row = {k: v for k, v in c.items()}
+        row.update(B=len(ql), T_q=sum(ql), T_k=sum(kl), max_q=max(ql), max_k=max(kl), inputs=inputs,
+                   fmha_iree_ms=t * 1e3, fmha_iree_tflops=flops / t / 1e12,
+                   kv_gb_per_s=kv_bytes / t / 1e9 if decode else None,
+                   host_issue_ms=t_host * 1e3 if t_host is not None else None,
+                   compiles=compiles, max_abs_diff=err)
+        for name, (pt, diff) in res.items():
+            row[f"torch_{name}_ms"] = pt * 1e3 if pt else None
+            row[f"ratio_vs_{name}"] = pt / t if pt else None
+            row[f"torch_{name}_diff_vs_loop"] = diff
+        best = min((pt for pt, _ in res.values() if pt), default=None)
+        row["ratio_vs_best"] = best / t if best else None
+        r = by_label.get(c["ref"]) if c["ref"] else None
+        row["ref_ms"] = r["fmha_iree_ms"] if r else None
+        row["ratio_vs_ref"] = r["fmha_iree_ms"] / row["fmha_iree_ms"] if r else None
+        rows.append(row)
+        by_label[c["label"]] = row
+        _print_row(row, res, gpu)
+    return rows
+
+
+def _shape(r) -> str:
+    lens = "Sq1" if r["max_q"] == 1 else f"Tq{r['T_q']}"
+    return (f"B={r['B']:<3} H={r['Hq']}/{r['Hk']:<3} {lens} Tk{r['T_k']} (max {r['max_k']}) D={r['D']} {r['dtype']} "
+            f"mask={r['mask']}" + (f" page={r['paged']}" if r["paged"] else ""))
+
+
+def _print_row(r, res, gpu):
+    peers = "  ".join(f"{n} {r[f'torch_{n}_ms']:.3f} ms ({r[f'ratio_vs_{n}']:.2f}x)"
+                      + (f" d{r[f'torch_{n}_diff_vs_loop']:.0e}" if r[f"torch_{n}_diff_vs_loop"] else "")
+                      for n in res if r[f"torch_{n}_ms"])
+    gbs = f" {r['kv_gb_per_s']:.4g} GB/s" if r["kv_gb_per_s"] else ""
+    if r["kv_gb_per_s"] and gpu:
+        gbs += f" ({r['kv_gb_per_s'] / (HBM_TB_PER_S * 1e3):.0%} of HBM)"
+    ref = f" | vs {r['ref']!r} {r['ratio_vs_ref']:.2f}x" if r["ratio_vs_ref"] else ""
+    host = f" (host issue {r['host_issue_ms']:.3f} ms)" if r["host_issue_ms"] is not None else ""
+    print(f"{r['label']:<34} {_shape(r)}  [{r['inputs']}]\n"
+          f"    fmha_iree {r['fmha_iree_ms']:9.3f} ms {r['fmha_iree_tflops']:.3g} TFLOP/s{gbs}{host} | {peers}"
+          f" | best {r['ratio_vs_best'] or 0:.2f}x{ref} | compiles {r['compiles']} | diff {r['max_abs_diff']:.1e}",
+          flush=True)
+
+
+def _table(rows):
+    """The summary: one line a row, ours in ms, every peer as its ratio (peer time / ours)."""
+    peers = []
+    for r in rows:
+        peers += [k[len("ratio_vs_"):] for k in r if k.startswith("ratio_vs_") and k not in
+                  ("ratio_vs_best", "ratio_vs_ref") and k[len("ratio_vs_"):] not in peers]
+    w = max([len(r["label"]) for r in rows] + [5])
+    cols = ["ms", "TFLOP/s", "GB/s"] + peers + ["vs ref", "compiles", "max diff"]
+    widths = [max(8, len(x)) for x in cols]
+    print("\n" + "label".ljust(w) + "  " + "  ".join(x.rjust(n) for x, n in zip(cols, widths)))
+
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+    for r in rows:
+        cells = [f(r["fmha_iree_ms"], ".3f"), f(r["fmha_iree_tflops"], ".3g"), f(r["kv_gb_per_s"], ".4g")]
+        cells += [f(r.get(f"ratio_vs_{p}"), ".2f") for p in peers]
+        cells += [f(r["ratio_vs_ref"], ".2f"), str(r["compiles"]), f(r["max_abs_diff"], ".1e")]
+        print(r["label"].ljust(w) + "  " + "  ".join(x.rjust(n) for x, n in zip(cells, widths)))
+    total = sum(r["compiles"] for r in rows)
+    print(f"compiles during the timed calls, every row (after warm-up): {total}"
+          + ("" if total == 0 else "  <-- a new batch composition compiled something"))
+
+
+def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--long", type=int, default=2048)
-    ap.add_argument("--short", type=int, default=64)
-    ap.add_argument("--count", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--hdim", type=int, default=64)
-    ap.add_argument("--mask", default="b")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--preset", choices=("cpu", "gpu"), help="default: cpu on local-task, else gpu")
     ap.add_argument("--device", default="local-task")
+    ap.add_argument("--modules", help="folder of precompiled modules (bshd layout), picked by dtype/hdim/group")
+    ap.add_argument("--reps", type=int, help="timed calls a row (default 5 on the CPU, 20 on a GPU)")
+    ap.add_argument("--label", nargs="*", help="only rows whose label contains one of these words")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every sequence length (quick checks: 0.1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="folder for bench.json and bench.csv")
     args = ap.parse_args()
+    if args.preset is None:
+        args.preset = "cpu" if args.device.startswith("local") else "gpu"
+    import torch
 
-    torch.manual_seed(0)
-    H, D = args.heads, args.hdim
-    lens = [args.long] + [args.short] * args.count
-    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    T = int(starts[-1])
-    q, k, v = (torch.randn(T, H, D) for _ in range(3))
-    one = np.array([0, args.long], np.int32)
+    try:
+        from importlib.metadata import version
 
-    fmha_iree.fmha_fwd_varlen(q[:1], k[:1], v[:1], [0, 1], [0, 1], mask=args.mask, device=args.device)  # compile
-    before = fmha_iree.cache_stats()["compiles"]
-    t_long = median_time(lambda: fmha_iree.fmha_fwd_varlen(q[: args.long], k[: args.long], v[: args.long], one, one,
-                                                            mask=args.mask, device=args.device), args.reps)
-    t_mix = median_time(lambda: fmha_iree.fmha_fwd_varlen(q, k, v, starts, starts, mask=args.mask, device=args.device),
-                         args.reps)
-    compiles = fmha_iree.cache_stats()["compiles"] - before
-
-    B = len(lens)
-    qp, kp, vp = (torch.zeros(B, args.long, H, D) for _ in range(3))
-    for b, (s, n) in enumerate(zip(starts[:-1], lens)):
-        qp[b, :n], kp[b, :n], vp[b, :n] = q[s : s + n], k[s : s + n], v[s : s + n]
-    t_pad = median_time(lambda: fmha_iree.fmha_fwd(qp, kp, vp, mask=args.mask, layout="bshd", device=args.device),
-                         max(1, args.reps // 2))
-
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {args.device}, f32 H={H} D={D} mask {args.mask!r}, "
-          f"median of {args.reps}")
-    print(f"1 x {args.long} alone:                         {t_long * 1e3:9.1f} ms   1.00")
-    print(f"1 x {args.long} + {args.count} x {args.short} packed (varlen):      {t_mix * 1e3:9.1f} ms   {t_mix / t_long:.2f}")
-    print(f"same batch padded to {args.long} (batch mode): {t_pad * 1e3:9.1f} ms   {t_pad / t_long:.2f}")
-    print(f"compiles during the timed varlen calls (two batch compositions, after a warm-up with a third): {compiles}")
+        iree = version("iree-base-runtime")
+    except Exception:  # noqa: BLE001
+        iree = "?"
+    gpu_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") and torch.cuda.is_available() else None
+    flags = os.environ.get("IREE_PY_RUNTIME_FLAGS", "")
+    target = {"cuda": "FMHA_IREE_CUDA_TARGET", "hip": "FMHA_IREE_HIP_TARGET"}.get(args.device.split(":")[0])
+    if target and not args.modules:
+        target = f"{target}={os.environ.get(target, '(default)')}"
+    else:
+        target = None
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=f"{platform.node()} {platform.machine()} "
+                f"{os.cpu_count()} cores", device=args.device + (f" ({gpu_name})" if gpu_name else ""),
+                torch=torch.__version__, iree_runtime=iree, preset=args.preset, scale=args.scale, seed=args.seed)
+    print(f"# {meta['date']} {meta['machine']} device={meta['device']} preset={args.preset} torch {torch.__version__} "
+          f"iree-base-runtime {iree}" + (f" scale={args.scale}" if args.scale != 1 else "")
+          + (f" IREE_PY_RUNTIME_FLAGS={flags!r}" if flags else "") + (f" {target}" if target else "")
+          + (f" modules={args.modules}" if args.modules else ""))
+    if args.preset == "gpu" or not args.device.startswith("local"):
+        print(f"# reference: H200 HBM copy rate {HBM_TB_PER_S} TB/s (the decode rows' GB/s count the K+V bytes used)")
+    rows = run(args)
+    for r in rows:
+        r.update(meta)
+        if flags:
+            r["iree_runtime_flags"] = flags
+    if rows:
+        _table(rows)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(rows, indent=2))
+        keys = sorted({k for r in rows for k in r})
+        with open(out / "bench.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows({k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in rows)
+        print(f"wrote {out / 'bench.json'} and {out / 'bench.csv'}")
 
 
 if __name__ == "__main__":
