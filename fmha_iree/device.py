@@ -97,6 +97,16 @@ def dlpack_device(uri: str) -> tuple[int, int]:
     return _DLPACK_CODES[driver], int(index or 0)
 
 
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data is 64-byte aligned, so that CPU drivers read
+    it in place (:meth:`DeviceTensor.from_host_view`); numpy aligns large arrays to 16 only."""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    buf = np.empty(n + 64, np.uint8)
+    off = (-buf.ctypes.data) % 64
+    return buf[off:off + n].view(dt).reshape(shape)
+
+
 class DeviceTensor:
     """An array that lives on an IREE device (see :func:`fmha_iree.to_device`).
 

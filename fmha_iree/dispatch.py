@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-from .device import DeviceTensor
+from .device import DeviceTensor, aligned_empty
 from .plan import Plan, Sequences, build_plan, units_budget
 from .runtime import dense_entry
 from .spec import BatchProblem, Operand
@@ -213,7 +213,8 @@ def _rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndar
     mq, mk = int(q_len.max()), int(k_len.max())
     qi = np.minimum(q_start[:, None] + np.arange(mq), p.sq - 1)
     ki = np.minimum(k_start[:, None] + np.arange(mk), p.sk - 1)
-    q, k, v = (x.array[0][idx] for x, idx in ((p.q, qi), (p.k, ki), (p.v, ki)))  # [n, S, H, D], bshd
+    q, k, v = (np.take(x.array[0], idx, axis=0, out=aligned_empty(idx.shape + x.array.shape[2:], x.array.dtype))
+               for x, idx in ((p.q, qi), (p.k, ki), (p.v, ki)))  # [n, S, H, D], bshd, read in place
     desc = np.array([(ql, kl, *p.mask.clipped_coords(ql, kl)) for ql, kl in zip(q_len.tolist(), k_len.tolist())],
                     np.int32)
     o, l = module.run_rows(q, k, v, p.q.dtype, p.scale, desc, padded_keys=True)
