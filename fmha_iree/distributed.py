@@ -28,6 +28,8 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from .spec import _check_torch_kind
+
 __all__ = ["Block", "chunk_bounds", "shard_lengths", "shard_sequence", "unshard_sequence", "gather_sequence",
            "ring_blocks", "merge_attention", "context_parallel_attention"]
 
@@ -201,9 +203,7 @@ def _check_local(q, k, v, causal, scale, layout, return_lse, device) -> tuple[li
             raise ValueError(f"{name} must be 4-D ({layout}), got shape {list(x.shape)}")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
-        if x.requires_grad and torch.is_grad_enabled():
-            raise ValueError(f"{name} requires grad, but there is no backward pass: pass {name}.detach() or call "
-                             "under torch.no_grad()")
+        _check_torch_kind(x, name)  # meta / sparse / nested tensors, inputs that want a gradient
     (B, Hq, S, Dq), (Bk, Hk, Sk, Dk), (Bv, Hv, Sv, Dv) = (_bhsd_shape(x, layout) for x in (q, k, v))
     if (Bk, Bv) != (B, B) or (Hv, Sv) != (Hk, Sk) or Dk != Dq:
         raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} do not match q {list(q.shape)} ({layout}: "

@@ -1,11 +1,17 @@
-"""Shared by the benchmark scripts: median wall time of a call after one warm-up call, and the
-CUDA-event time of torch calls."""
+"""Shared by the benchmark scripts: median wall time of a call after one warm-up call, the
+CUDA-event time of torch calls, device / host times of fmha_iree calls, and the rows written
+as bench.json and bench.csv."""
 
+import csv
+import json
 import time
+from pathlib import Path
 
 
-def median_time(fn, reps: int) -> float:
-    fn()  # warm-up (compile / load)
+def median_time(fn, reps: int, warmup: bool = True) -> float:
+    """Median seconds of ``reps`` calls, after one warm-up call (compile / load) unless told not."""
+    if warmup:
+        fn()
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -62,3 +68,16 @@ def host_time(fn, reps: int) -> float:
     t1 = time.perf_counter()
     _wait_last(res)
     return (t1 - t0) / reps
+
+
+def write_rows(out_dir, rows: list[dict]):
+    """``rows`` as ``out_dir/bench.json`` and ``out_dir/bench.csv`` (one column per key of any
+    row; list values JSON-encoded)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(rows, indent=2))
+    keys = sorted({k for r in rows for k in r})
+    with open(out / "bench.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows({k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in rows)

@@ -22,7 +22,6 @@ graphs; a run prints and records them. """
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _timing import cuda_time, median_time
+from _timing import cuda_time, device_time, host_time, median_time, write_rows
 
 
 def _row(B, Hq, Hk, Sq, D, mask="0", dtype="f16", Sk=None, label="", modules="any", flex=True):
@@ -156,37 +155,6 @@ def _flex_time(q, k, v, mask, reps):
         return None
 
 
-def _host_time(call, reps):
-    """Host seconds to issue one call (GPU calls return before the GPU is done)."""
-    def last(res):
-        return (res[-1] if isinstance(res, tuple) else res).wait()
-
-    last(call())
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        res = call()
-    t1 = time.perf_counter()
-    last(res)
-    return (t1 - t0) / reps
-
-
-def _device_time(call, reps):
-    """Seconds per call of ``reps`` back-to-back calls on device-resident data (best of 3 blocks),
-    closed by a wait for the last result (GPU modules run asynchronously)."""
-    def last(res):
-        return (res[-1] if isinstance(res, tuple) else res).wait()
-
-    last(call())
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            res = call()
-        last(res)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
-
-
 def run(args):
     import torch
 
@@ -233,9 +201,9 @@ def run(args):
             qd, kd, vd = (fmha_iree.to_device(x, args.device) for x in (q, k, v))
             # timed like torch's SDPA: the output only; with the LSE as well in fmha_iree_lse_ms
             call = lambda: f(qd, kd, vd, mask=mask)  # noqa
-            t = _device_time(call, args.reps)
-            t_lse = _device_time(lambda: f(qd, kd, vd, mask=mask, return_lse=True), args.reps)
-            host = _host_time(call, args.reps)
+            t = device_time(call, args.reps)
+            t_lse = device_time(lambda: f(qd, kd, vd, mask=mask, return_lse=True), args.reps)
+            host = host_time(call, args.reps)
             out = call().to_torch()
         else:
             call = lambda: f(q, k, v, mask=mask)  # noqa
@@ -290,14 +258,8 @@ def main():
         for r in rows:
             r["iree_runtime_flags"] = flags
     if args.out:
+        write_rows(args.out, rows)
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(rows, indent=2))
-        keys = sorted({k for r in rows for k in r})
-        with open(out / "bench.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(rows)
         try:
             import matplotlib
 

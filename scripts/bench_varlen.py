@@ -39,7 +39,6 @@ and bench.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -48,7 +47,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _timing import cuda_time, device_time, host_time, median_time
+from _timing import cuda_time, device_time, host_time, median_time, write_rows
 from _varlen_peers import _pad, _starts, _torch_peers, _unpad
 
 HBM_TB_PER_S = 4.3  # the H200's HBM copy rate, the reference of the decode rows' GB/s
@@ -235,16 +234,6 @@ class Ours:
         return paged(d["q"], d["k_cache"], d["v_cache"]), "host"
 
 
-def _median(fn, reps):
-    """Median seconds of ``reps`` calls, no warm-up."""
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
-
-
 def _to_torch(out):
     return out.to_torch() if hasattr(out, "to_torch") else out
 
@@ -303,7 +292,7 @@ def run(args) -> list[dict]:
         elif c["mode"] == "padded":
             # batch mode on the padded batch is slow on the CPU (tens of seconds): half the calls, no
             # warm-up (the module is loaded; compiles still counted)
-            t, t_host = _median(fn, max(1, reps // 2)), None
+            t, t_host = median_time(fn, max(1, reps // 2), warmup=False), None
         else:
             t, t_host = median_time(fn, reps), None
         compiles = fmha_iree.cache_stats()["compiles"] - c0
@@ -452,15 +441,8 @@ def main():
     if rows:
         _table(rows)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(rows, indent=2))
-        keys = sorted({k for r in rows for k in r})
-        with open(out / "bench.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows({k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in rows)
-        print(f"wrote {out / 'bench.json'} and {out / 'bench.csv'}")
+        write_rows(args.out, rows)
+        print(f"wrote {Path(args.out) / 'bench.json'} and {Path(args.out) / 'bench.csv'}")
 
 
 if __name__ == "__main__":
