@@ -16,19 +16,20 @@ import threading
 
 import numpy as np
 
+from . import frames
 from .device import DeviceTensor, aligned_empty
 from .plan import Plan, Sequences, build_plan, units_budget
 from .runtime import dense_entry
 from .spec import BatchProblem, Operand
 
-__all__ = ["Route", "route", "dense_kind", "uses_fwd", "run_batch", "run_varlen", "prepare", "device_call_key",
+__all__ = ["Route", "route", "dense_kind", "uses_fwd", "run_batch", "run_varlen", "prepare", "device_call_key", "has_frames",
            "PreparedCalls"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """The path a batch-mode call takes: ``path`` is ``"fwd"``, ``"rows"``, ``"dense"``,
-    ``"causal"``, ``"window"`` or ``"plan"``; ``entry`` the module function that runs it (None for the plan's
+    """The path a batch-mode call takes: ``path`` is ``"fwd"``, ``"ragged"``, ``"rows"``,
+    ``"dense"``, ``"causal"``, ``"window"`` or ``"plan"``; ``entry`` the module function that runs it (None for the plan's
     ``init``/``step``/``finalize``); ``window`` the width of a ``"window"`` path; ``reason`` why
     this path and not an earlier one."""
 
@@ -135,6 +136,8 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
         entry = "rows_kpad" if (p.k_lens != p.sk).any() else "rows"
         return Route("rows", f"short queries (Sq={p.sq}, {p.batch * p.hq * p.sq * p.sk} scores): whole key rows, "
                              "each batch's own lengths and mask", entry)
+    if padded and has_frames(module, p.layout, p.dq, p.dv):
+        return Route("ragged", "cu_seqlen padding: one padded frame, each batch its own lengths and mask", "fwd_ragged")
     if padded:
         return Route("plan", "cu_seqlen padding: the tile plan reads each batch's own lengths")
     entry = None if kind is None else module.dense_entry(p.sq, p.sk, kind[0] == "causal", with_lse, p.batch, p.hk,
@@ -146,6 +149,12 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     if kind is not None:
         return Route(kind[0], f"{entry} takes Sq={p.sq}, Sk={p.sk} with this mask", entry, kind[1])
     return Route("plan", "the module has no fwd, and no one-call entry point takes these lengths and mask")
+
+
+def has_frames(module, layout: str, dq: int, dv: int) -> bool:
+    """Whether ``module`` runs ragged problems from ``layout`` tensors in one frame
+    (``fwd_ragged`` and its gathers, :mod:`fmha_iree.frames`)."""
+    return module is not None and hasattr(module, "lacks") and not frames.frame_functions(module, layout, dq, dv)
 
 
 def uses_fwd(p: BatchProblem, module) -> bool:
@@ -174,7 +183,13 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
     queries in ``rows`` calls (:func:`short_sequences`, each call a batch of them padded to its
     longest), the others in the tile plan."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
-    module = get_module() if p.sq and p.sk and not p.q.on_device else None
+    module = get_module() if p.sq and p.sk else None
+    if has_frames(module, "bshd", p.dq, p.dv):
+        out, lse = _varlen_frame(p, starts, module)
+        out = _wrap(out, p.q, p.q.dtype)
+        return (out, _wrap(lse, p.q, "f32")) if return_lse else out
+    if p.q.on_device:
+        module = None
     short = short_sequences(p, q_len, k_len) if getattr(module, "has_rows", False) else []
     long = np.ones(len(q_len), bool)
     for group in short:
@@ -186,6 +201,16 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
         _rows_group(p, module, group, starts, out, lse)
     out = _wrap(out, p.q, p.q.dtype)
     return (out, _wrap(lse, p.q, "f32")) if return_lse else out
+
+
+def _varlen_frame(p: BatchProblem, starts, module):
+    """Group mode as one frame (:func:`frames.group_frame`): ``out [Tq, Hq, Dv]``, ``lse [Hq, total]``."""
+    frame = frames.group_frame(p.mask, starts, p.sq)
+    if frame.empty:
+        return _empty_result(p, (p.sq, p.hq, p.dv), (p.hq, starts[-1]))
+    out, lse = frames.run_frame(module, frame, p.q.array, p.k.array, p.v.array, dtype=p.q.dtype, scale=p.scale,
+                                src_layout="bshd", keep=p.q.on_device)
+    return out.reshape((p.sq, p.hq, p.dv)), lse.reshape((p.hq, starts[-1]))
 
 
 def short_sequences(p: BatchProblem, q_len: np.ndarray, k_len: np.ndarray) -> list[np.ndarray]:
@@ -248,6 +273,14 @@ def _runner(p: BatchProblem, r: Route, module, return_lse: bool, keep: bool):
     if r.path == "fwd":
         coords = p.mask.clipped_coords(p.sq, p.sk)
         return lambda q, k, v: module.run_fwd(q, k, v, dtype, scale, coords, keep_on_device=keep)
+    if r.path == "ragged":
+        frame = frames.batch_frame(p.mask, p.q_lens, p.k_lens, p.sq, p.sk)
+        if frame.empty:
+            lse_shape = (p.batch, p.hq, p.sq)
+            out_shape = (p.batch, p.hq, p.sq, p.dv) if layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
+            return lambda q, k, v: _empty_result(p, out_shape, lse_shape)
+        return lambda q, k, v: frames.run_frame(module, frame, q, k, v, dtype=dtype, scale=scale, src_layout=layout,
+                                                keep=keep)
     if r.path == "rows":
         desc, padded = rows_desc(p), r.entry == "rows_kpad"
         return lambda q, k, v: module.run_rows(q, k, v, dtype, scale, desc, padded_keys=padded, keep_on_device=keep)

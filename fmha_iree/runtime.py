@@ -293,6 +293,15 @@ class FmhaModule:
             (out, lse), fence = self._call("rows_kpad" if padded_keys else "rows", args, 2)
             return self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
 
+    def call(self, fn: str, tensors, *, scalars: tuple = (), results=(), keep_on_device: bool = False) -> list:
+        """One call of the exported ``fn``: ``tensors`` as (array or DeviceTensor, dtype) pairs,
+        then ``scalars`` (floats as f32, ints as i64); returns its first ``len(results)`` results
+        with those dtypes (the rest dropped), numpy or DeviceTensors with ``keep_on_device``."""
+        with self._lock:
+            args = [self._put(x, dtype) for x, dtype in tensors]
+            rets, fence = self._call(fn, args, len(results), scalars=scalars)
+            return [self._result(bv, fence, dtype, keep_on_device) for bv, dtype in zip(rets, results)]
+
     def run_fwd(self, q, k, v, dtype: str, scale: float, coords: tuple[int, int], *, keep_on_device: bool = False):
         """One ``fwd`` call: q/k/v in the module's layout (4-D), ``coords`` CK's (y, x) for this
         problem, already clipped to the lengths (``Mask.clipped_coords``). Returns (out, lse [B, Hq, Sq])."""

@@ -19,6 +19,12 @@ instead of 1.04 ms); keys of the window outside the edge are masked out. A windo
 Keys outside the union are never read: CK's ``GetTileRangeAlongX`` at the group's granularity.
 The same formulas run on the host (the exported function's index arithmetic, per group) and on
 the device (the mask generator, per element), so the two agree by construction.
+
+A ragged frame (``fwd_ragged``: each batch its own lengths and coordinates) cuts with two sets of
+coordinates (``Coords``): the interior uses the tightest (the smallest ``y`` and ``x``, keys below
+the smallest limit ``khi``), so that it holds keys every valid row of every batch sees; the union
+uses the loosest (the largest ``y``, ``x`` and ``khi``), so that it holds every key some valid row
+sees. The edges, masked per batch, cover the difference.
 """
 
 from __future__ import annotations
@@ -27,7 +33,24 @@ import dataclasses
 
 from .ir import Fn
 
-__all__ = ["Bounds", "group_bounds", "row_lo", "row_hi", "edge_window"]
+__all__ = ["Bounds", "Coords", "group_bounds", "row_lo", "row_hi", "edge_window"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Coords:
+    """SSA names (index) of the coordinates a cut uses: interior ``(y, x, khi)`` and union
+    ``(y_u, x_u, khi_u)``; ``khi`` None: no key limit below Sk (one batch-wide mask)."""
+
+    y: str
+    x: str
+    y_u: str
+    x_u: str
+    khi: str | None = None
+    khi_u: str | None = None
+
+    @classmethod
+    def uniform(cls, y: str, x: str) -> "Coords":
+        return cls(y, x, y, x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +76,14 @@ def row_hi(fn: Fn, s: str, x: str, sk: str) -> str:
     return fn.clamp(fn.add(s, x), 0, sk)
 
 
-def group_bounds(fn: Fn, *, g, rows: str, sq: str, sk: str, y: str, x: str, cols: int) -> Bounds:
+def group_bounds(fn: Fn, *, g, rows: str, sq: str, sk: str, co: Coords, cols: int) -> Bounds:
     """Ranges of group ``g`` (an index value or int) of ``rows`` rows; needs ``g * rows < sq``."""
     a = fn.mul(g, rows)
     b = fn.sub(fn.min(fn.add(a, rows), sq), 1)
-    lo_a, lo_b = row_lo(fn, a, y, sk), row_lo(fn, b, y, sk)
-    hi_a, hi_b = row_hi(fn, a, x, sk), row_hi(fn, b, x, sk)
+    lo_a, lo_b = row_lo(fn, a, co.y_u, sk), row_lo(fn, b, co.y, sk)
+    hi_a, hi_b = row_hi(fn, a, co.x, sk), row_hi(fn, b, co.x_u, sk)
+    if co.khi is not None:
+        hi_a, hi_b = fn.min(hi_a, co.khi), fn.min(hi_b, co.khi_u)
     span = fn.max(fn.sub(hi_a, lo_b), 0)
     n = fn.floordiv(span, cols)
     int_hi = fn.add(lo_b, fn.mul(n, cols))

@@ -40,6 +40,7 @@ arithmetic inside an execution region.)
 from __future__ import annotations
 
 from .attention import Operand
+from .bounds import Coords
 from .general_paths import body
 from .ir import Fn, tensor_type
 from .operands import Ctx, Plan, Tier
@@ -47,7 +48,8 @@ from .operands import Ctx, Plan, Tier
 __all__ = ["Tier", "Plan", "render_fwd"]
 
 def render_fwd(plan: Plan, func_name: str = "fwd") -> str:
-    """The MLIR text of ``util.func public @func_name`` (see the module docstring)."""
+    """The MLIR text of ``util.func public @func_name`` (see the module docstring; a ragged plan
+    gives ``fwd_ragged``'s signature)."""
     fn = Fn()
     p = plan
     T, D, DV = p.dtype, p.dq, p.dv
@@ -59,14 +61,22 @@ def render_fwd(plan: Plan, func_name: str = "fwd") -> str:
     b = bounded(fn.dim("%q", ty_q, 0))
     sq, hq = bounded(fn.dim("%q", ty_q, s_ax)), bounded(fn.dim("%q", ty_q, h_ax))
     sk, hk = bounded(fn.dim("%k", ty_k, s_ax)), bounded(fn.dim("%k", ty_k, h_ax))
-    y = fn.arith("arith.index_cast %y : i64 to index", "y")
-    x = fn.arith("arith.index_cast %x : i64 to index", "x")
+    idx = lambda name: fn.arith(f"arith.index_cast %{name} : i64 to index", name)  # noqa: E731
+    if p.ragged:
+        co = Coords(*(idx(n) for n in ("y", "x", "yu", "xu", "khi", "khiu")))
+    else:
+        co = Coords.uniform(idx("y"), idx("x"))
     scale = "%scale" if T == "f32" else fn.arith(f"arith.truncf %scale : f32 to {T}", "sc")
     kd = ("b0", "b1", "k2", "k1") if p.layout == "bhsd" else ("b0", "k2", "b1", "k1")
     vd = kd[:3] + ("n",)
-    c = Ctx(fn, p, b, hk, hq, sq, sk, y, x, scale, Operand("%k", ty_k, kd), Operand("%v", ty_v, vd), sk)
+    c = Ctx(fn, p, b, hk, hq, sq, sk, co, scale, Operand("%k", ty_k, kd), Operand("%v", ty_v, vd), sk,
+            desc="%desc" if p.ragged else None)
     results = body(c)
     names, types = ", ".join(n for n, _ in results), ", ".join(t for _, t in results)
-    args = f"%q: {ty_q}, %k: {ty_k}, %v: {ty_v}, %scale: f32, %y: i64, %x: i64"
+    if p.ragged:
+        args = (f"%q: {ty_q}, %k: {ty_k}, %v: {ty_v}, %desc: {tensor_type(['?', 4], 'i32')}, %scale: f32, "
+                "%y: i64, %x: i64, %yu: i64, %xu: i64, %khi: i64, %khiu: i64")
+    else:
+        args = f"%q: {ty_q}, %k: {ty_k}, %v: {ty_v}, %scale: f32, %y: i64, %x: i64"
     return (f"util.func public @{func_name}({args}) -> ({types}) {{\n" + fn.text()
             + f"\n  util.return {names} : {types}\n}}\n")

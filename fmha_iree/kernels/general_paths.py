@@ -18,7 +18,7 @@ from .bounds import Bounds, edge_window, group_bounds
 from .finalize import normalize_one, normalize_slots
 from .operands import Ctx, Tier, kv_operand, kv_padded, q_padded
 from .ir import tensor_type as _ty
-from .masks import MASK_TYPE, edge_masks
+from .masks import MASK_TYPE, RAGGED_MASK_TYPE, edge_masks, mask_type
 from .state import State, fresh_outs, new_state
 
 __all__ = ["body"]
@@ -30,7 +30,7 @@ class _Carry:
     per piece and edge for split-KV), and the edges' mask tiles (read only)."""
 
     state: State
-    mask: str  # [groups, 2, M, W]
+    mask: str  # [groups, 2, M, W] ([B, groups, 2, M, W] ragged)
 
     def names(self) -> list[str]:
         return self.state.names()
@@ -114,7 +114,7 @@ def _groups_host(c: Ctx, tier: Tier, n: int) -> _Groups:
     width, any_left = fn.c(p.cols), fn.cmp("slt", fn.c(1), fn.c(0))
     for g in range(n):
         live = fn.cmp("slt", fn.mul(g, rows), c.sq)
-        bd = group_bounds(fn, g=g, rows=rows, sq=c.sq, sk=c.sk, y=c.y, x=c.x, cols=p.cols)
+        bd = group_bounds(fn, g=g, rows=rows, sq=c.sq, sk=c.sk, co=c.co, cols=p.cols)
         bounds.append(bd)
         k2.append(fn.assume_div(fn.mul(fn.select(live, bd.n_cols, 0), p.cols), p.cols))
         wr, wl = _window(c, bd.right_lo, bd.right_hi, live), _window(c, bd.left_lo, bd.left_hi, live)
@@ -131,7 +131,7 @@ def _pieces_host(c: Ctx, tier: Tier) -> _Pieces:
     L = p.cols
     m_pad = fn.round_up(fn.mul(c.sq, p.group), tier.tile_rows)
     m = fn.assume_div(m_pad, tier.tile_rows)
-    bd = group_bounds(fn, g=0, rows=c.sq, sq=c.sq, sk=c.sk, y=c.y, x=c.x, cols=L)
+    bd = group_bounds(fn, g=0, rows=c.sq, sq=c.sq, sk=c.sk, co=c.co, cols=L)
     wgs = fn.mul(fn.mul(c.b, c.hk), fn.floordiv(m_pad, tier.tile_rows))
     pieces = fn.clamp(fn.ceildiv(p.split_target, fn.max(wgs, 1)), 1, fn.min(fn.max(bd.n_cols, 1), p.max_split))
     per_cols = fn.floordiv(bd.n_cols, pieces)
@@ -154,13 +154,19 @@ def _masked(c: Ctx, tier: Tier, cr: _Carry, *, qp: str, lo: str, w: str, m: str,
     offs, sizes, chained = outs_at
 
     def region():
-        tile = _ty(["?", "?"], "i1")
         _, g, e = where
-        mv = fn.let(f"tensor.extract_slice {cr.mask}[{g}, {e}, 0, 0] [1, 1, {m}, {w}] [1, 1, 1, 1] : {MASK_TYPE} to {tile}", "ms")
+        if c.desc is None:
+            tile, dims = _ty(["?", "?"], "i1"), ("m", "k2")
+            mv = fn.let(f"tensor.extract_slice {cr.mask}[{g}, {e}, 0, 0] [1, 1, {m}, {w}] [1, 1, 1, 1] "
+                        f": {MASK_TYPE} to {tile}", "ms")
+        else:  # each batch its own tile
+            tile, dims = _ty(["?", "?", "?"], "i1"), ("b0", "m", "k2")
+            mv = fn.let(f"tensor.extract_slice {cr.mask}[0, {g}, {e}, 0, 0] [{c.b}, 1, 1, {m}, {w}] [1, 1, 1, 1, 1] "
+                        f": {RAGGED_MASK_TYPE} to {tile}", "ms")
         outs = (cr.state.rows(fn, offs, sizes, ("b0", "b1", "m")) if chained
                 else fresh_outs(fn, [c.b, c.hk, m], ("b0", "b1", "m"), c.p.dv))
         res = _attend(c, tier, _q_rows(c, qp, row0, m), kv_operand(c, "k", lo, w), kv_operand(c, "v", lo, w), outs, 2,
-                      mask=Operand(mv, tile, ("m", "k2")))
+                      mask=Operand(mv, tile, dims))
         return cr.state.insert(fn, res, offs, sizes)
 
     return fn.dispatch(cr.results(), region)
@@ -231,7 +237,7 @@ def body(c: Ctx) -> list[tuple[str, str]]:
     # the group count: groups of at least p.rows state rows (rows * G), and enough that one
     # group's op fills the GPU (B * Hk * rows * G / tile_rows >= fill_wgs); a single group when
     # no row is limited
-    unlimited = fn.andi(fn.cmp("sge", c.y, c.sq), fn.cmp("sge", c.x, c.sk))
+    unlimited = fn.andi(fn.cmp("sge", c.co.y, c.sq), fn.cmp("sge", c.co.x, c.sk))
     fill = fn.ceildiv(fn.c(p.fill_wgs * main.tile_rows), fn.mul(fn.mul(c.b, c.hk), p.group))
     target = fn.max(fn.c(-(-p.rows // p.group)), fill)
     need = fn.select(unlimited, fn.c(1), fn.ceildiv(c.sq, target))
@@ -275,7 +281,7 @@ def scratch_types(p) -> list[str]:
     """Types of the tensors a path works in, returned after ``out`` and ``lse``: padded Q, the
     edge masks, the state (acc, max, sum)."""
     st = State("", "", "", ("", "", "", ""), p.dv)
-    return [_ty(["?", "?", "?", p.dq], p.dtype), MASK_TYPE, *st.types()]
+    return [_ty(["?", "?", "?", p.dq], p.dtype), mask_type(p.ragged), *st.types()]
 
 
 def _groups_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
@@ -283,8 +289,7 @@ def _groups_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     defines its own tensors, so a call's work is one execution region whose allocations wait on
     nothing but the call's inputs)."""
     fn, p = c.fn, c.p
-    mask = edge_masks(fn, groups=h.groups, rows=h.rows, m_rows=h.m, width=h.width, group=p.group, sq=c.sq, sk=c.sk,
-                      y=c.y, x=c.x, cols=p.cols, anchor=(c.k.name, c.k.type, p.dtype), limit=c.limit)
+    mask = edge_masks(c, groups=h.groups, rows=h.rows, m_rows=h.m, width=h.width)
     qp = q_padded(c, "%q", h.m_pad)
     cr = _prefill(c, tier, h, qp, _Carry(new_state(fn, [c.b, c.hk, fn.opaque(1), h.m_pad], p.dv), mask), left)
     out, _, lse, _ = normalize_one(fn, cr.state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout,
@@ -302,8 +307,7 @@ def _padded_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
 def _split_path(c: Ctx, tier: Tier, h: _Pieces, tag: str, rest: bool) -> list[str]:
     """The whole call as one group split over the keys (``_split``), slots combined at the end."""
     fn, p = c.fn, c.p
-    mask = edge_masks(fn, groups=fn.c(1), rows=c.sq, m_rows=h.m, width=h.width, group=p.group, sq=c.sq, sk=c.sk,
-                      y=c.y, x=c.x, cols=p.cols, anchor=(c.k.name, c.k.type, p.dtype), limit=c.limit)
+    mask = edge_masks(c, groups=fn.c(1), rows=c.sq, m_rows=h.m, width=h.width)
     qp = q_padded(c, "%q", h.m_pad)
     cr = _split(c, tier, h, qp, _Carry(new_state(fn, [c.b, c.hk, h.n_slots, h.m_pad], p.dv), mask), tag, rest)
     out, _, lse, _ = normalize_slots(fn, cr.state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout)

@@ -1,33 +1,55 @@
 """The one place that emits visibility masks: every edge's ``[M, W]`` i1 tile, in one tensor
-``[groups, 2, M, W]`` computed by one dispatch before the control flow.
+``[groups, 2, M, W]`` (``[B, groups, 2, M, W]`` in a ragged frame) computed by one dispatch
+before the control flow.
 
 Element ``(g, e, m, j)`` says whether row ``s = g * rows + m // G`` of the sequence sees key
 ``start + j``, where ``start`` is the aligned window of the group's right edge (``e = 0``) or left
 edge (``e = 1``) (``bounds.group_bounds``, ``bounds.edge_window``; CK's rule ``lo(s) <= j < hi(s)``,
-and only keys of the edge itself). Rows past ``Sq`` (tile padding) see nothing.
+and only keys of the edge itself). Rows past ``Sq`` (tile padding) see nothing. In a ragged frame
+element ``(b, g, e, m, j)`` applies batch ``b``'s own rule from its descriptor row ``(qlen, klen,
+y, x)``: rows past ``qlen`` and keys past ``klen`` are never seen.
 
-The generator reads one element of an input (``anchor``) and folds it into its result in a way
-that is always true: with no tensor input IREE 3.13 recomputes the whole tensor at every edge
+The uniform generator reads one element of an input (``anchor``) and folds it into its result in a
+way that is always true: with no tensor input IREE 3.13 recomputes the whole tensor at every edge
 that uses it (its producers are cloned into consumers), and an input it does not use is dropped.
+(The ragged one reads its descriptor.)
 """
 
 from __future__ import annotations
 
 from .bounds import edge_window, group_bounds, row_hi, row_lo
 from .ir import Fn, tensor_type
+from .operands import Ctx
 
-__all__ = ["MASK_TYPE", "edge_masks"]
+__all__ = ["MASK_TYPE", "RAGGED_MASK_TYPE", "mask_type", "edge_masks"]
 
 MASK_TYPE = tensor_type(["?", 2, "?", "?"], "i1")
+RAGGED_MASK_TYPE = tensor_type(["?", "?", 2, "?", "?"], "i1")
 _BITS = {"f16": "i16", "bf16": "i16", "f32": "i32"}
 
 
-def edge_masks(fn: Fn, *, groups: str, rows: str, m_rows: str, width: str, group: int, sq: str, sk: str,
-               y: str, x: str, cols: int, anchor: tuple[str, str, str], limit: str) -> str:
-    """Emit the generator; ``anchor`` is (value, type, element type) of a rank-4 input, ``width``
-    a proven multiple of ``cols`` (the edges' windows are), ``limit`` the keys those windows may
-    reach. Returns the ``[groups, 2, m_rows, width]`` mask."""
-    a, a_ty, elt = anchor
+def mask_type(ragged: bool) -> str:
+    return RAGGED_MASK_TYPE if ragged else MASK_TYPE
+
+
+def _edge_rule(c: Ctx, g: str, e: str, m: str, j: str, rows: str) -> tuple[str, str, str, str]:
+    """(row s, key jj, the edge's own range lo, hi) of element ``(g, e, m, j)``."""
+    fn = c.fn
+    bd = group_bounds(fn, g=g, rows=rows, sq=c.sq, sk=c.sk, co=c.co, cols=c.p.cols)
+    s = fn.add(bd.first, fn.floordiv(m, c.p.group))
+    right = fn.cmp("eq", e, 0)
+    lo, hi = fn.select(right, bd.right_lo, bd.left_lo), fn.select(right, bd.right_hi, bd.left_hi)
+    jj = fn.add(edge_window(fn, lo, hi, c.limit, c.p.cols)[0], j)
+    return s, jj, lo, hi
+
+
+def edge_masks(c: Ctx, *, groups: str, rows: str, m_rows: str, width: str) -> str:
+    """Emit the generator of the ``[groups, 2, m_rows, width]`` mask (``[B, ...]`` ragged) for
+    groups of ``rows`` rows; ``width`` a proven multiple of ``cols`` (the edges' windows are)."""
+    if c.desc is not None:
+        return _ragged_masks(c, groups=groups, rows=rows, m_rows=m_rows, width=width)
+    fn, elt = c.fn, c.p.dtype
+    a, a_ty = c.k.name, c.k.type
     bits = _BITS[elt]
 
     def region():
@@ -40,13 +62,9 @@ def edge_masks(fn: Fn, *, groups: str, rows: str, m_rows: str, width: str, group
         with fn.region(f"    ins({one} : tensor<{elt}>) outs({empty} : {MASK_TYPE}) {{", f"}} -> {MASK_TYPE}"), fn.local():
             fn.emit(f"^bb0(%mask_anchor: {elt}, %mask_out: i1):")
             g, e, m, j = (fn.let(f"linalg.index {i} : index", "ix") for i in range(4))
-            bd = group_bounds(fn, g=g, rows=rows, sq=sq, sk=sk, y=y, x=x, cols=cols)
-            s = fn.add(bd.first, fn.floordiv(m, group))
-            right = fn.cmp("eq", e, 0)
-            lo, hi = fn.select(right, bd.right_lo, bd.left_lo), fn.select(right, bd.right_hi, bd.left_hi)
-            jj = fn.add(edge_window(fn, lo, hi, limit, cols)[0], j)
-            ok = fn.andi(fn.andi(fn.cmp("slt", s, sq), fn.cmp("sge", jj, fn.max(lo, row_lo(fn, s, y, sk)))),
-                         fn.cmp("slt", jj, fn.min(hi, row_hi(fn, s, x, sk))))
+            s, jj, lo, hi = _edge_rule(c, g, e, m, j, rows)
+            ok = fn.andi(fn.andi(fn.cmp("slt", s, c.sq), fn.cmp("sge", jj, fn.max(lo, row_lo(fn, s, c.co.y, c.sk)))),
+                         fn.cmp("slt", jj, fn.min(hi, row_hi(fn, s, c.co.x, c.sk))))
             ab = fn.let(f"arith.bitcast %mask_anchor : {elt} to {bits}", "ab")
             one_b = fn.let(f"arith.constant 1 : {bits}", "ab")
             zero_b = fn.let(f"arith.constant 0 : {bits}", "ab")
@@ -55,3 +73,31 @@ def edge_masks(fn: Fn, *, groups: str, rows: str, m_rows: str, width: str, group
         return [out]
 
     return fn.dispatch([(MASK_TYPE, [groups, m_rows, width])], region)[0]
+
+
+def _ragged_masks(c: Ctx, *, groups: str, rows: str, m_rows: str, width: str) -> str:
+    fn = c.fn
+    d_ty = tensor_type(["?", 4], "i32")
+    d5 = "d0, d1, d2, d3, d4"
+    par = ", ".join(['"parallel"'] * 5)
+
+    def region():
+        empty = fn.let(f"tensor.empty({c.b}, {groups}, {m_rows}, {width}) : {RAGGED_MASK_TYPE}", "me")
+        out = fn.fresh("mask")
+        cols = ", ".join(f"affine_map<({d5}) -> (d0, {i})>" for i in range(4))
+        fn.emit(f"{out} = linalg.generic {{indexing_maps = [{cols}, affine_map<({d5}) -> ({d5})>], "
+                f"iterator_types = [{par}]}}")
+        ins = ", ".join([c.desc] * 4)
+        with fn.region(f"    ins({ins} : {', '.join([d_ty] * 4)}) outs({empty} : {RAGGED_MASK_TYPE}) {{",
+                       f"}} -> {RAGGED_MASK_TYPE}"), fn.local():
+            fn.emit("^bb0(%rq: i32, %rk: i32, %ry: i32, %rx: i32, %mask_out: i1):")
+            ql, kl, yb, xb = (fn.let(f"arith.index_cast {v} : i32 to index", "rd") for v in ("%rq", "%rk", "%ry", "%rx"))
+            g, e, m, j = (fn.let(f"linalg.index {i} : index", "ix") for i in range(1, 5))
+            s, jj, lo, hi = _edge_rule(c, g, e, m, j, rows)
+            hi = fn.min(hi, fn.min(row_hi(fn, s, xb, c.sk), kl))
+            ok = fn.andi(fn.andi(fn.cmp("slt", s, ql), fn.cmp("sge", jj, fn.max(lo, row_lo(fn, s, yb, c.sk)))),
+                         fn.cmp("slt", jj, hi))
+            fn.emit(f"linalg.yield {ok} : i1")
+        return [out]
+
+    return fn.dispatch([(RAGGED_MASK_TYPE, [c.b, groups, m_rows, width])], region)[0]

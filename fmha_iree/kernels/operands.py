@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from .attention import Operand
+from .bounds import Coords
 from .elementwise import copy_attrs
 from .ir import Fn, tensor_type
 
@@ -41,6 +42,7 @@ class Plan:
     split_below: int = 96  # a single group with fewer workgroups than this takes split-KV
     split_target: int = 512  # workgroups split-KV aims for
     max_split: int = 64
+    ragged: bool = False  # fwd_ragged: each batch its own lengths and mask (a descriptor per batch)
 
 
 @dataclasses.dataclass
@@ -54,12 +56,12 @@ class Ctx:
     hq: str
     sq: str
     sk: str
-    y: str
-    x: str
+    co: Coords  # the coordinates the cut uses (one (y, x) pair, or a ragged frame's two)
     scale: str
     k: Operand
     v: Operand
     limit: str  # keys of k / v that can be read (Sk, or the padded length of padded copies)
+    desc: str | None = None  # ragged: [B, 4] i32 (qlen, klen, y, x) per batch
 
 
 def _ty(shape, elt):

@@ -1,0 +1,134 @@
+"""Ragged problems on a module's ``fwd_ragged``: batches with cu_seqlen padding, group mode, paged
+KV caches, each as one padded frame on the device.
+
+A frame is a batch ``[B, Sq_f, H, D]`` (the module's layout) with one row of sequences per batch
+entry: ``Sq_f`` / ``Sk_f`` the longest query and key counts, each sequence left-aligned, its rows
+and keys past its own lengths zero. Three gathers build and read it (``kernels.frames``): the
+index arrays below say which source row lands in each frame row (for a paged cache the block table
+does), so a new batch composition changes data, never the module. ``fwd_ragged`` then runs every
+sequence with its own lengths and mask (``kernels.bounds``: the interior shared by all, edges
+masked per sequence), and the last gathers put its rows where the caller expects them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .kernels.frames import pack_name, unpack_name
+
+__all__ = ["Frame", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_rows", "run_frame",
+           "frame_functions"]
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """Index arrays and ``fwd_ragged``'s arguments for one ragged call."""
+
+    q_idx: np.ndarray  # [B, Sq_f] int32: source row of each frame query row, -1 none
+    k_idx: np.ndarray  # [B, Sk_f] int32: source row of each frame key
+    desc: np.ndarray  # [B, 4] int32: (qlen, klen, y, x) per sequence
+    out_idx: np.ndarray  # [N, R] int32: frame row (b * Sq_f + s) of each output row, -1 none
+    lse_idx: np.ndarray  # [N, R2] int32: frame row of each LSE column
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to compute: no query row or no key in any sequence."""
+        return not (self.desc[:, 0] > 0).any() or self.k_idx.shape[1] == 0
+
+    def coords(self) -> tuple[int, ...]:
+        return ragged_coords(self.desc, self.q_idx.shape[1], self.k_idx.shape[1])
+
+
+def ragged_coords(desc: np.ndarray, sq_f: int, sk_f: int) -> tuple[int, int, int, int, int, int]:
+    """``fwd_ragged``'s ``(y, x, yu, xu, khi, khiu)``: the interior's coordinates (the tightest of
+    the sequences with a query row) and the union's (the loosest). A sequence whose every row sees
+    keys from 0 counts as ``y = Sq_f + 1``; one whose rows all reach its key count as
+    ``x = Sk_f + 1`` with its key count as a limit (``khi``); so is one whose last row would reach
+    past its keys."""
+    ql, kl, y, x = (desc[:, i].astype(np.int64) for i in range(4))
+    live = ql > 0
+    ql, kl, y, x = ql[live], kl[live], y[live], x[live]
+    y_eff = np.where(y >= ql, sq_f + 1, y)
+    reach_all = x >= kl
+    x_eff = np.where(reach_all, sk_f + 1, x)
+    binds = reach_all | (ql - 1 + x > kl)
+    khi = int(kl[binds].min()) if binds.any() else sk_f
+    return int(y_eff.min()), int(x_eff.min()), int(y_eff.max()), int(x_eff.max()), khi, int(kl.max())
+
+
+def frame_rows(starts: np.ndarray, lens: np.ndarray, width: int) -> np.ndarray:
+    """``[B, width]`` int32: ``starts[b] + j`` for ``j < lens[b]``, else -1."""
+    j = np.arange(width, dtype=np.int64)
+    rows = np.asarray(starts, np.int64)[:, None] + j
+    return np.where(j < np.asarray(lens, np.int64)[:, None], rows, -1).astype(np.int32)
+
+
+def paged_rows(block_table: np.ndarray, page_size: int, lens: np.ndarray, width: int) -> np.ndarray:
+    """``[B, width]`` int32: the flat cache row (``page * page_size + offset``) of each sequence's
+    key ``j < lens[b]`` (page ``block_table[b, j // page_size]``), else -1."""
+    j = np.arange(width, dtype=np.int64)
+    cols = np.minimum(j // page_size, block_table.shape[1] - 1)
+    rows = block_table.astype(np.int64)[:, cols] * page_size + j % page_size
+    return np.where(j < np.asarray(lens, np.int64)[:, None], rows, -1).astype(np.int32)
+
+
+def _descs(mask, q_len: np.ndarray, k_len: np.ndarray) -> np.ndarray:
+    desc = np.zeros((len(q_len), 4), np.int32)
+    for b, (ql, kl) in enumerate(zip(q_len.tolist(), k_len.tolist())):
+        desc[b] = (ql, kl, *mask.clipped_coords(ql, kl))
+    return desc
+
+
+def _out_rows(q_len: np.ndarray, sq_f: int, dest: np.ndarray, total: int) -> np.ndarray:
+    """``[1, total]`` int32: the frame row of each destination row (``dest[b] + i`` for query
+    ``i`` of sequence ``b``), -1 elsewhere."""
+    idx = np.full(total, -1, np.int64)
+    b = np.repeat(np.arange(len(q_len)), q_len)
+    i = np.arange(int(q_len.sum())) - np.repeat(np.cumsum(q_len) - q_len, q_len)
+    idx[np.asarray(dest, np.int64)[b] + i] = b * sq_f + i
+    return idx.astype(np.int32)[None]
+
+
+def batch_frame(mask, q_len: np.ndarray, k_len: np.ndarray, sq: int, sk: int) -> Frame:
+    """A batch ``[B, Sq, ...]`` with cu_seqlen padding: batch ``b``'s rows ``q_len[b]`` and keys
+    ``k_len[b]``; the output keeps the batch's shape (padded rows 0, their LSE -inf)."""
+    q_len, k_len = np.asarray(q_len, np.int64), np.asarray(k_len, np.int64)
+    sq_f, sk_f = int(q_len.max(initial=0)), int(k_len.max(initial=0))
+    batch = np.arange(len(q_len))
+    out = frame_rows(batch * sq_f, q_len, sq)
+    return Frame(frame_rows(batch * sq, q_len, sq_f), frame_rows(batch * sk, k_len, sk_f), _descs(mask, q_len, k_len),
+                 out, out)
+
+
+def group_frame(mask, starts, total_rows: int, k_idx: np.ndarray | None = None) -> Frame:
+    """Group mode's sequences (``spec.check_varlen``'s starts) over packed ``[1, T, H, D]``
+    tensors; ``k_idx`` replaces the keys' rows (a paged cache's, ``paged_rows``)."""
+    q_start, q_len, k_start, k_len, lse_start, total_q = starts
+    sq_f, sk_f = int(q_len.max(initial=0)), int(k_len.max(initial=0))
+    keys = frame_rows(k_start, k_len, sk_f) if k_idx is None else k_idx
+    return Frame(frame_rows(q_start, q_len, sq_f), keys, _descs(mask, q_len, k_len),
+                 _out_rows(q_len, sq_f, q_start, total_rows), _out_rows(q_len, sq_f, lse_start, total_q))
+
+
+def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, src_layout: str, keep: bool):
+    """``frame`` on ``module`` from ``q`` / ``k`` / ``v`` (rank 4 in ``src_layout``; ABI arrays or
+    DeviceTensors). Returns (out ``[N, R, Hq, Dv]`` in ``src_layout``, lse ``[N, Hq, R]``), numpy or
+    DeviceTensors with ``keep``."""
+    dq, dv = q.shape[-1], v.shape[-1]
+    i32 = lambda a: (np.ascontiguousarray(a, np.int32), "i32")  # noqa: E731
+    qf, = module.call(pack_name(src_layout, dq), [(q, dtype), i32(frame.q_idx)], results=[dtype], keep_on_device=True)
+    kf, = module.call(pack_name(src_layout, dq), [(k, dtype), i32(frame.k_idx)], results=[dtype], keep_on_device=True)
+    vf, = module.call(pack_name(src_layout, dv), [(v, dtype), i32(frame.k_idx)], results=[dtype], keep_on_device=True)
+    out, lse = module.call("fwd_ragged", [(qf, dtype), (kf, dtype), (vf, dtype), i32(frame.desc)],
+                           scalars=(float(scale), *frame.coords()), results=[dtype, "f32"], keep_on_device=True)
+    o, = module.call(unpack_name(src_layout, dv), [(out, dtype), i32(frame.out_idx)], results=[dtype],
+                     keep_on_device=keep)
+    l, = module.call("unpack_lse", [(lse, "f32"), i32(frame.lse_idx)], results=["f32"], keep_on_device=keep)
+    return o, l
+
+
+def frame_functions(module, layout: str, dq: int, dv: int) -> list[str]:
+    """The functions a ragged call in ``layout`` needs that ``module`` lacks."""
+    names = ["fwd_ragged", "unpack_lse", pack_name(layout, dq), pack_name(layout, dv), unpack_name(layout, dv)]
+    return module.lacks(names)
