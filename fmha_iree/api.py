@@ -6,9 +6,10 @@ import threading
 
 from . import compile as _compile
 from .device import DeviceTensor, get_device
-from .dispatch import PreparedCalls, Route, device_call_key, prepare, route as _route, run_batch, run_varlen
+from .dispatch import (PreparedCalls, Route, device_call_key, prepare, route as _route, run_batch, run_paged,
+                       run_varlen)
 from .runtime import FmhaModule
-from .paged import paged_args
+from .paged import check_paged
 from .source import dense_abi, dense_params, entry_points
 from .spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
 from .targets import resolve_device
@@ -34,7 +35,7 @@ class LoadedModules:
         if mod is None:
             vmfb = _compile.get_vmfb(spec)
             mod = FmhaModule(vmfb, device_uri, spec.module_name, typed_bf16=spec.target.backend != "llvm-cpu",
-                             dense=dense_abi(spec))
+                             dense=dense_abi(spec), layout=spec.layout)
             missing = mod.lacks(entry_points(spec))
             if missing:  # the cache checked the bytes and their spec: this would be a build fault
                 raise RuntimeError(f"module {spec.module_name} lacks the entry points {missing} of its spec")
@@ -213,14 +214,16 @@ def fmha_fwd_varlen(
     float32 ``[Hq, seqstart_q[-1]]`` indexed by the unpadded starts. One compiled module serves any
     number of sequences and any lengths.
     """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if block_table is not None:
-        k, v, seqstart_k, seqlen_k = paged_args(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
+        cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
+        return run_paged(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, return_lse=return_lse,
+                         modules=lambda p: _compiled(p, tiles, device))
     p, (q_start, q_len, k_start, k_len, lse_start, total_q) = check_varlen(
         q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
         seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale,
     )
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     tiles, get_module, family = _compiled(p, tiles, device)
     return run_varlen(p, (q_start, q_len, k_start, k_len, lse_start, total_q), return_lse, tiles, get_module, family)
 

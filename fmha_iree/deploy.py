@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .dispatch import PreparedCalls, Route, device_call_key, prepare, route, run_batch, run_varlen
-from .paged import paged_args
+from .dispatch import PreparedCalls, Route, device_call_key, prepare, route, run_batch, run_paged, run_varlen
+from .paged import check_paged
 from .runtime import FmhaModule
 from .spec import check_batch, check_varlen
 from .targets import resolve_device
@@ -66,14 +66,19 @@ class DeployedFmha:
         pr = self.manifest["problem"]
         if pr["layout"] != "bshd":
             raise ValueError(f"group mode needs a module compiled with --layout bshd; this one has layout {pr['layout']!r}")
+        mask = pr.get("mask") if mask is None else mask
+
+        def modules(p):
+            self._check(p, return_lse)
+            return self.tiles, lambda: self._module, self.manifest["target"]["family"]
+
         if block_table is not None:
-            k, v, seqstart_k, seqlen_k = paged_args(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k,
-                                                    block_table)
+            cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
+            return run_paged(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, return_lse=return_lse,
+                             modules=modules)
         p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
-                                 seqstart_padded_k=seqstart_padded_k, mask=pr.get("mask") if mask is None else mask,
-                                 scale=scale)
-        self._check(p, return_lse)
-        return run_varlen(p, starts, return_lse, self.tiles, lambda: self._module, self.manifest["target"]["family"])
+                                 seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale)
+        return run_varlen(p, starts, return_lse, *modules(p))
 
     def _batch(self, q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse):
         """A batch-mode call checked against the arguments' rules and the manifest."""
@@ -118,7 +123,7 @@ def load(path, device: str = "local-task") -> DeployedFmha:
         raise ValueError(f"{path} does not match its manifest's sha256 (damaged, or another module's file)")
     uri, _ = resolve_device(device)
     mod = FmhaModule(vmfb, uri, manifest["module"], dense=manifest.get("dense"),
-                     typed_bf16=manifest["target"]["backend"] != "llvm-cpu")
+                     typed_bf16=manifest["target"]["backend"] != "llvm-cpu", layout=manifest["problem"]["layout"])
     missing = mod.lacks(manifest.get("entry_points", ()))
     if missing:
         raise ValueError(f"{path} lacks the entry points its manifest lists: {missing}")

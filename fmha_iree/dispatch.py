@@ -17,12 +17,15 @@ import threading
 import numpy as np
 
 from . import frames
+from .frames import has_ragged
 from .device import DeviceTensor, aligned_empty
 from .plan import Plan, Sequences, build_plan, units_budget
 from .runtime import dense_entry
-from .spec import BatchProblem, Operand
+from .paged import PagedCache
+from .spec import BatchProblem, Operand, check_varlen
 
-__all__ = ["Route", "route", "dense_kind", "uses_fwd", "run_batch", "run_varlen", "prepare", "device_call_key", "has_frames",
+__all__ = ["Route", "route", "dense_kind", "uses_fwd", "run_batch", "run_varlen", "run_paged", "prepare", "device_call_key",
+           "has_ragged",
            "PreparedCalls"]
 
 
@@ -136,7 +139,7 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
         entry = "rows_kpad" if (p.k_lens != p.sk).any() else "rows"
         return Route("rows", f"short queries (Sq={p.sq}, {p.batch * p.hq * p.sq * p.sk} scores): whole key rows, "
                              "each batch's own lengths and mask", entry)
-    if padded and has_frames(module, p.layout, p.dq, p.dv):
+    if padded and has_ragged(module, p.layout):
         return Route("ragged", "cu_seqlen padding: one padded frame, each batch its own lengths and mask", "fwd_ragged")
     if padded:
         return Route("plan", "cu_seqlen padding: the tile plan reads each batch's own lengths")
@@ -149,12 +152,6 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     if kind is not None:
         return Route(kind[0], f"{entry} takes Sq={p.sq}, Sk={p.sk} with this mask", entry, kind[1])
     return Route("plan", "the module has no fwd, and no one-call entry point takes these lengths and mask")
-
-
-def has_frames(module, layout: str, dq: int, dv: int) -> bool:
-    """Whether ``module`` runs ragged problems from ``layout`` tensors in one frame
-    (``fwd_ragged`` and its gathers, :mod:`fmha_iree.frames`)."""
-    return module is not None and hasattr(module, "lacks") and not frames.frame_functions(module, layout, dq, dv)
 
 
 def uses_fwd(p: BatchProblem, module) -> bool:
@@ -184,7 +181,7 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
     longest), the others in the tile plan."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     module = get_module() if p.sq and p.sk else None
-    if has_frames(module, "bshd", p.dq, p.dv):
+    if has_ragged(module, "bshd"):
         out, lse = _varlen_frame(p, starts, module)
         out = _wrap(out, p.q, p.q.dtype)
         return (out, _wrap(lse, p.q, "f32")) if return_lse else out
@@ -203,13 +200,40 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
     return (out, _wrap(lse, p.q, "f32")) if return_lse else out
 
 
-def _varlen_frame(p: BatchProblem, starts, module):
-    """Group mode as one frame (:func:`frames.group_frame`): ``out [Tq, Hq, Dv]``, ``lse [Hq, total]``."""
-    frame = frames.group_frame(p.mask, starts, p.sq)
+def run_paged(q, cache: PagedCache, seqstart_q, seqstart_padded_q, *, mask, scale, return_lse: bool, modules):
+    """Group mode over a paged cache (a checked :class:`paged.PagedCache`); ``modules(p)`` gives
+    (tiles, module getter, family) for the problem. A module with ragged frames gathers each
+    sequence's keys from its pages on the device; elsewhere they are gathered on the host into
+    packed K/V for :func:`run_varlen`."""
+    batch = len(cache.lens)
+    p, starts = check_varlen(q, cache.flat("k"), cache.flat("v"), seqstart_q, np.zeros(batch + 1, np.int64),
+                             seqlen_k=None, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=None, mask=mask,
+                             scale=scale)
+    tiles, get_module, family = modules(p)
+    if cache.on_device and family == "cpu":  # CPU modules have no frames: refused before compiling
+        raise TypeError("k_cache: CPU modules read a paged cache from host arrays (torch CPU tensors or numpy); "
+                        "got a DeviceTensor")
+    module = get_module() if p.sq and p.sk else None
+    if has_ragged(module, "bshd"):
+        starts = (*starts[:3], cache.lens, *starts[4:])
+        rows = frames.paged_rows(cache.block_table, cache.page_size, cache.lens, int(cache.lens.max(initial=0)))
+        out, lse = _varlen_frame(p, starts, module, rows)
+        out = _wrap(out, p.q, p.q.dtype)
+        return (out, _wrap(lse, p.q, "f32")) if return_lse else out
+    k, v, seqstart_k = cache.packed()
+    p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=None, seqstart_padded_q=seqstart_padded_q,
+                             seqstart_padded_k=None, mask=mask, scale=scale)
+    return run_varlen(p, starts, return_lse, *modules(p))
+
+
+def _varlen_frame(p: BatchProblem, starts, module, k_rows: np.ndarray | None = None):
+    """Group mode as one frame (:func:`frames.group_frame`; ``k_rows`` the keys' rows of a paged
+    cache): ``out [Tq, Hq, Dv]``, ``lse [Hq, total]``."""
+    frame = frames.group_frame(p.mask, starts, p.sq, k_rows)
     if frame.empty:
         return _empty_result(p, (p.sq, p.hq, p.dv), (p.hq, starts[-1]))
     out, lse = frames.run_frame(module, frame, p.q.array, p.k.array, p.v.array, dtype=p.q.dtype, scale=p.scale,
-                                src_layout="bshd", keep=p.q.on_device)
+                                keep=p.q.on_device)
     return out.reshape((p.sq, p.hq, p.dv)), lse.reshape((p.hq, starts[-1]))
 
 
@@ -279,8 +303,7 @@ def _runner(p: BatchProblem, r: Route, module, return_lse: bool, keep: bool):
             lse_shape = (p.batch, p.hq, p.sq)
             out_shape = (p.batch, p.hq, p.sq, p.dv) if layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
             return lambda q, k, v: _empty_result(p, out_shape, lse_shape)
-        return lambda q, k, v: frames.run_frame(module, frame, q, k, v, dtype=dtype, scale=scale, src_layout=layout,
-                                                keep=keep)
+        return lambda q, k, v: frames.run_frame(module, frame, q, k, v, dtype=dtype, scale=scale, keep=keep)
     if r.path == "rows":
         desc, padded = rows_desc(p), r.entry == "rows_kpad"
         return lambda q, k, v: module.run_rows(q, k, v, dtype, scale, desc, padded_keys=padded, keep_on_device=keep)

@@ -16,10 +16,8 @@ import dataclasses
 
 import numpy as np
 
-from .kernels.frames import pack_name, unpack_name
-
 __all__ = ["Frame", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_rows", "run_frame",
-           "frame_functions"]
+           "has_ragged"]
 
 @dataclasses.dataclass(frozen=True)
 class Frame:
@@ -111,24 +109,20 @@ def group_frame(mask, starts, total_rows: int, k_idx: np.ndarray | None = None) 
                  _out_rows(q_len, sq_f, q_start, total_rows), _out_rows(q_len, sq_f, lse_start, total_q))
 
 
-def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, src_layout: str, keep: bool):
-    """``frame`` on ``module`` from ``q`` / ``k`` / ``v`` (rank 4 in ``src_layout``; ABI arrays or
-    DeviceTensors). Returns (out ``[N, R, Hq, Dv]`` in ``src_layout``, lse ``[N, Hq, R]``), numpy or
-    DeviceTensors with ``keep``."""
-    dq, dv = q.shape[-1], v.shape[-1]
-    i32 = lambda a: (np.ascontiguousarray(a, np.int32), "i32")  # noqa: E731
-    qf, = module.call(pack_name(src_layout, dq), [(q, dtype), i32(frame.q_idx)], results=[dtype], keep_on_device=True)
-    kf, = module.call(pack_name(src_layout, dq), [(k, dtype), i32(frame.k_idx)], results=[dtype], keep_on_device=True)
-    vf, = module.call(pack_name(src_layout, dv), [(v, dtype), i32(frame.k_idx)], results=[dtype], keep_on_device=True)
-    out, lse = module.call("fwd_ragged", [(qf, dtype), (kf, dtype), (vf, dtype), i32(frame.desc)],
-                           scalars=(float(scale), *frame.coords()), results=[dtype, "f32"], keep_on_device=True)
-    o, = module.call(unpack_name(src_layout, dv), [(out, dtype), i32(frame.out_idx)], results=[dtype],
-                     keep_on_device=keep)
-    l, = module.call("unpack_lse", [(lse, "f32"), i32(frame.lse_idx)], results=["f32"], keep_on_device=keep)
-    return o, l
+def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, keep: bool):
+    """``frame`` on ``module``'s ``fwd_ragged`` (one call, ``kernels.ragged``) from ``q`` / ``k`` /
+    ``v`` (rank 4 in the module's layout; ABI arrays or DeviceTensors). Returns (out ``[N, R, Hq,
+    Dv]``, lse ``[N2, Hq, R2]``), numpy or DeviceTensors with ``keep``."""
+    b, sq_f = frame.q_idx.shape
+    idx = np.concatenate([frame.q_idx.ravel(), frame.k_idx.ravel(), frame.desc.T.ravel(), frame.out_idx.ravel(),
+                          frame.lse_idx.ravel()]).astype(np.int32)
+    sizes = (b, sq_f, frame.k_idx.shape[1], *frame.out_idx.shape, *frame.lse_idx.shape)
+    out, lse = module.call("fwd_ragged", [(q, dtype), (k, dtype), (v, dtype), (idx, "i32")],
+                           scalars=(float(scale), *sizes, *frame.coords()), results=[dtype, "f32"], keep_on_device=keep)
+    return out, lse
 
 
-def frame_functions(module, layout: str, dq: int, dv: int) -> list[str]:
-    """The functions a ragged call in ``layout`` needs that ``module`` lacks."""
-    names = ["fwd_ragged", "unpack_lse", pack_name(layout, dq), pack_name(layout, dv), unpack_name(layout, dv)]
-    return module.lacks(names)
+def has_ragged(module, layout: str) -> bool:
+    """Whether ``module`` runs ragged problems from ``layout`` tensors in one frame
+    (``fwd_ragged``, whose tensors are in the module's layout: group mode needs ``bshd``)."""
+    return module is not None and getattr(module, "layout", None) == layout and not module.lacks(["fwd_ragged"])

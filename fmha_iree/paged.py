@@ -6,24 +6,77 @@ convention): validation, and the keys each sequence uses gathered into packed K/
 ``block_table[b, j // page_size]``, row ``j % page_size``. Entries of ``block_table`` past a
 sequence's last page are not read (any value, e.g. -1).
 
-Today the used keys are gathered on the host into a packed ``[sum(seqlen_k), Hk, D]`` copy that
-the group-mode path then reads (host arrays only): the semantics are complete, the cache is not yet
-read in place by the kernels.
+On a module with ragged frames (``fmha_iree.frames``: CUDA modules, llvm-cpu builds of the GPU
+formulation) the cache is read on the device: the frame's key gather takes each sequence's rows
+from its pages (``frames.paged_rows``), host arrays or DeviceTensors alike. Elsewhere the used keys
+are gathered on the host into a packed ``[sum(seqlen_k), Hk, D]`` copy that the tile plan reads
+(host arrays only).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from .spec import Operand, as_operand, int_array, int_vector
 
-__all__ = ["gather_pages", "paged_args"]
+__all__ = ["PagedCache", "check_paged", "gather_pages", "paged_args"]
 
 
-def _cache_operand(x, name: str) -> Operand:
+@dataclasses.dataclass(frozen=True)
+class PagedCache:
+    """A validated paged cache: the caches as given, their operands, the block table and each
+    sequence's key count."""
+
+    k_cache: object
+    v_cache: object
+    k: Operand
+    v: Operand
+    block_table: np.ndarray  # [B, max_pages]
+    lens: np.ndarray  # [B] int64
+
+    @property
+    def on_device(self) -> bool:
+        return self.k.on_device
+
+    @property
+    def page_size(self) -> int:
+        return int(self.k.array.shape[1])
+
+    def flat(self, which: str):
+        """The cache's array as ``[num_pages * page_size, Hk, D]`` rows (a view)."""
+        o = self.k if which == "k" else self.v
+        n, p, h, d = o.array.shape
+        return o.array.reshape((n * p, h, d))
+
+    def packed(self):
+        """(k, v, seqstart_k): the used keys gathered on the host (``gather_pages``)."""
+        return gather_pages(self.k_cache, self.v_cache, self.block_table, self.lens, len(self.lens))
+
+
+def check_paged(k_cache, v_cache, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table,
+                device_ok: bool = True) -> PagedCache:
+    """Validate a group-mode call's paged cache (every page a sequence reads inside the cache,
+    seqlen_k within the table's capacity); ``device_ok=False`` refuses DeviceTensor caches."""
+    for name, val in (("seqstart_k", seqstart_k), ("seqstart_padded_k", seqstart_padded_k)):
+        if val is not None:
+            raise ValueError(f"{name} must be None with block_table (the pages and seqlen_k place the keys)")
+    batch = len(int_vector(seqstart_q, "seqstart_q", None)) - 1
+    if batch < 0:
+        raise ValueError("seqstart_q must have at least one entry")
+    ko, vo = _cache_operand(k_cache, "k_cache", device_ok), _cache_operand(v_cache, "v_cache", device_ok)
+    if ko.on_device != vo.on_device:
+        raise TypeError("k_cache and v_cache must both be DeviceTensors or both host arrays, got "
+                        f"{'a DeviceTensor' if ko.on_device else 'a host array'} k_cache")
+    lens, bt, _ = _used_rows(ko, vo, block_table, seqlen_k, batch)
+    return PagedCache(k_cache, v_cache, ko, vo, bt, lens)
+
+
+def _cache_operand(x, name: str, device_ok: bool = False) -> Operand:
     o = as_operand(x, name)
-    if o.on_device:
-        raise TypeError(f"{name}: a paged cache is read from host arrays (torch CPU tensors or numpy) for now; "
+    if o.on_device and not device_ok:
+        raise TypeError(f"{name}: this module reads a paged cache from host arrays (torch CPU tensors or numpy); "
                         "got a DeviceTensor")
     if o.array.ndim != 4:
         raise ValueError(f"{name} must be 4-D [num_pages, page_size, Hk, D], got shape {list(o.array.shape)}")
@@ -42,6 +95,13 @@ def gather_pages(k_cache, v_cache, block_table, seqlen_k, batch: int):
     the group-mode arguments: ``[sum(seqlen_k), Hk, D]`` arrays (the inputs' array type: numpy,
     or torch CPU tensors) and int64 ``[B+1]`` starts."""
     ko, vo = _cache_operand(k_cache, "k_cache"), _cache_operand(v_cache, "v_cache")
+    lens, _, flat = _used_rows(ko, vo, block_table, seqlen_k, batch)
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    return _take(k_cache, ko, flat), _take(v_cache, vo, flat), starts
+
+
+def _used_rows(ko: Operand, vo: Operand, block_table, seqlen_k, batch: int):
+    """(lens, block table, flat cache row of every used key in sequence order), validated."""
     n_pages, page, hk, _ = ko.array.shape
     if vo.array.shape[:3] != (n_pages, page, hk):
         raise ValueError(f"v_cache {list(vo.array.shape)} must match k_cache {list(ko.array.shape)} in pages, "
@@ -62,9 +122,7 @@ def gather_pages(k_cache, v_cache, block_table, seqlen_k, batch: int):
         i = int(np.argmax((pages < 0) | (pages >= n_pages)))
         raise ValueError(f"block_table[{int(seq[i])}, {int(j[i] // page)}] = {int(pages[i])} is not a page of "
                          f"k_cache (0..{n_pages - 1})")
-    flat = pages * page + j % page
-    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    return _take(k_cache, ko, flat), _take(v_cache, vo, flat), starts
+    return lens, bt, pages * page + j % page
 
 
 def _take(x, o: Operand, flat: np.ndarray):
@@ -79,13 +137,7 @@ def _take(x, o: Operand, flat: np.ndarray):
 
 def paged_args(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table):
     """The group-mode (k, v, seqstart_k, seqlen_k) of a call with a paged cache: packed K/V and
-    their starts, every key of them used."""
-    for name, val in (("seqstart_k", seqstart_k), ("seqstart_padded_k", seqstart_padded_k)):
-        if val is not None:
-            raise ValueError(f"{name} must be None with block_table (the pages and seqlen_k place the keys)")
-    batch = len(int_vector(seqstart_q, "seqstart_q", None)) - 1
-    if batch < 0:
-        raise ValueError("seqstart_q must have at least one entry")
-    k, v, starts = gather_pages(k, v, block_table, seqlen_k, batch)
+    their starts, every key of them used (host arrays only)."""
+    cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table, device_ok=False)
+    k, v, starts = cache.packed()
     return k, v, starts, None
-

@@ -44,10 +44,11 @@ class FmhaModule:
     WORKSPACE_SLOTS = 2
 
     def __init__(self, vmfb: bytes, device_uri: str, name: str, *, dense: dict | None = None,
-                 typed_bf16: bool = False):
+                 typed_bf16: bool = False, layout: str | None = None):
         import iree.runtime as rt
 
         self.device_uri = device_uri
+        self.layout = layout  # of q / k / v in its entry points (None: not known)
         self.device = get_device(device_uri)
         self._ctx = rt.SystemContext(config=rt.Config(device=self.device))
         vm = rt.VmModule.copy_buffer(self._ctx.instance, vmfb)

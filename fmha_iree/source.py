@@ -191,26 +191,13 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     plan = fwd_plan(spec, fused_step=fused) if with_fwd else None
     if plan is not None:
         from .kernels.general import render_fwd
+        from .kernels.ragged import render_ragged
 
         funcs.append(render_fwd(plan, "fwd"))
-        funcs.append(render_fwd(dataclasses.replace(plan, ragged=True), "fwd_ragged"))
-        funcs += _frame_functions(spec, plan.main.lowering)
+        funcs.append(render_ragged(dataclasses.replace(plan, ragged=True), "fwd_ragged"))
     text = text.rstrip()
     assert text.endswith("}"), "unexpected exported module text"
     return text[:-1] + "\n".join(funcs) + "\n}\n"
-
-
-def _frame_functions(spec: KernelSpec, lowering) -> list[str]:
-    """The gathers around ``fwd_ragged`` (``kernels.frames``): packing from group mode's
-    ``bshd`` tensors and from batches in the module's layout, unpacking to both."""
-    from .kernels.frames import render_pack, render_unpack, render_unpack_lse
-
-    layouts = sorted({"bshd", spec.layout})
-    funcs = [render_pack(dtype=spec.dtype, src_layout=lay, frame_layout=spec.layout, d=d, lowering=lowering)
-             for lay in layouts for d in sorted({spec.dq, spec.dv})]
-    funcs += [render_unpack(dtype=spec.dtype, frame_layout=spec.layout, out_layout=lay, d=spec.dv, lowering=lowering)
-              for lay in layouts]
-    return funcs + [render_unpack_lse()]
 
 
 # Workgroups that fill the GPU of each target (its SMs / CUs): ``fwd`` grows its groups of rows

@@ -56,8 +56,9 @@ PAGE = 64
 
 def _case(label, q_lens, k_lens, hq, hk, d, dtype, *, mask="b", paged=0, ref=None, mode="varlen"):
     """One row: sequences of ``q_lens`` queries and ``k_lens`` keys; ``paged``: the page size of a
-    paged KV cache (0: packed K/V); ``mode`` "varlen" (group mode) or "padded" (batch mode on the
-    batch padded to its longest sequence); ``ref``: the label of the row it is compared with."""
+    paged KV cache (0: packed K/V); ``mode`` "varlen" (group mode), "padded" (batch mode on the
+    batch padded to its longest sequence) or "cu_seqlen" (that batch with cu_seqlen_q / cu_seqlen_k
+    giving each row's lengths); ``ref``: the label of the row it is compared with."""
     return dict(label=label, q_lens=[int(x) for x in q_lens], k_lens=[int(x) for x in k_lens], Hq=hq, Hk=hk, D=d,
                 dtype=dtype, mask=mask, paged=paged, ref=ref, mode=mode)
 
@@ -74,7 +75,11 @@ def presets(name: str, scale: float = 1.0, seed: int = 0) -> list[dict]:
         return [_case("prefill 16 seqs", pre, pre, 16, 16, 128, "f16"),
                 _case("decode B32", [1] * 32, kv, 32, 8, 128, "f16"),
                 _case("decode B32 paged", [1] * 32, kv, 32, 8, 128, "f16", paged=PAGE, ref="decode B32"),
-                _case("prefill 16 seqs paged", pre, pre, 16, 16, 128, "f16", paged=PAGE, ref="prefill 16 seqs")]
+                _case("prefill 16 seqs paged", pre, pre, 16, 16, 128, "f16", paged=PAGE, ref="prefill 16 seqs"),
+                _case("prefill 16 seqs, padded batch + cu_seqlen", pre, pre, 16, 16, 128, "f16", mode="cu_seqlen",
+                      ref="prefill 16 seqs"),
+                _case("decode B32, padded batch + cu_seqlen", [1] * 32, kv, 32, 8, 128, "f16", mode="cu_seqlen",
+                      ref="decode B32")]
     if name == "cpu":
         pre, kv = lens(16, 128, 1023), lens(32, 256, 4096)
         long, short = max(1, round(2048 * scale)), max(1, round(64 * scale))
@@ -207,11 +212,12 @@ class Ours:
     def call(self, c, d):
         """(fn, inputs): fn() runs the row once; ``inputs`` says where the data lives."""
         sq, mask = _starts(c["q_lens"]), c["mask"]
-        if c["mode"] == "padded":
+        if c["mode"] in ("padded", "cu_seqlen"):
             mq, mk = max(c["q_lens"]), max(c["k_lens"])
             qp, kp, vp = (self.up(_pad(x, ln, m)) for x, ln, m in
                           ((d["q"], c["q_lens"], mq), (d["k"], c["k_lens"], mk), (d["v"], c["k_lens"], mk)))
-            return (lambda: self.batch(c, qp, kp, vp, mask=mask)), "device" if self.gpu else "host"
+            kw = dict(cu_seqlen_q=sq, cu_seqlen_k=_starts(c["k_lens"])) if c["mode"] == "cu_seqlen" else {}
+            return (lambda: self.batch(c, qp, kp, vp, mask=mask, **kw)), "device" if self.gpu else "host"
         if not c["paged"]:
             q, k, v = (self.up(d[n]) for n in "qkv")
             sk = _starts(c["k_lens"])
@@ -289,7 +295,7 @@ def run(args) -> list[dict]:
         if gpu:
             t = device_time(fn, reps)
             t_host = host_time(fn, reps)
-        elif c["mode"] == "padded":
+        elif c["mode"] in ("padded", "cu_seqlen"):
             # batch mode on the padded batch is slow on the CPU (tens of seconds): half the calls, no
             # warm-up (the module is loaded; compiles still counted)
             t, t_host = median_time(fn, max(1, reps // 2), warmup=False), None
@@ -297,7 +303,7 @@ def run(args) -> list[dict]:
             t, t_host = median_time(fn, reps), None
         compiles = fmha_iree.cache_stats()["compiles"] - c0
         out = _to_torch(last["out"])
-        if c["mode"] == "padded":
+        if c["mode"] in ("padded", "cu_seqlen"):
             out = _unpad(out, ql)
 
         # torch on the same data (computed once per composition: the padded row shares the mixed row's)

@@ -45,38 +45,41 @@ from .general_paths import body
 from .ir import Fn, tensor_type
 from .operands import Ctx, Plan, Tier
 
-__all__ = ["Tier", "Plan", "render_fwd"]
+__all__ = ["Tier", "Plan", "render_fwd", "fwd_body"]
 
-def render_fwd(plan: Plan, func_name: str = "fwd") -> str:
-    """The MLIR text of ``util.func public @func_name`` (see the module docstring; a ragged plan
-    gives ``fwd_ragged``'s signature)."""
-    fn = Fn()
-    p = plan
+def fwd_body(fn: Fn, p: Plan, q: str, k: str, v: str, coords, desc: str | None = None,
+             sizes: tuple[str, ...] | None = None) -> list[tuple[str, str]]:
+    """Emit ``fwd``'s work on the tensors ``q`` / ``k`` / ``v`` (the plan's types and layout) into
+    ``fn`` with the coordinates ``coords()`` returns (a ``Coords``; and, ragged, the ``[4, B]``
+    descriptor ``desc``); ``sizes`` (B, Sq, Hq, Sk, Hk) as host values where the tensors are
+    computed in the function (else read from them). Returns its results (name, type): out, lse,
+    scratch."""
     T, D, DV = p.dtype, p.dq, p.dv
     ty_q, ty_k, ty_v = tensor_type(["?", "?", "?", D], T), tensor_type(["?", "?", "?", D], T), tensor_type(["?", "?", "?", DV], T)
     s_ax, h_ax = (2, 1) if p.layout == "bhsd" else (1, 2)
     # sizes below 2**31 (a problem is validated before it is called): IREE then passes derived
     # sizes as single 32-bit push constants (fewer scalar registers per dispatch)
-    bounded = lambda v: fn.arith(f"util.assume.int {v}<umin = 0, umax = 2147483647> : index", "a")  # noqa: E731
-    b = bounded(fn.dim("%q", ty_q, 0))
-    sq, hq = bounded(fn.dim("%q", ty_q, s_ax)), bounded(fn.dim("%q", ty_q, h_ax))
-    sk, hk = bounded(fn.dim("%k", ty_k, s_ax)), bounded(fn.dim("%k", ty_k, h_ax))
-    idx = lambda name: fn.arith(f"arith.index_cast %{name} : i64 to index", name)  # noqa: E731
-    if p.ragged:
-        co = Coords(*(idx(n) for n in ("y", "x", "yu", "xu", "khi", "khiu")))
-    else:
-        co = Coords.uniform(idx("y"), idx("x"))
+    bounded = lambda val: fn.arith(f"util.assume.int {val}<umin = 0, umax = 2147483647> : index", "a")  # noqa: E731
+    dims = ((q, ty_q, 0), (q, ty_q, s_ax), (q, ty_q, h_ax), (k, ty_k, s_ax), (k, ty_k, h_ax))
+    b, sq, hq, sk, hk = (bounded(fn.dim(*dim) if sizes is None else size)
+                         for dim, size in zip(dims, sizes or (None,) * 5))
+    co = coords()
     scale = "%scale" if T == "f32" else fn.arith(f"arith.truncf %scale : f32 to {T}", "sc")
     kd = ("b0", "b1", "k2", "k1") if p.layout == "bhsd" else ("b0", "k2", "b1", "k1")
     vd = kd[:3] + ("n",)
-    c = Ctx(fn, p, b, hk, hq, sq, sk, co, scale, Operand("%k", ty_k, kd), Operand("%v", ty_v, vd), sk,
-            desc="%desc" if p.ragged else None)
-    results = body(c)
+    c = Ctx(fn, p, b, hk, hq, sq, sk, co, scale, Operand(k, ty_k, kd), Operand(v, ty_v, vd), sk, desc=desc, q=q)
+    return body(c)
+
+
+def render_fwd(plan: Plan, func_name: str = "fwd") -> str:
+    """The MLIR text of ``util.func public @func_name`` (see the module docstring)."""
+    fn = Fn()
+    p = plan
+    T, D, DV = p.dtype, p.dq, p.dv
+    ty_q, ty_k, ty_v = tensor_type(["?", "?", "?", D], T), tensor_type(["?", "?", "?", D], T), tensor_type(["?", "?", "?", DV], T)
+    idx = lambda name: fn.arith(f"arith.index_cast %{name} : i64 to index", name)  # noqa: E731
+    results = fwd_body(fn, p, "%q", "%k", "%v", lambda: Coords.uniform(idx("y"), idx("x")))
     names, types = ", ".join(n for n, _ in results), ", ".join(t for _, t in results)
-    if p.ragged:
-        args = (f"%q: {ty_q}, %k: {ty_k}, %v: {ty_v}, %desc: {tensor_type(['?', 4], 'i32')}, %scale: f32, "
-                "%y: i64, %x: i64, %yu: i64, %xu: i64, %khi: i64, %khiu: i64")
-    else:
-        args = f"%q: {ty_q}, %k: {ty_k}, %v: {ty_v}, %scale: f32, %y: i64, %x: i64"
+    args = f"%q: {ty_q}, %k: {ty_k}, %v: {ty_v}, %scale: f32, %y: i64, %x: i64"
     return (f"util.func public @{func_name}({args}) -> ({types}) {{\n" + fn.text()
             + f"\n  util.return {names} : {types}\n}}\n")

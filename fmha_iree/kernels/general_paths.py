@@ -290,7 +290,7 @@ def _groups_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     nothing but the call's inputs)."""
     fn, p = c.fn, c.p
     mask = edge_masks(c, groups=h.groups, rows=h.rows, m_rows=h.m, width=h.width)
-    qp = q_padded(c, "%q", h.m_pad)
+    qp = q_padded(c, c.q, h.m_pad)
     cr = _prefill(c, tier, h, qp, _Carry(new_state(fn, [c.b, c.hk, fn.opaque(1), h.m_pad], p.dv), mask), left)
     out, _, lse, _ = normalize_one(fn, cr.state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout,
                                   lowering=tier.lowering)
@@ -308,7 +308,7 @@ def _split_path(c: Ctx, tier: Tier, h: _Pieces, tag: str, rest: bool) -> list[st
     """The whole call as one group split over the keys (``_split``), slots combined at the end."""
     fn, p = c.fn, c.p
     mask = edge_masks(c, groups=fn.c(1), rows=c.sq, m_rows=h.m, width=h.width)
-    qp = q_padded(c, "%q", h.m_pad)
+    qp = q_padded(c, c.q, h.m_pad)
     cr = _split(c, tier, h, qp, _Carry(new_state(fn, [c.b, c.hk, h.n_slots, h.m_pad], p.dv), mask), tag, rest)
     out, _, lse, _ = normalize_slots(fn, cr.state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout)
     return [out, lse, qp, mask, *cr.state.names()]

@@ -6,8 +6,8 @@ Element ``(g, e, m, j)`` says whether row ``s = g * rows + m // G`` of the seque
 ``start + j``, where ``start`` is the aligned window of the group's right edge (``e = 0``) or left
 edge (``e = 1``) (``bounds.group_bounds``, ``bounds.edge_window``; CK's rule ``lo(s) <= j < hi(s)``,
 and only keys of the edge itself). Rows past ``Sq`` (tile padding) see nothing. In a ragged frame
-element ``(b, g, e, m, j)`` applies batch ``b``'s own rule from its descriptor row ``(qlen, klen,
-y, x)``: rows past ``qlen`` and keys past ``klen`` are never seen.
+element ``(b, g, e, m, j)`` applies batch ``b``'s own rule from its descriptor column ``(qlen,
+klen, y, x)``: rows past ``qlen`` and keys past ``klen`` are never seen.
 
 The uniform generator reads one element of an input (``anchor``) and folds it into its result in a
 way that is always true: with no tensor input IREE 3.13 recomputes the whole tensor at every edge
@@ -18,7 +18,7 @@ that uses it (its producers are cloned into consumers), and an input it does not
 from __future__ import annotations
 
 from .bounds import edge_window, group_bounds, row_hi, row_lo
-from .ir import Fn, tensor_type
+from .ir import tensor_type
 from .operands import Ctx
 
 __all__ = ["MASK_TYPE", "RAGGED_MASK_TYPE", "mask_type", "edge_masks"]
@@ -77,18 +77,19 @@ def edge_masks(c: Ctx, *, groups: str, rows: str, m_rows: str, width: str) -> st
 
 def _ragged_masks(c: Ctx, *, groups: str, rows: str, m_rows: str, width: str) -> str:
     fn = c.fn
-    d_ty = tensor_type(["?", 4], "i32")
+    d_ty, col_ty = tensor_type(["?", "?"], "i32"), tensor_type(["?"], "i32")
     d5 = "d0, d1, d2, d3, d4"
     par = ", ".join(['"parallel"'] * 5)
 
     def region():
+        cols = [fn.let(f"tensor.extract_slice {c.desc}[{i}, 0] [1, {c.b}] [1, 1] : {d_ty} to {col_ty}", "dc")
+                for i in range(4)]
         empty = fn.let(f"tensor.empty({c.b}, {groups}, {m_rows}, {width}) : {RAGGED_MASK_TYPE}", "me")
         out = fn.fresh("mask")
-        cols = ", ".join(f"affine_map<({d5}) -> (d0, {i})>" for i in range(4))
-        fn.emit(f"{out} = linalg.generic {{indexing_maps = [{cols}, affine_map<({d5}) -> ({d5})>], "
+        maps = ", ".join([f"affine_map<({d5}) -> (d0)>"] * 4)
+        fn.emit(f"{out} = linalg.generic {{indexing_maps = [{maps}, affine_map<({d5}) -> ({d5})>], "
                 f"iterator_types = [{par}]}}")
-        ins = ", ".join([c.desc] * 4)
-        with fn.region(f"    ins({ins} : {', '.join([d_ty] * 4)}) outs({empty} : {RAGGED_MASK_TYPE}) {{",
+        with fn.region(f"    ins({', '.join(cols)} : {', '.join([col_ty] * 4)}) outs({empty} : {RAGGED_MASK_TYPE}) {{",
                        f"}} -> {RAGGED_MASK_TYPE}"), fn.local():
             fn.emit("^bb0(%rq: i32, %rk: i32, %ry: i32, %rx: i32, %mask_out: i1):")
             ql, kl, yb, xb = (fn.let(f"arith.index_cast {v} : i32 to index", "rd") for v in ("%rq", "%rk", "%ry", "%rx"))

@@ -61,7 +61,8 @@ class Ctx:
     k: Operand
     v: Operand
     limit: str  # keys of k / v that can be read (Sk, or the padded length of padded copies)
-    desc: str | None = None  # ragged: [B, 4] i32 (qlen, klen, y, x) per batch
+    desc: str | None = None  # ragged: [4, B] i32, rows qlen, klen, y, x (a column per batch)
+    q: str = "%q"  # the Q tensor ([B, Hq, Sq, Dq] or [B, Sq, Hq, Dq])
 
 
 def _ty(shape, elt):

@@ -1,0 +1,223 @@
+"""Ragged problems as one padded frame (``fwd_ragged`` and its gathers, ``fmha_iree.frames``):
+group mode, batches with cu_seqlen padding and paged KV caches, on the GPU module's formulation
+built for llvm-cpu (where CI runs) and driven through dispatch (``run_varlen``, ``run_batch``,
+``run_paged``), against the float64 reference.
+
+Covered: many short and long sequences in one call, zero-length q or k, Sq != Sk per sequence
+under every mask kind, seqlen_k, padded starts with NaN in the gaps, NaN in a batch's padding,
+paged caches (pages in scattered order, partly filled last pages, page sizes 16 / 64, host arrays
+and DeviceTensors), GQA / MQA with Dq != Dv, f32 / f16 / bf16, LSE. The interior / edge cut with
+each sequence's own coordinates (``frames.ragged_coords``) is checked against a brute-force
+visibility count."""
+
+import numpy as np
+import pytest
+import torch
+
+import fmha_iree
+from fmha_iree import frames
+from fmha_iree.compile import ASYNC_FLAGS, compile_flags
+from fmha_iree.device import DeviceTensor
+from fmha_iree.dispatch import has_ragged, route, run_batch, run_paged, run_varlen
+from fmha_iree.mask import Mask
+from fmha_iree.paged import check_paged
+from fmha_iree.runtime import FmhaModule
+from fmha_iree.source import fwd_plan, source_mlir
+from fmha_iree.spec import KernelSpec, check_batch, check_varlen
+from fmha_iree.targets import Target
+
+from reference import assert_close, attention_ref, seed_of, varlen_ref
+
+TILES = fmha_iree.TileConfig(m0=32, n0=32, k0=16, n1=64, k1=16, kv_chunk=64)
+MASKS = ["0", "b", "t", "b:20,0", "t:3,40", "b:0,0", "xb:9", "t:-1,5"]
+TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def module():
+    import iree.compiler.tools as ict
+
+    mods = {}
+
+    def get(dtype="f32", layout="bshd", group=2, dq=64, dv=None):
+        key = (dtype, layout, group, dq, dv)
+        if key not in mods:
+            spec = KernelSpec(dtype, layout, group, dq, dv or dq, TILES, Target.from_name("host"))
+            assert fwd_plan(spec, fused_step=True) is not None
+            vmfb = ict.compile_str(source_mlir(spec, fused_step=True), extra_args=compile_flags(spec) + ASYNC_FLAGS)
+            mods[key] = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True, layout=layout)
+        return mods[key]
+
+    return get
+
+
+def _modules(mod):
+    return lambda p: (TILES, lambda: mod, "gpu")
+
+
+def _starts(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def _group(mod, mask, lq, lk, *, hq=4, hk=2, dq=64, dv=64, dtype="f32", seqlen_k=None, pad_q=None, pad_k=None,
+           what=""):
+    """Run packed sequences of ``lq`` queries / ``lk`` keys (``pad_q`` / ``pad_k``: gaps before
+    each sequence, filled with NaN) and compare with ``varlen_ref``."""
+    g = torch.Generator().manual_seed(seed_of("ragged", what, mask))
+    sq, sk = _starts(lq), _starts(lk)
+    ppq = None if pad_q is None else _starts(np.asarray(lq) + pad_q)
+    ppk = None if pad_k is None else _starts(np.asarray(lk) + pad_k)
+    tq = int((ppq if ppq is not None else sq)[-1]) + 1
+    tk = int((ppk if ppk is not None else sk)[-1]) + 1
+    q, k, v = (torch.randn(t, h, d, generator=g).to(TORCH[dtype]) for t, h, d in ((tq, hq, dq), (tk, hk, dq), (tk, hk, dv)))
+    for x, pp, lens, ss in ((q, ppq, lq, sq), (k, ppk, lk, sk), (v, ppk, lk, sk)):
+        if pp is not None:  # NaN everywhere no sequence owns
+            own = np.zeros(x.shape[0], bool)
+            for b, n in enumerate(lens):
+                own[pp[b] + np.arange(n)] = True
+            x[torch.from_numpy(~own)] = float("nan")
+    p, starts = check_varlen(q, k, v, sq, sk, seqlen_k=seqlen_k, seqstart_padded_q=ppq, seqstart_padded_k=ppk,
+                             mask=mask, scale=None)
+    assert has_ragged(mod, "bshd")
+    out, lse = run_varlen(p, starts, True, *_modules(mod)(p))
+    ref_out, ref_lse = varlen_ref(q, k, v, sq, sk, seqlen_k=seqlen_k, mask=mask, seqstart_padded_q=ppq,
+                                  seqstart_padded_k=ppk)
+    assert_close(out, ref_out, TORCH[dtype], what=f"{what} {mask} out")
+    assert_close(lse, ref_lse, TORCH[dtype], kind="lse", what=f"{what} {mask} lse")
+
+
+COMPOSITIONS = [  # (id, query lengths, key lengths)
+    ("mixed", [5, 130, 1, 77, 0, 200, 3], [9, 130, 300, 77, 4, 150, 0]),
+    ("decode", [1] * 9, [1, 600, 64, 65, 2, 333, 0, 128, 17]),
+    ("chunked", [64, 16, 100], [300, 16, 420]),
+]
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("name,lq,lk", COMPOSITIONS, ids=[c[0] for c in COMPOSITIONS])
+def test_group_mode_every_mask(module, name, lq, lk, mask):
+    _group(module(), mask, lq, lk, what=name)
+
+
+def test_group_mode_many_sequences(module):
+    rng = np.random.default_rng(7)
+    lq = list(rng.integers(0, 40, 48)) + [400, 257]
+    lk = [int(x) + int(rng.integers(0, 30)) for x in lq]
+    for mask in ("b", "t:30,0"):
+        _group(module(), mask, lq, lk, what="many")
+
+
+def test_group_mode_seqlen_k_and_padded_starts(module):
+    lq, lk = [7, 0, 90, 33], [50, 20, 140, 33]
+    used = np.array([50, 3, 100, 0], np.int32)
+    _group(module(), "b", lq, lk, seqlen_k=used, pad_q=[2, 5, 0, 3], pad_k=[1, 0, 7, 2], what="padded")
+
+
+@pytest.mark.parametrize("dtype,layout,group,dq,dv", [("bf16", "bshd", 1, 64, 64), ("f16", "bshd", 4, 64, 32)],
+                         ids=["bf16-mha", "f16-mqa-dv32"])
+def test_group_mode_dtypes_and_gqa(module, dtype, layout, group, dq, dv):
+    mod = module(dtype, layout, group, dq, dv)
+    hq, hk = (2, 2) if group == 1 else (4, 1)
+    for mask in ("b", "t:10,5", "0"):
+        _group(mod, mask, [3, 100, 1, 64], [70, 100, 129, 200], hq=hq, hk=hk, dq=dq, dv=dv, dtype=dtype, what=dtype)
+
+
+@pytest.mark.parametrize("mask", ["b", "t:3,40", "0", "xb:9"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_cu_seqlen_batch_one_frame(module, layout, mask):
+    """A batch with cu_seqlen padding routes to the frame; NaN in every padded row and key never
+    reaches the result; padded rows are 0 with LSE -inf."""
+    mod = module("f32", layout, 2)
+    g = torch.Generator().manual_seed(seed_of("ragged-batch", layout, mask))
+    B, sq, sk = 3, 150, 220
+    shape = lambda s, h: (B, h, s, 64) if layout == "bhsd" else (B, s, h, 64)  # noqa: E731
+    q, k, v = torch.randn(*shape(sq, 4), generator=g), torch.randn(*shape(sk, 2), generator=g), torch.randn(*shape(sk, 2), generator=g)
+    lq, lk = [150, 10, 140], [3, 220, 77]
+    for b in range(B):
+        for x, n in ((q, lq[b]), (k, lk[b]), (v, lk[b])):
+            (x[b, :, n:] if layout == "bhsd" else x[b, n:])[...] = float("nan")
+    cq, ck = _starts(lq), _starts(lk)
+    p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cq, cu_seqlen_k=ck)
+    assert route(p, mod).path == "ragged"
+    out, lse = run_batch(p, True, TILES, lambda: mod, "gpu")
+    ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout, cu_seqlen_q=cq, cu_seqlen_k=ck)
+    assert_close(out, ref_out, torch.float32, what=f"{layout} {mask} out")
+    assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"{layout} {mask} lse")
+    for b, n in enumerate(lq):
+        rows = out[b, :, n:] if layout == "bhsd" else out[b, n:]
+        assert (rows == 0).all() and torch.isneginf(lse[b, :, n:]).all()
+
+
+def _paged_case(seed, lq, lk, page):
+    rng = np.random.default_rng(seed)
+    n_pages = sum(-(-n // page) for n in lk) + 3
+    free = list(rng.permutation(n_pages))
+    bt = np.full((len(lk), max(-(-n // page) for n in lk) + 1), -1, np.int32)
+    for b, n in enumerate(lk):
+        for i in range(-(-n // page)):
+            bt[b, i] = free.pop()
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = (torch.randn(n_pages, page, 2, 64, generator=g) for _ in range(2))
+    q = torch.randn(max(sum(lq), 1), 4, 64, generator=g)
+    return q, kc, vc, bt
+
+
+def _paged_reference(q, kc, vc, sq, bt, lk, mask):
+    """Each key read from its page in a Python loop, then packed for varlen_ref."""
+    page = kc.shape[1]
+    rows = [(int(bt[b, j // page]), j % page) for b in range(len(lk)) for j in range(int(lk[b]))]
+    k = torch.stack([kc[p, r] for p, r in rows]) if rows else torch.zeros(0, 2, 64)
+    v = torch.stack([vc[p, r] for p, r in rows]) if rows else torch.zeros(0, 2, 64)
+    return varlen_ref(q, k, v, sq, _starts(lk), mask=mask)
+
+
+PAGED = [("decode-p16", [1, 1, 1, 1], [40, 1, 17, 130], 16), ("prefill-p64", [30, 7, 0, 100], [30, 200, 5, 100], 64),
+         ("empty-p16", [2, 0, 5], [0, 0, 33], 16)]
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("name,lq,lk,page", PAGED, ids=[c[0] for c in PAGED])
+def test_paged_cache_read_on_device(module, name, lq, lk, page, on_device):
+    mod = module()
+    q, kc, vc, bt = _paged_case(seed_of("ragged-paged", name), lq, lk, page)
+    sq = _starts(lq)
+    up = (lambda x: DeviceTensor.from_host(x.numpy(), "f32", "local-task")) if on_device else (lambda x: x)
+    for mask in ("b", "t:5,3"):
+        cache = check_paged(up(kc), up(vc), sq, None, np.array(lk, np.int32), None, bt)
+        out, lse = run_paged(up(q), cache, sq, None, mask=mask, scale=None, return_lse=True, modules=_modules(mod))
+        out, lse = (x.to_numpy() if isinstance(x, DeviceTensor) else x for x in (out, lse))
+        ref_out, ref_lse = _paged_reference(q, kc, vc, sq, bt, lk, mask)
+        assert_close(out, ref_out, torch.float32, what=f"{name} {mask} out")
+        assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"{name} {mask} lse")
+
+
+def _visible(mask: Mask, ql: int, kl: int) -> np.ndarray:
+    y, x = mask.clipped_coords(ql, kl)
+    i, j = np.arange(ql)[:, None], np.arange(kl)[None, :]
+    return (j >= i - y + 1) & (j < np.minimum(i + x, kl))
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_ragged_coords_bound_every_sequence(mask):
+    """The frame's interior coordinates see only keys every valid row of every sequence sees;
+    its union coordinates see every key some row sees (row by row, brute force)."""
+    m = Mask.from_str(mask)
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        n = int(rng.integers(1, 6))
+        lq, lk = rng.integers(0, 60, n), rng.integers(0, 80, n)
+        lq[0] = max(lq[0], 1)
+        sq_f, sk_f = int(lq.max()), max(int(lk.max()), 1)
+        desc = np.array([(a, b, *m.clipped_coords(int(a), int(b))) for a, b in zip(lq, lk)], np.int32)
+        y, x, yu, xu, khi, khiu = frames.ragged_coords(desc, sq_f, sk_f)
+        s, j = np.arange(sq_f)[:, None], np.arange(sk_f)[None, :]
+        lo = lambda yy: np.clip(s - yy + 1, 0, sk_f)  # noqa: E731
+        hi = lambda xx, kh: np.minimum(np.clip(s + xx, 0, sk_f), kh)  # noqa: E731
+        inner, outer = (j >= lo(y)) & (j < hi(x, khi)), (j >= lo(yu)) & (j < hi(xu, khiu))
+        for (a, b) in zip(lq, lk):
+            if a == 0:
+                continue
+            vis = np.zeros((sq_f, sk_f), bool)
+            vis[:a, :b] = _visible(m, int(a), int(b))
+            assert not (inner[:a] & ~vis[:a]).any(), f"{mask}: interior holds a key row {a}x{b} does not see"
+            assert not (vis & ~outer).any(), f"{mask}: a key row {a}x{b} sees lies outside the union"
