@@ -117,7 +117,7 @@ def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, keep: 
     idx = np.concatenate([frame.q_idx.ravel(), frame.k_idx.ravel(), frame.desc.T.ravel(), frame.out_idx.ravel(),
                           frame.lse_idx.ravel()]).astype(np.int32)
     sizes = (b, sq_f, frame.k_idx.shape[1], *frame.out_idx.shape, *frame.lse_idx.shape)
-    out, lse = module.call("fwd_ragged", [(q, dtype), (k, dtype), (v, dtype), (idx, "i32")],
+    out, lse = module.call("fwd_ragged", [(q, dtype), (k, dtype), (v, dtype)], staged=[idx],
                            scalars=(float(scale), *sizes, *frame.coords()), results=[dtype, "f32"], keep_on_device=keep)
     return out, lse
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from .device import DeviceTensor, exhausted, get_device, memory_errors
 from .plan import Plan
+from .staging import UploadRing
 
 __all__ = ["dense_entry"]
 
@@ -49,6 +50,7 @@ class FmhaModule:
 
         self.device_uri = device_uri
         self.layout = layout  # of q / k / v in its entry points (None: not known)
+        self._ring = UploadRing(device_uri)
         self.device = get_device(device_uri)
         self._ctx = rt.SystemContext(config=rt.Config(device=self.device))
         vm = rt.VmModule.copy_buffer(self._ctx.instance, vmfb)
@@ -150,9 +152,10 @@ class FmhaModule:
                 self._scales[key] = bv
         return bv
 
-    def _call(self, fn: str, args: list, n_results: int, scalars: tuple = ()) -> tuple[list, object]:
+    def _call(self, fn: str, args: list, n_results: int, scalars: tuple = (), queue_waits: tuple = ()) -> tuple[list, object]:
         """Invoke ``fn`` on (buffer view, fence) args followed by ``scalars`` (floats pushed as
-        f32, ints as i64 primitives); returns (result buffer views, fence)."""
+        f32, ints as i64 primitives); ``queue_waits``: fences the call waits on on the device
+        (staged uploads). Returns (result buffer views, fence)."""
         import iree.runtime as rt
 
         # Inputs must exist before a call records its dispatches: a result of an unfinished
@@ -167,6 +170,9 @@ class FmhaModule:
                     w.wait()
         f = self._fns[fn]
         coarse, has_transients = self._abi(fn)
+        if queue_waits and not coarse:
+            for w in queue_waits:
+                w.wait()
         lst = rt.VmVariantList(len(args) + len(scalars) + 3)
         for bv, _ in args:
             lst.push_ref(bv)
@@ -184,7 +190,7 @@ class FmhaModule:
             # a semaphore per call: independent calls may finish out of order (local-task runs
             # them concurrently), and a shared timeline cannot be signaled backwards
             fence = rt.HalFence.create_at(self.device.create_semaphore(0), 1)
-            lst.push_ref(rt.HalFence(1))  # nothing to wait for: the inputs are ready
+            lst.push_ref(rt.HalFence.join(list(queue_waits)) if queue_waits else rt.HalFence(1))
             lst.push_ref(fence)
         rets = rt.VmVariantList(n_results)
         try:
@@ -294,13 +300,19 @@ class FmhaModule:
             (out, lse), fence = self._call("rows_kpad" if padded_keys else "rows", args, 2)
             return self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
 
-    def call(self, fn: str, tensors, *, scalars: tuple = (), results=(), keep_on_device: bool = False) -> list:
+    def call(self, fn: str, tensors, *, staged=(), scalars: tuple = (), results=(), keep_on_device: bool = False) -> list:
         """One call of the exported ``fn``: ``tensors`` as (array or DeviceTensor, dtype) pairs,
-        then ``scalars`` (floats as f32, ints as i64); returns its first ``len(results)`` results
-        with those dtypes (the rest dropped), numpy or DeviceTensors with ``keep_on_device``."""
+        then the int32 arrays ``staged`` (uploaded through the module's ``staging.UploadRing``:
+        no host wait, each at least its size), then ``scalars`` (floats as f32, ints as i64);
+        returns its first ``len(results)`` results with those dtypes (the rest dropped), numpy or
+        DeviceTensors with ``keep_on_device``."""
         with self._lock:
             args = [self._put(x, dtype) for x, dtype in tensors]
-            rets, fence = self._call(fn, args, len(results), scalars=scalars)
+            ups = [self._ring.put(np.ascontiguousarray(a, np.int32).ravel()) for a in staged]
+            args += [(view, None) for view, _, _ in ups]
+            rets, fence = self._call(fn, args, len(results), scalars=scalars, queue_waits=tuple(f for _, f, _ in ups))
+            for _, _, read_by in ups:
+                read_by(fence)
             return [self._result(bv, fence, dtype, keep_on_device) for bv, dtype in zip(rets, results)]
 
     def run_fwd(self, q, k, v, dtype: str, scale: float, coords: tuple[int, int], *, keep_on_device: bool = False):

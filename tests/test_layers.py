@@ -18,6 +18,7 @@ PKG = Path(fmha_iree.__file__).resolve().parent
 LAYERS = [
     ["targets", "tiles", "mask", "cache", "isa", "ptx", "torch_abi"],  # leaves: no fmha_iree imports
     ["device"],  # IREE devices, DeviceTensor
+    ["staging"],  # per-call uploads without a host wait
     ["spec", "plan"],  # problem spec, tiling plan
     ["paged"],  # a paged KV cache's validation and gather
     ["rows"],  # the CPU's whole-key-row graphs (used by the torch graph module)
@@ -25,7 +26,7 @@ LAYERS = [
     ["kernels"],  # the fwd family (uses mlir_templates' lowering configs)
     ["source"],  # what a module holds, as MLIR
     ["compile"],  # iree-compile, caches
-    ["runtime"],  # a loaded module's entry points
+    ["runtime", "frames"],  # a loaded module's entry points; ragged problems as padded frames
     ["dispatch"],  # which entry point a call takes
     ["api", "deploy"],  # public entry points
     ["cli", "demo", "torch_ops"],

@@ -23,11 +23,20 @@ def rows_dims(layout: str) -> tuple[int, int]:
     return (1, 2) if layout == "bshd" else (2, 1)
 
 
-def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, idx: str, size: tuple[str, str], heads: str,
-                out_layout: str, dtype: str, d: int, lowering) -> str:
-    """Emit the dispatch; ``idx`` an int32 ``[A, R]`` value of host sizes ``size``, ``src_rows``
-    the source's row count per leading index, ``heads`` the head count (host values). Returns the
-    result."""
+def _index(fn: Fn, idx: tuple[str, str], a: str, r: str) -> str:
+    """``[a, r]`` int32 from a 1-D tensor at an offset (``idx`` = (tensor, offset)), sliced inside
+    the dispatch region that reads it (a slice of an argument there is a binding offset, not a
+    copy)."""
+    flat, two = tensor_type(["?"], "i32"), tensor_type(["?", "?"], "i32")
+    part = fn.let(f"tensor.extract_slice {idx[0]}[{idx[1]}] [{fn.mul(a, r)}] [1] : {flat} to {flat}", "ix")
+    return fn.let(f"tensor.expand_shape {part} [[0, 1]] output_shape [{a}, {r}] : {flat} into {two}", "ix")
+
+
+def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, idx: tuple[str, str], size: tuple[str, str],
+                heads: str, out_layout: str, dtype: str, d: int, lowering) -> str:
+    """Emit the dispatch; ``idx`` (1-D int32 tensor, offset) of an ``[A, R]`` index, ``size`` =
+    (A, R), ``src_rows`` the source's row count per leading index, ``heads`` the head count (host
+    values). Returns the result."""
     ty, i_ty = tensor_type(["?", "?", "?", d], dtype), tensor_type(["?", "?"], "i32")
     r_out, h_out = rows_dims(out_layout)
     a, r = size
@@ -36,10 +45,11 @@ def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, idx: str, s
     d4, par = "d0, d1, d2, d3", ", ".join(['"parallel"'] * 4)
 
     def region():
+        ix = _index(fn, idx, a, r)
         empty = fn.let(f"tensor.empty({', '.join(shape)}) : {ty}", "ge")
         out = fn.fresh("g")
         fn.emit(f"{out} = linalg.generic {{indexing_maps = [affine_map<({d4}) -> (d0, d{r_out})>, "
-                f"affine_map<({d4}) -> ({d4})>], iterator_types = [{par}]}} ins({idx} : {i_ty}) "
+                f"affine_map<({d4}) -> ({d4})>], iterator_types = [{par}]}} ins({ix} : {i_ty}) "
                 f"outs({empty} : {ty}){attrs} {{")
         with fn.region(f"^bb0(%gi: i32, %go: {dtype}):", f"}} -> {ty}"), fn.local():
             row = fn.let("arith.index_cast %gi : i32 to index", "gr")
@@ -56,18 +66,19 @@ def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, idx: str, s
     return fn.dispatch([(ty, shape)], region)[0]
 
 
-def gather_lse(fn: Fn, *, lse: str, idx: str, size: tuple[str, str], heads: str, rows: str) -> str:
+def gather_lse(fn: Fn, *, lse: str, idx: tuple[str, str], size: tuple[str, str], heads: str, rows: str) -> str:
     """Emit the LSE gather: ``[A, H, R]`` (``size`` = (A, R), host values) from ``lse`` ``[B, H,
-    rows]`` by ``idx`` ``[A, R]``."""
+    rows]`` by the ``[A, R]`` index at ``idx`` (as ``gather_rows``)."""
     ty, i_ty = tensor_type(["?", "?", "?"], "f32"), tensor_type(["?", "?"], "i32")
     a, r = size
     d3 = "d0, d1, d2"
 
     def region():
+        ix = _index(fn, idx, a, r)
         empty = fn.let(f"tensor.empty({a}, {heads}, {r}) : {ty}", "le")
         out = fn.fresh("ul")
         fn.emit(f"{out} = linalg.generic {{indexing_maps = [affine_map<({d3}) -> (d0, d2)>, affine_map<({d3}) -> ({d3})>], "
-                f'iterator_types = ["parallel", "parallel", "parallel"]}} ins({idx} : {i_ty}) outs({empty} : {ty}) {{')
+                f'iterator_types = ["parallel", "parallel", "parallel"]}} ins({ix} : {i_ty}) outs({empty} : {ty}) {{')
         with fn.region("^bb0(%li: i32, %lo: f32):", f"}} -> {ty}"), fn.local():
             row = fn.let("arith.index_cast %li : i32 to index", "lr")
             ok = fn.cmp("sge", row, 0)

@@ -47,13 +47,13 @@ from .operands import Ctx, Plan, Tier
 
 __all__ = ["Tier", "Plan", "render_fwd", "fwd_body"]
 
-def fwd_body(fn: Fn, p: Plan, q: str, k: str, v: str, coords, desc: str | None = None,
-             sizes: tuple[str, ...] | None = None) -> list[tuple[str, str]]:
+def fwd_body(fn: Fn, p: Plan, q: str, k: str, v: str, coords, desc: tuple[str, str] | None = None,
+             sizes: tuple[str, ...] | None = None, frame=None) -> list[tuple[str, str]]:
     """Emit ``fwd``'s work on the tensors ``q`` / ``k`` / ``v`` (the plan's types and layout) into
     ``fn`` with the coordinates ``coords()`` returns (a ``Coords``; and, ragged, the ``[4, B]``
-    descriptor ``desc``); ``sizes`` (B, Sq, Hq, Sk, Hk) as host values where the tensors are
-    computed in the function (else read from them). Returns its results (name, type): out, lse,
-    scratch."""
+    descriptor at ``desc``: (1-D tensor, offset)); ``sizes`` (B, Sq, Hq, Sk, Hk) as host values
+    where the tensors are made in the function (else read from them), ``frame`` what makes them in
+    each path (``Ctx.frame``). Returns its results (name, type): out, lse, scratch."""
     T, D, DV = p.dtype, p.dq, p.dv
     ty_q, ty_k, ty_v = tensor_type(["?", "?", "?", D], T), tensor_type(["?", "?", "?", D], T), tensor_type(["?", "?", "?", DV], T)
     s_ax, h_ax = (2, 1) if p.layout == "bhsd" else (1, 2)
@@ -67,7 +67,8 @@ def fwd_body(fn: Fn, p: Plan, q: str, k: str, v: str, coords, desc: str | None =
     scale = "%scale" if T == "f32" else fn.arith(f"arith.truncf %scale : f32 to {T}", "sc")
     kd = ("b0", "b1", "k2", "k1") if p.layout == "bhsd" else ("b0", "k2", "b1", "k1")
     vd = kd[:3] + ("n",)
-    c = Ctx(fn, p, b, hk, hq, sq, sk, co, scale, Operand(k, ty_k, kd), Operand(v, ty_v, vd), sk, desc=desc, q=q)
+    c = Ctx(fn, p, b, hk, hq, sq, sk, co, scale, Operand(k, ty_k, kd), Operand(v, ty_v, vd), sk, desc=desc, q=q,
+            frame=frame)
     return body(c)
 
 

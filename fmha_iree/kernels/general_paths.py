@@ -265,7 +265,7 @@ def body(c: Ctx) -> list[tuple[str, str]]:
     paths += [(one.any_left, lambda: _padded_path(padded, main, one, True)),
               (None, lambda: _padded_path(padded, main, one, False))]
     o_ty, l_ty = _ty(["?", "?", "?", p.dv], p.dtype), _ty(["?", "?", "?"], "f32")
-    types = [o_ty, l_ty, *scratch_types(p)]
+    types = [o_ty, l_ty, *(c.frame.types() if c.frame is not None else ()), *scratch_types(p)]
 
     def chain(i: int):
         cond, run = paths[i]
@@ -284,10 +284,26 @@ def scratch_types(p) -> list[str]:
     return [_ty(["?", "?", "?", p.dq], p.dtype), mask_type(p.ragged), *st.types()]
 
 
+def _entered(c: Ctx) -> tuple[Ctx, object]:
+    """``c`` with its inputs made inside the path (a ragged frame's gathers, ``Ctx.frame``), and
+    what ``_finish`` needs of them."""
+    return (c, None) if c.frame is None else c.frame.enter(c)
+
+
+def _finish(c: Ctx, entered, results: list[str]) -> list[str]:
+    """A path's results; a ragged frame's gathered out (``Ctx.frame``)."""
+    return results if c.frame is None else c.frame.leave(c, entered, results)
+
+
 def _groups_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     """The whole call as ``h``'s groups of rows: Q copy, edge masks, ops, normalize (each path
     defines its own tensors, so a call's work is one execution region whose allocations wait on
     nothing but the call's inputs)."""
+    c, entered = _entered(c)
+    return _finish(c, entered, _groups_work(c, tier, h, left))
+
+
+def _groups_work(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     fn, p = c.fn, c.p
     mask = edge_masks(c, groups=h.groups, rows=h.rows, m_rows=h.m, width=h.width)
     qp = q_padded(c, c.q, h.m_pad)
@@ -300,15 +316,17 @@ def _groups_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
 def _padded_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     """``_groups_path`` over copies of K and V zero-padded to ``c.limit`` keys (so that every edge
     window can be read); the copies are transients of this path."""
+    c, entered = _entered(c)
     kp, vp = (kv_padded(c, which) for which in ("k", "v"))
-    return _groups_path(dataclasses.replace(c, k=kp, v=vp), tier, h, left)
+    return _finish(c, entered, _groups_work(dataclasses.replace(c, k=kp, v=vp), tier, h, left))
 
 
 def _split_path(c: Ctx, tier: Tier, h: _Pieces, tag: str, rest: bool) -> list[str]:
     """The whole call as one group split over the keys (``_split``), slots combined at the end."""
+    c, entered = _entered(c)
     fn, p = c.fn, c.p
     mask = edge_masks(c, groups=fn.c(1), rows=c.sq, m_rows=h.m, width=h.width)
     qp = q_padded(c, c.q, h.m_pad)
     cr = _split(c, tier, h, qp, _Carry(new_state(fn, [c.b, c.hk, h.n_slots, h.m_pad], p.dv), mask), tag, rest)
     out, _, lse, _ = normalize_slots(fn, cr.state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout)
-    return [out, lse, qp, mask, *cr.state.names()]
+    return _finish(c, entered, [out, lse, qp, mask, *cr.state.names()])

@@ -77,13 +77,14 @@ def edge_masks(c: Ctx, *, groups: str, rows: str, m_rows: str, width: str) -> st
 
 def _ragged_masks(c: Ctx, *, groups: str, rows: str, m_rows: str, width: str) -> str:
     fn = c.fn
-    d_ty, col_ty = tensor_type(["?", "?"], "i32"), tensor_type(["?"], "i32")
+    src, at = c.desc
+    col_ty = tensor_type(["?"], "i32")
+    starts = [fn.add(at, fn.mul(i, c.b)) for i in range(4)]
     d5 = "d0, d1, d2, d3, d4"
     par = ", ".join(['"parallel"'] * 5)
 
     def region():
-        cols = [fn.let(f"tensor.extract_slice {c.desc}[{i}, 0] [1, {c.b}] [1, 1] : {d_ty} to {col_ty}", "dc")
-                for i in range(4)]
+        cols = [fn.let(f"tensor.extract_slice {src}[{o}] [{c.b}] [1] : {col_ty} to {col_ty}", "dc") for o in starts]
         empty = fn.let(f"tensor.empty({c.b}, {groups}, {m_rows}, {width}) : {RAGGED_MASK_TYPE}", "me")
         out = fn.fresh("mask")
         maps = ", ".join([f"affine_map<({d5}) -> (d0)>"] * 4)

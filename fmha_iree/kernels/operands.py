@@ -61,8 +61,9 @@ class Ctx:
     k: Operand
     v: Operand
     limit: str  # keys of k / v that can be read (Sk, or the padded length of padded copies)
-    desc: str | None = None  # ragged: [4, B] i32, rows qlen, klen, y, x (a column per batch)
+    desc: tuple[str, str] | None = None  # ragged: (i32 tensor, offset) of [4, B]: rows qlen, klen, y, x
     q: str = "%q"  # the Q tensor ([B, Hq, Sq, Dq] or [B, Sq, Hq, Dq])
+    frame: object = None  # ragged: makes q / k / v inside each path and gathers its results (kernels.ragged)
 
 
 def _ty(shape, elt):

@@ -21,23 +21,61 @@ drops (``general``: allocated like outputs, freed without a host wait).
 
 from __future__ import annotations
 
+import dataclasses
+
+from .attention import Operand
 from .bounds import Coords
 from .frames import gather_lse, gather_rows, rows_dims
 from .general import fwd_body
 from .ir import Fn, tensor_type
-from .operands import Plan
+from .operands import Ctx, Plan
 
 __all__ = ["render_ragged", "RAGGED_SCALARS"]
 
 RAGGED_SCALARS = ("B", "Sq", "Sk", "No", "Ro", "Nl", "Rl", "y", "x", "yu", "xu", "khi", "khiu")
 
 
-def _slice(fn: Fn, at: str, rows: str, cols: str) -> str:
-    """``idx[at : at + rows * cols]`` as ``[rows, cols]``."""
-    flat, two = tensor_type(["?"], "i32"), tensor_type(["?", "?"], "i32")
-    n = fn.mul(rows, cols)
-    part = fn.let(f"tensor.extract_slice %idx[{at}] [{n}] [1] : {flat} to {flat}", "ix")
-    return fn.let(f"tensor.expand_shape {part} [[0, 1]] output_shape [{rows}, {cols}] : {flat} into {two}", "ix")
+@dataclasses.dataclass(frozen=True)
+class _Frame:
+    """``Ctx.frame`` of ``fwd_ragged``: each path gathers its own Q / K / V frames first and its
+    results last (values made before the path's ``scf.if`` would cross it, and IREE would wait on
+    the host for them)."""
+
+    s: dict  # the scalars (index values)
+    at: dict  # offsets into %idx of q, k, desc, out, lse
+    heads: tuple[str, str]  # Hq, Hk
+    src_rows: tuple[str, str, str]  # rows per leading index of %q, %k, %v
+    plan: Plan
+
+    def types(self) -> list[str]:
+        """The scratch results a path adds: the Q / K / V frames, then the frame's out and lse
+        (returned, not left as transients: IREE 3.13's CUDA HAL frees a transient with a host wait
+        for the call's last kernel)."""
+        p = self.plan
+        return [self._ty(p.dq), self._ty(p.dq), self._ty(p.dv), self._ty(p.dv), tensor_type(["?", "?", "?"], "f32")]
+
+    def _ty(self, d: int) -> str:
+        return tensor_type(["?", "?", "?", d], self.plan.dtype)
+
+    def _gather(self, c: Ctx, src: str, rows: str, at: str, size, heads: str, d: int) -> str:
+        lay = c.p.layout
+        return gather_rows(c.fn, src=src, src_layout=lay, src_rows=rows, idx=("%idx", at), size=size, heads=heads,
+                           out_layout=lay, dtype=c.p.dtype, d=d, lowering=c.p.main.lowering)
+
+    def enter(self, c: Ctx):
+        s, (hq, hk) = self.s, self.heads
+        qf = self._gather(c, "%q", self.src_rows[0], self.at["q"], (s["B"], s["Sq"]), hq, c.p.dq)
+        kf = self._gather(c, "%k", self.src_rows[1], self.at["k"], (s["B"], s["Sk"]), hk, c.p.dq)
+        vf = self._gather(c, "%v", self.src_rows[2], self.at["k"], (s["B"], s["Sk"]), hk, c.p.dv)
+        c = dataclasses.replace(c, q=qf, k=Operand(kf, c.k.type, c.k.dims), v=Operand(vf, c.v.type, c.v.dims))
+        return c, (qf, kf, vf)
+
+    def leave(self, c: Ctx, entered, results: list[str]) -> list[str]:
+        s, hq = self.s, self.heads[0]
+        out = self._gather(c, results[0], s["Sq"], self.at["out"], (s["No"], s["Ro"]), hq, c.p.dv)
+        lse = gather_lse(c.fn, lse=results[1], idx=("%idx", self.at["lse"]), size=(s["Nl"], s["Rl"]), heads=hq,
+                         rows=s["Sq"])
+        return [out, lse, *entered, *results]
 
 
 def render_ragged(plan: Plan, func_name: str = "fwd_ragged") -> str:
@@ -46,26 +84,17 @@ def render_ragged(plan: Plan, func_name: str = "fwd_ragged") -> str:
     T, lay = p.dtype, p.layout
     ty_q, ty_v = tensor_type(["?", "?", "?", p.dq], T), tensor_type(["?", "?", "?", p.dv], T)
     s = {n: fn.arith(f"arith.index_cast %{n} : i64 to index", n) for n in RAGGED_SCALARS}
-    at_k = fn.mul(s["B"], s["Sq"])
-    at_d = fn.add(at_k, fn.mul(s["B"], s["Sk"]))
-    at_o = fn.add(at_d, fn.mul(4, s["B"]))
-    at_l = fn.add(at_o, fn.mul(s["No"], s["Ro"]))
-    q_idx, k_idx = _slice(fn, fn.c(0), s["B"], s["Sq"]), _slice(fn, at_k, s["B"], s["Sk"])
-    desc = _slice(fn, at_d, fn.c(4), s["B"])
-    o_idx, l_idx = _slice(fn, at_o, s["No"], s["Ro"]), _slice(fn, at_l, s["Nl"], s["Rl"])
+    at = {"q": fn.c(0), "k": fn.mul(s["B"], s["Sq"])}
+    at["desc"] = fn.add(at["k"], fn.mul(s["B"], s["Sk"]))
+    at["out"] = fn.add(at["desc"], fn.mul(4, s["B"]))
+    at["lse"] = fn.add(at["out"], fn.mul(s["No"], s["Ro"]))
     r_ax, h_ax = rows_dims(lay)
     hq, hk = fn.dim("%q", ty_q, h_ax), fn.dim("%k", ty_q, h_ax)
-    low = p.main.lowering
-    frame = {name: gather_rows(fn, src=f"%{name}", src_layout=lay, src_rows=fn.dim(f"%{name}", ty, r_ax), idx=ix,
-                               size=(s["B"], keys), heads=h, out_layout=lay, dtype=T, d=d, lowering=low)
-             for name, ty, ix, keys, h, d in (("q", ty_q, q_idx, s["Sq"], hq, p.dq), ("k", ty_q, k_idx, s["Sk"], hk, p.dq),
-                                              ("v", ty_v, k_idx, s["Sk"], hk, p.dv))}
+    rows = (fn.dim("%q", ty_q, r_ax), fn.dim("%k", ty_q, r_ax), fn.dim("%v", ty_v, r_ax))
+    frame = _Frame(s, at, (hq, hk), rows, p)
     co = lambda: Coords(s["y"], s["x"], s["yu"], s["xu"], s["khi"], s["khiu"])  # noqa: E731
-    res = fwd_body(fn, p, frame["q"], frame["k"], frame["v"], co, desc=desc, sizes=(s["B"], s["Sq"], hq, s["Sk"], hk))
-    out = gather_rows(fn, src=res[0][0], src_layout=lay, src_rows=s["Sq"], idx=o_idx, size=(s["No"], s["Ro"]), heads=hq,
-                      out_layout=lay, dtype=T, d=p.dv, lowering=low)
-    lse = gather_lse(fn, lse=res[1][0], idx=l_idx, size=(s["Nl"], s["Rl"]), heads=hq, rows=s["Sq"])
-    results = [(out, ty_v), (lse, res[1][1]), (frame["q"], ty_q), (frame["k"], ty_q), (frame["v"], ty_v), *res[2:]]
+    results = fwd_body(fn, p, "%q", "%k", "%v", co, desc=("%idx", at["desc"]), sizes=(s["B"], s["Sq"], hq, s["Sk"], hk),
+                       frame=frame)
     names, types = ", ".join(n for n, _ in results), ", ".join(t for _, t in results)
     scalars = ", ".join(f"%{n}: i64" for n in RAGGED_SCALARS)
     args = f"%q: {ty_q}, %k: {ty_q}, %v: {ty_v}, %idx: {tensor_type(['?'], 'i32')}, %scale: f32, {scalars}"
