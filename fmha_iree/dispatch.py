@@ -216,8 +216,8 @@ def run_paged(q, cache: PagedCache, seqstart_q, seqstart_padded_q, *, mask, scal
     module = get_module() if p.sq and p.sk else None
     if has_ragged(module, "bshd"):
         starts = (*starts[:3], cache.lens, *starts[4:])
-        rows = frames.paged_rows(cache.block_table, cache.page_size, cache.lens, int(cache.lens.max(initial=0)))
-        out, lse = _varlen_frame(p, starts, module, rows)
+        pages = (frames.paged_bases(cache.block_table, cache.page_size, cache.lens), cache.page_size)
+        out, lse = _varlen_frame(p, starts, module, pages)
         out = _wrap(out, p.q, p.q.dtype)
         return (out, _wrap(lse, p.q, "f32")) if return_lse else out
     k, v, seqstart_k = cache.packed()
@@ -226,10 +226,10 @@ def run_paged(q, cache: PagedCache, seqstart_q, seqstart_padded_q, *, mask, scal
     return run_varlen(p, starts, return_lse, *modules(p))
 
 
-def _varlen_frame(p: BatchProblem, starts, module, k_rows: np.ndarray | None = None):
-    """Group mode as one frame (:func:`frames.group_frame`; ``k_rows`` the keys' rows of a paged
-    cache): ``out [Tq, Hq, Dv]``, ``lse [Hq, total]``."""
-    frame = frames.group_frame(p.mask, starts, p.sq, k_rows)
+def _varlen_frame(p: BatchProblem, starts, module, pages=None):
+    """Group mode as one frame (:func:`frames.group_frame`; ``pages`` a paged cache's row bases
+    and page size): ``out [Tq, Hq, Dv]``, ``lse [Hq, total]``."""
+    frame = frames.group_frame(p.mask, starts, p.sq, pages)
     if frame.empty:
         return _empty_result(p, (p.sq, p.hq, p.dv), (p.hq, starts[-1]))
     out, lse = frames.run_frame(module, frame, p.q.array, p.k.array, p.v.array, dtype=p.q.dtype, scale=p.scale,

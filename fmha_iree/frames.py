@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["Frame", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_rows", "run_frame",
+__all__ = ["Frame", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
            "has_ragged"]
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +24,9 @@ class Frame:
     """Index arrays and ``fwd_ragged``'s arguments for one ragged call."""
 
     q_idx: np.ndarray  # [B, Sq_f] int32: source row of each frame query row, -1 none
-    k_idx: np.ndarray  # [B, Sk_f] int32: source row of each frame key
+    k_base: np.ndarray  # [B, NP] int32: key j < klen of sequence b is row k_base[b, j // page] + j % page
+    page: int
+    sk_f: int  # the frame's keys: the longest klen
     desc: np.ndarray  # [B, 4] int32: (qlen, klen, y, x) per sequence
     out_idx: np.ndarray  # [N, R] int32: frame row (b * Sq_f + s) of each output row, -1 none
     lse_idx: np.ndarray  # [N, R2] int32: frame row of each LSE column
@@ -32,10 +34,17 @@ class Frame:
     @property
     def empty(self) -> bool:
         """Nothing to compute: no query row or no key in any sequence."""
-        return not (self.desc[:, 0] > 0).any() or self.k_idx.shape[1] == 0
+        return not (self.desc[:, 0] > 0).any() or self.sk_f == 0
 
     def coords(self) -> tuple[int, ...]:
-        return ragged_coords(self.desc, self.q_idx.shape[1], self.k_idx.shape[1])
+        return ragged_coords(self.desc, self.q_idx.shape[1], self.sk_f)
+
+    def table(self) -> tuple[np.ndarray, tuple[int, ...]]:
+        """``fwd_ragged``'s index table and its size scalars (``kernels.ragged``)."""
+        idx = np.concatenate([self.q_idx.ravel(), self.k_base.ravel(), self.desc.T.ravel(), self.out_idx.ravel(),
+                              self.lse_idx.ravel()]).astype(np.int32)
+        b, sq_f = self.q_idx.shape
+        return idx, (b, sq_f, self.sk_f, self.k_base.shape[1], self.page, *self.out_idx.shape, *self.lse_idx.shape)
 
 
 def ragged_coords(desc: np.ndarray, sq_f: int, sk_f: int) -> tuple[int, int, int, int, int, int]:
@@ -62,13 +71,20 @@ def frame_rows(starts: np.ndarray, lens: np.ndarray, width: int) -> np.ndarray:
     return np.where(j < np.asarray(lens, np.int64)[:, None], rows, -1).astype(np.int32)
 
 
-def paged_rows(block_table: np.ndarray, page_size: int, lens: np.ndarray, width: int) -> np.ndarray:
-    """``[B, width]`` int32: the flat cache row (``page * page_size + offset``) of each sequence's
-    key ``j < lens[b]`` (page ``block_table[b, j // page_size]``), else -1."""
-    j = np.arange(width, dtype=np.int64)
-    cols = np.minimum(j // page_size, block_table.shape[1] - 1)
-    rows = block_table.astype(np.int64)[:, cols] * page_size + j % page_size
-    return np.where(j < np.asarray(lens, np.int64)[:, None], rows, -1).astype(np.int32)
+def paged_bases(block_table: np.ndarray, page_size: int, lens: np.ndarray) -> np.ndarray:
+    """``[B, ceil(max(lens) / page_size)]`` int32: each sequence's pages as the flat cache row of
+    their first key (``block_table * page_size``); columns past a sequence's last page 0 (never
+    read: their keys are past its length)."""
+    lens = np.asarray(lens, np.int64)
+    n = max(1, -(-int(lens.max(initial=0)) // page_size))
+    cols = np.arange(n)
+    used = cols[None, :] * page_size < lens[:, None]
+    return np.where(used, block_table[:, :n].astype(np.int64) * page_size, 0).astype(np.int32)
+
+
+def _contiguous(starts) -> np.ndarray:
+    """Row bases of contiguous sequences: one page each, starting at its start."""
+    return np.asarray(starts, np.int64)[:, None].astype(np.int32)
 
 
 def _descs(mask, q_len: np.ndarray, k_len: np.ndarray) -> np.ndarray:
@@ -95,17 +111,18 @@ def batch_frame(mask, q_len: np.ndarray, k_len: np.ndarray, sq: int, sk: int) ->
     sq_f, sk_f = int(q_len.max(initial=0)), int(k_len.max(initial=0))
     batch = np.arange(len(q_len))
     out = frame_rows(batch * sq_f, q_len, sq)
-    return Frame(frame_rows(batch * sq, q_len, sq_f), frame_rows(batch * sk, k_len, sk_f), _descs(mask, q_len, k_len),
-                 out, out)
+    return Frame(frame_rows(batch * sq, q_len, sq_f), _contiguous(batch * sk), max(sk_f, 1), sk_f,
+                 _descs(mask, q_len, k_len), out, out)
 
 
-def group_frame(mask, starts, total_rows: int, k_idx: np.ndarray | None = None) -> Frame:
+def group_frame(mask, starts, total_rows: int, pages: tuple[np.ndarray, int] | None = None) -> Frame:
     """Group mode's sequences (``spec.check_varlen``'s starts) over packed ``[1, T, H, D]``
-    tensors; ``k_idx`` replaces the keys' rows (a paged cache's, ``paged_rows``)."""
+    tensors; ``pages`` = (row bases, page size) of a paged cache (``paged_bases``) in place of
+    the keys' starts."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     sq_f, sk_f = int(q_len.max(initial=0)), int(k_len.max(initial=0))
-    keys = frame_rows(k_start, k_len, sk_f) if k_idx is None else k_idx
-    return Frame(frame_rows(q_start, q_len, sq_f), keys, _descs(mask, q_len, k_len),
+    base, page = (_contiguous(k_start), max(sk_f, 1)) if pages is None else pages
+    return Frame(frame_rows(q_start, q_len, sq_f), base, page, sk_f, _descs(mask, q_len, k_len),
                  _out_rows(q_len, sq_f, q_start, total_rows), _out_rows(q_len, sq_f, lse_start, total_q))
 
 
@@ -113,10 +130,7 @@ def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, keep: 
     """``frame`` on ``module``'s ``fwd_ragged`` (one call, ``kernels.ragged``) from ``q`` / ``k`` /
     ``v`` (rank 4 in the module's layout; ABI arrays or DeviceTensors). Returns (out ``[N, R, Hq,
     Dv]``, lse ``[N2, Hq, R2]``), numpy or DeviceTensors with ``keep``."""
-    b, sq_f = frame.q_idx.shape
-    idx = np.concatenate([frame.q_idx.ravel(), frame.k_idx.ravel(), frame.desc.T.ravel(), frame.out_idx.ravel(),
-                          frame.lse_idx.ravel()]).astype(np.int32)
-    sizes = (b, sq_f, frame.k_idx.shape[1], *frame.out_idx.shape, *frame.lse_idx.shape)
+    idx, sizes = frame.table()
     out, lse = module.call("fwd_ragged", [(q, dtype), (k, dtype), (v, dtype)], staged=[idx],
                            scalars=(float(scale), *sizes, *frame.coords()), results=[dtype, "f32"], keep_on_device=keep)
     return out, lse

@@ -103,6 +103,8 @@ def gather_pages(k_cache, v_cache, block_table, seqlen_k, batch: int):
 def _used_rows(ko: Operand, vo: Operand, block_table, seqlen_k, batch: int):
     """(lens, block table, flat cache row of every used key in sequence order), validated."""
     n_pages, page, hk, _ = ko.array.shape
+    if n_pages * page >= 2 ** 31:
+        raise ValueError(f"k_cache holds {n_pages} x {page} rows: at most 2**31 - 1 rows are addressed")
     if vo.array.shape[:3] != (n_pages, page, hk):
         raise ValueError(f"v_cache {list(vo.array.shape)} must match k_cache {list(ko.array.shape)} in pages, "
                          "page size and heads")

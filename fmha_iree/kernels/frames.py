@@ -12,10 +12,12 @@ would still reach the sum as ``0 * NaN``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from .elementwise import copy_attrs
 from .ir import Fn, tensor_type
 
-__all__ = ["gather_rows", "gather_lse", "rows_dims"]
+__all__ = ["ExplicitRows", "PagedRows", "gather_rows", "gather_lse", "rows_dims"]
 
 
 def rows_dims(layout: str) -> tuple[int, int]:
@@ -32,12 +34,56 @@ def _index(fn: Fn, idx: tuple[str, str], a: str, r: str) -> str:
     return fn.let(f"tensor.expand_shape {part} [[0, 1]] output_shape [{a}, {r}] : {flat} into {two}", "ix")
 
 
-def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, idx: tuple[str, str], size: tuple[str, str],
+@dataclasses.dataclass(frozen=True)
+class ExplicitRows:
+    """The source row of result row ``(a, r)`` is ``idx[a, r]`` of an ``[A, R]`` int32 table at
+    ``at`` in the 1-D ``tensor`` (-1: none)."""
+
+    tensor: str
+    at: str
+
+    def inputs(self, fn: Fn, a: str, r: str, r_dim: int):
+        """(the generic's inputs as (value, type, map results), what ``row`` reads besides)."""
+        return [(_index(fn, (self.tensor, self.at), a, r), tensor_type(["?", "?"], "i32"), f"d0, d{r_dim}")], None
+
+    def row(self, fn: Fn, args: list[str], r_dim: int, extra) -> str:
+        return fn.let(f"arith.index_cast {args[0]} : i32 to index", "gr")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedRows:
+    """Row ``j`` of sequence ``a`` is ``base[a, j // page] + j % page`` while ``j < len[a]``, else
+    none: ``base`` ``[A, pages]`` int32 at ``base_at``, ``len`` ``[A]`` at ``len_at`` of the 1-D
+    ``tensor`` (a paged cache's block table times the page size; a contiguous sequence is one
+    page of its start). The page column is clamped to the table, so no index leaves it."""
+
+    tensor: str
+    base_at: str
+    pages: str
+    page: str
+    len_at: str
+
+    def inputs(self, fn: Fn, a: str, r: str, r_dim: int):
+        flat = tensor_type(["?"], "i32")
+        lens = fn.let(f"tensor.extract_slice {self.tensor}[{self.len_at}] [{a}] [1] : {flat} to {flat}", "ix")
+        return [(lens, flat, "d0")], _index(fn, (self.tensor, self.base_at), a, self.pages)
+
+    def row(self, fn: Fn, args: list[str], r_dim: int, base_table: str) -> str:
+        n = fn.let("arith.index_cast " + args[0] + " : i32 to index", "gr")
+        a, j = fn.let("linalg.index 0 : index", "gx"), fn.let(f"linalg.index {r_dim} : index", "gx")
+        col = fn.min(fn.floordiv(j, self.page), fn.sub(self.pages, 1))
+        base = fn.let(f"tensor.extract {base_table}[{a}, {col}] : {tensor_type(['?', '?'], 'i32')}", "gb")
+        row = fn.add(fn.let(f"arith.index_cast {base} : i32 to index", "gr"),
+                     fn.arith(f"arith.remsi {j}, {self.page} : index", "gr"))
+        return fn.select(fn.cmp("slt", j, n), row, -1)
+
+
+def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, rows, size: tuple[str, str],
                 heads: str, out_layout: str, dtype: str, d: int, lowering) -> str:
-    """Emit the dispatch; ``idx`` (1-D int32 tensor, offset) of an ``[A, R]`` index, ``size`` =
-    (A, R), ``src_rows`` the source's row count per leading index, ``heads`` the head count (host
-    values). Returns the result."""
-    ty, i_ty = tensor_type(["?", "?", "?", d], dtype), tensor_type(["?", "?"], "i32")
+    """Emit the dispatch; ``rows`` (``ExplicitRows`` or ``PagedRows``) gives each result row's
+    source row, ``size`` = (A, R), ``src_rows`` the source's row count per leading index, ``heads``
+    the head count (host values). Returns the result."""
+    ty = tensor_type(["?", "?", "?", d], dtype)
     r_out, h_out = rows_dims(out_layout)
     a, r = size
     shape = [a, r, heads] if out_layout == "bshd" else [a, heads, r]
@@ -45,14 +91,17 @@ def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, idx: tuple[
     d4, par = "d0, d1, d2, d3", ", ".join(['"parallel"'] * 4)
 
     def region():
-        ix = _index(fn, idx, a, r)
+        ins, extra = rows.inputs(fn, a, r, r_out)
         empty = fn.let(f"tensor.empty({', '.join(shape)}) : {ty}", "ge")
         out = fn.fresh("g")
-        fn.emit(f"{out} = linalg.generic {{indexing_maps = [affine_map<({d4}) -> (d0, d{r_out})>, "
-                f"affine_map<({d4}) -> ({d4})>], iterator_types = [{par}]}} ins({ix} : {i_ty}) "
+        maps = "".join(f"affine_map<({d4}) -> ({m})>, " for _, _, m in ins)
+        fn.emit(f"{out} = linalg.generic {{indexing_maps = [{maps}affine_map<({d4}) -> ({d4})>], "
+                f"iterator_types = [{par}]}} ins({', '.join(v for v, _, _ in ins)} : {', '.join(t for _, t, _ in ins)}) "
                 f"outs({empty} : {ty}){attrs} {{")
-        with fn.region(f"^bb0(%gi: i32, %go: {dtype}):", f"}} -> {ty}"), fn.local():
-            row = fn.let("arith.index_cast %gi : i32 to index", "gr")
+        args = [f"%gi{i}" for i in range(len(ins))]
+        head = ", ".join(f"{x}: i32" for x in args)
+        with fn.region(f"^bb0({head}, %go: {dtype}):", f"}} -> {ty}"), fn.local():
+            row = rows.row(fn, args, r_out, extra)
             ok = fn.cmp("sge", row, 0)
             safe = fn.max(row, 0)
             n, rr = fn.floordiv(safe, src_rows), fn.arith(f"arith.remsi {safe}, {src_rows} : index", "gr")

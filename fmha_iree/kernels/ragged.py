@@ -4,13 +4,15 @@ as a padded frame whose batch entries each carry their own lengths and CK mask.
 Signature (``layout`` of the module; ``bshd`` shown)::
 
     fwd_ragged(q [Nq, Rq, Hq, Dq], k [Nk, Rk, Hk, Dq], v [Nk, Rk, Hk, Dv], idx: i32 [L], scale: f32,
-               B, Sq, Sk, No, Ro, Nl, Rl, y, x, yu, xu, khi, khiu: i64)
+               B, Sq, Sk, NP, P, No, Ro, Nl, Rl, y, x, yu, xu, khi, khiu: i64)
         -> (out [No, Ro, Hq, Dv], lse [Nl, Hq, Rl] f32, scratch...)
 
 ``q`` / ``k`` / ``v`` are read as rows (``n * R + r``): group mode's packed ``[1, T, H, D]``, a
 paged cache ``[pages, page_size, H, D]``, a padded batch ``[B, S, H, D]``. ``idx`` holds, one
-after the other: the source row of each frame query row ``[B, Sq]`` and key ``[B, Sk]`` (-1: none,
-zeros), the descriptor ``[4, B]`` (rows qlen, klen, y, x: each sequence's lengths and CK
+after the other: the source row of each frame query row ``[B, Sq]`` (-1: none, zeros), the keys'
+row bases ``[B, NP]`` (key ``j < klen`` of sequence ``b`` is row ``base[b, j // P] + j % P``: a
+paged cache's block table times its page size ``P``, or a contiguous sequence's start with
+``P = Sk``; ``frames.PagedRows``), the descriptor ``[4, B]`` (rows qlen, klen, y, x: each sequence's lengths and CK
 coordinates), the frame row of each output row ``[No, Ro]`` and of each LSE column ``[Nl, Rl]``
 (-1: zeros / -inf). The scalars are those sizes and the frame's interior and union coordinates
 (``bounds.Coords``). The work: three gathers into the frame (``frames.gather_rows``), ``fwd``'s
@@ -25,14 +27,14 @@ import dataclasses
 
 from .attention import Operand
 from .bounds import Coords
-from .frames import gather_lse, gather_rows, rows_dims
+from .frames import ExplicitRows, PagedRows, gather_lse, gather_rows, rows_dims
 from .general import fwd_body
 from .ir import Fn, tensor_type
 from .operands import Ctx, Plan
 
 __all__ = ["render_ragged", "RAGGED_SCALARS"]
 
-RAGGED_SCALARS = ("B", "Sq", "Sk", "No", "Ro", "Nl", "Rl", "y", "x", "yu", "xu", "khi", "khiu")
+RAGGED_SCALARS = ("B", "Sq", "Sk", "NP", "P", "No", "Ro", "Nl", "Rl", "y", "x", "yu", "xu", "khi", "khiu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,22 +59,23 @@ class _Frame:
     def _ty(self, d: int) -> str:
         return tensor_type(["?", "?", "?", d], self.plan.dtype)
 
-    def _gather(self, c: Ctx, src: str, rows: str, at: str, size, heads: str, d: int) -> str:
+    def _gather(self, c: Ctx, src: str, src_rows: str, rows, size, heads: str, d: int) -> str:
         lay = c.p.layout
-        return gather_rows(c.fn, src=src, src_layout=lay, src_rows=rows, idx=("%idx", at), size=size, heads=heads,
+        return gather_rows(c.fn, src=src, src_layout=lay, src_rows=src_rows, rows=rows, size=size, heads=heads,
                            out_layout=lay, dtype=c.p.dtype, d=d, lowering=c.p.main.lowering)
 
     def enter(self, c: Ctx):
-        s, (hq, hk) = self.s, self.heads
-        qf = self._gather(c, "%q", self.src_rows[0], self.at["q"], (s["B"], s["Sq"]), hq, c.p.dq)
-        kf = self._gather(c, "%k", self.src_rows[1], self.at["k"], (s["B"], s["Sk"]), hk, c.p.dq)
-        vf = self._gather(c, "%v", self.src_rows[2], self.at["k"], (s["B"], s["Sk"]), hk, c.p.dv)
+        s, (hq, hk), at = self.s, self.heads, self.at
+        keys = PagedRows("%idx", at["k"], s["NP"], s["P"], c.fn.add(at["desc"], s["B"]))  # klen: the desc's row 1
+        qf = self._gather(c, "%q", self.src_rows[0], ExplicitRows("%idx", at["q"]), (s["B"], s["Sq"]), hq, c.p.dq)
+        kf = self._gather(c, "%k", self.src_rows[1], keys, (s["B"], s["Sk"]), hk, c.p.dq)
+        vf = self._gather(c, "%v", self.src_rows[2], keys, (s["B"], s["Sk"]), hk, c.p.dv)
         c = dataclasses.replace(c, q=qf, k=Operand(kf, c.k.type, c.k.dims), v=Operand(vf, c.v.type, c.v.dims))
         return c, (qf, kf, vf)
 
     def leave(self, c: Ctx, entered, results: list[str]) -> list[str]:
         s, hq = self.s, self.heads[0]
-        out = self._gather(c, results[0], s["Sq"], self.at["out"], (s["No"], s["Ro"]), hq, c.p.dv)
+        out = self._gather(c, results[0], s["Sq"], ExplicitRows("%idx", self.at["out"]), (s["No"], s["Ro"]), hq, c.p.dv)
         lse = gather_lse(c.fn, lse=results[1], idx=("%idx", self.at["lse"]), size=(s["Nl"], s["Rl"]), heads=hq,
                          rows=s["Sq"])
         return [out, lse, *entered, *results]
@@ -85,7 +88,7 @@ def render_ragged(plan: Plan, func_name: str = "fwd_ragged") -> str:
     ty_q, ty_v = tensor_type(["?", "?", "?", p.dq], T), tensor_type(["?", "?", "?", p.dv], T)
     s = {n: fn.arith(f"arith.index_cast %{n} : i64 to index", n) for n in RAGGED_SCALARS}
     at = {"q": fn.c(0), "k": fn.mul(s["B"], s["Sq"])}
-    at["desc"] = fn.add(at["k"], fn.mul(s["B"], s["Sk"]))
+    at["desc"] = fn.add(at["k"], fn.mul(s["B"], s["NP"]))
     at["out"] = fn.add(at["desc"], fn.mul(4, s["B"]))
     at["lse"] = fn.add(at["out"], fn.mul(s["No"], s["Ro"]))
     r_ax, h_ax = rows_dims(lay)
