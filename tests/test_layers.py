@@ -18,7 +18,6 @@ PKG = Path(fmha_iree.__file__).resolve().parent
 LAYERS = [
     ["targets", "tiles", "mask", "cache", "isa", "ptx", "torch_abi"],  # leaves: no fmha_iree imports
     ["device"],  # IREE devices, DeviceTensor
-    ["staging"],  # per-call uploads without a host wait
     ["spec", "plan"],  # problem spec, tiling plan
     ["paged"],  # a paged KV cache's validation and gather
     ["rows"],  # the CPU's whole-key-row graphs (used by the torch graph module)
@@ -26,6 +25,7 @@ LAYERS = [
     ["kernels"],  # the fwd family (uses mlir_templates' lowering configs)
     ["source"],  # what a module holds, as MLIR
     ["compile"],  # iree-compile, caches
+    ["staging"],  # per-call uploads without a host wait
     ["runtime", "frames"],  # a loaded module's entry points; ragged problems as padded frames
     ["dispatch"],  # which entry point a call takes
     ["api", "deploy"],  # public entry points
