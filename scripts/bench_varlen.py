@@ -11,7 +11,8 @@ elsewhere into --modules):
 Rows (`--preset gpu`, f16 D128): 16 causal sequences of random lengths 128..2047 (seeded, about
 17k tokens, H16); a decode batch (B32, one query each, KV lengths random in 256..8192, Hq32/Hk8);
 the same decode from a paged KV cache (page 64, pages in a shuffled order); the 16-sequence
-prefill from a paged cache. `--preset cpu` (f32 D64): 16 causal sequences 128..1023 (H8), decode
+prefill from a paged cache; the prefill and the decode as padded batches in batch mode with
+cu_seqlen_q / cu_seqlen_k (fmha_fwd). `--preset cpu` (f32 D64): 16 causal sequences 128..1023 (H8), decode
 B32 with KV 256..4096 (Hq32/Hk8), that decode paged, and 1 x 2048 + 32 x 64 causal (H8) beside
 the 1 x 2048 alone and the same batch padded to 2048 in batch mode (fmha_fwd). Every row's mask is
 CK's "b" (bottom-right causal, per sequence).
