@@ -179,8 +179,9 @@ def fmha_fwd(
 
 def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None, tiles=None,
           device=None, specialize=False) -> Route:
-    """The path :func:`fmha_fwd` with these arguments takes (``Route``: ``fwd``, a one-call
-    entry point, or the tile plan; which entry point; and why), without running it. Loads (and on
+    """The path :func:`fmha_fwd` with these arguments takes (``Route``: ``fwd``, ``ragged``
+    (cu_seqlen padding in one frame), ``rows``, a one-call entry point, or the tile plan; which
+    entry point; and why), without running it. Loads (and on
     first use compiles) the module, as the call would."""
     p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
     if not isinstance(return_lse, bool) or not isinstance(specialize, bool):
@@ -205,8 +206,9 @@ def fmha_fwd_varlen(
         block_table: int32 ``[B, max_pages]``, a paged KV cache (``fmha_iree.paged``): ``k`` / ``v``
             are then ``[num_pages, page_size, Hk, D]``, ``seqstart_k`` is None and ``seqlen_k``
             gives each sequence's key count; sequence ``b``'s key ``j`` lives in page
-            ``block_table[b, j // page_size]``, row ``j % page_size`` (host arrays for now: the used
-            keys are gathered into a packed copy).
+            ``block_table[b, j // page_size]``, row ``j % page_size`` (read on the device by GPU
+            modules, host arrays or DeviceTensors; CPU modules gather the used keys on the host,
+            host arrays only).
         mask: as in :func:`fmha_fwd`, applied per sequence with that sequence's own lengths
             (bottom-right aligns each sequence's last query with its last key).
 

@@ -4,8 +4,9 @@ Shared by the API (:mod:`fmha_iree.api`) and deployed modules (:mod:`fmha_iree.d
 mode problem takes a compiled-in or aligned one-call entry point that serves it (``dense_kind``;
 in a module with ``fwd``, not the generic two-block ``causal``), else ``rows`` (CPU modules, short
 queries: any lengths and mask, cu_seqlen padding too), else ``fwd`` (CUDA modules: any lengths and
-mask in one call), else the tile plan (``init``/``step``/``finalize``), which also runs
-group mode and cu_seqlen padding. :func:`route` says which and why.
+mask in one call) or, with cu_seqlen padding, ``fwd_ragged`` (:mod:`fmha_iree.frames`), else the
+tile plan (``init``/``step``/``finalize``). Group mode and paged caches take ``fwd_ragged`` where
+the module has it, else ``rows`` and the plan. :func:`route` says which and why.
 """
 
 from __future__ import annotations
@@ -176,9 +177,10 @@ def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str)
 
 def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, family: str):
     """A checked group-mode problem (``check_varlen``'s two results) on a module, shared by
-    ``fmha_fwd_varlen`` and deployed modules: on a CPU module with host inputs, sequences of short
-    queries in ``rows`` calls (:func:`short_sequences`, each call a batch of them padded to its
-    longest), the others in the tile plan."""
+    ``fmha_fwd_varlen`` and deployed modules: one ``fwd_ragged`` call where the module has it
+    (``bshd``); on a CPU module with host inputs, sequences of short queries in ``rows`` calls
+    (:func:`short_sequences`, each call a batch of them padded to its longest), the others in the
+    tile plan."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     module = get_module() if p.sq and p.sk else None
     if has_ragged(module, "bshd"):
