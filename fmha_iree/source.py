@@ -2,14 +2,13 @@
 MLIR (the input ``compile.py`` hands to iree-compile).
 
 CPU modules are the torch graph of ``graph.py``; GPU modules the plan's ``step`` plus the one-call
-entry points (``mlir_templates``) and ``fwd`` (``kernels.general``), each where its parameters
-allow (``dense_params``, ``fwd_plan``). ``entry_points`` describes them for the manifest.
+entry points (``mlir_templates``), ``fwd`` (``kernels.general``) and ``fwd_ragged``
+(``kernels.ragged``), each where its parameters allow (``dense_params``, ``fwd_plan``). ``entry_points`` describes them for the manifest.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 
 from .spec import KernelSpec
@@ -152,7 +151,8 @@ def _dense_lowering(spec: KernelSpec) -> dict | None:
     return gpu_lowering(spec)
 
 
-def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: bool = True) -> str:
+def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: bool = True,
+                with_ragged: bool = True) -> str:
     """The module's input IR. CPU: the torch graph of ``graph.py``. GPU: its ``init``/``finalize``
     plus the ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the
     tile config) and, where ``dense_params`` allows, ``dense`` / ``causal``
@@ -162,7 +162,7 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     CUDA modules (and those CPU builds) also get ``fwd`` (``kernels.general``: any lengths and mask,
     ``fwd_plan``; gfx modules do not);
     ``with_fwd=False`` leaves it out (tests of the other entry points, which it would only slow
-    to compile)."""
+    to compile), ``with_ragged=False`` leaves out ``fwd_ragged`` (``kernels.ragged``) beside it."""
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
     text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused,
                                spec.seqlens, spec.batch, spec.kv_heads)
@@ -194,7 +194,8 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
         from .kernels.ragged import render_ragged
 
         funcs.append(render_fwd(plan, "fwd"))
-        funcs.append(render_ragged(dataclasses.replace(plan, ragged=True), "fwd_ragged"))
+        if with_ragged:
+            funcs.append(render_ragged(dataclasses.replace(plan, ragged=True), "fwd_ragged"))
     text = text.rstrip()
     assert text.endswith("}"), "unexpected exported module text"
     return text[:-1] + "\n".join(funcs) + "\n}\n"
@@ -335,6 +336,18 @@ def entry_points(spec: KernelSpec) -> dict:
             "note": (f"any Sq, Sk >= 1 and any CK mask in one call ({lay} layout): row s sees keys "
                      "s - y + 1 <= j < s + x (CK's coordinates, clipped to [-Sk, Sq + 1] / [-Sq, Sk + 1]); "
                      "batch lengths uniform (no cu_seqlen padding)"),
+        }
+        from .kernels.ragged import RAGGED_SCALARS
+
+        out["fwd_ragged"] = {
+            "args": {"q": [seq("?", spec.dq), t], "k": [seq("?", spec.dq), t], "v": [seq("?", spec.dv), t],
+                     "idx": [["L"], "i32"], "scale": [[], "f32 scalar"],
+                     **{n: [[], "i64 scalar"] for n in RAGGED_SCALARS}},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"],
+                        "scratch": [["frames", "padded Q", "edge masks", "state"], "dropped by the caller"]},
+            "note": ("sequences of their own lengths and CK mask in one padded frame (group mode, cu_seqlen "
+                     "padding, paged caches); q / k / v read as rows n * R + r; the index table and the "
+                     "scalars as fmha_iree.frames.Frame.table() writes them (fmha_iree/kernels/ragged.py)"),
         }
     if spec.target.backend == "llvm-cpu":
         from .rows import ROWS_DESC_COLUMNS

@@ -76,12 +76,14 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
         # GPU modules with an explicit lowering over the whole Dv also get the one-call entry points.
         has_dense = man["tiles"]["iree"]["lowering"] is not None and man["tiles"]["ck"]["kN1"] == r["hdim"]
         assert (man["dense"] is not None) == has_dense, (r["module"], man["dense"])
-        # CUDA modules with those also get fwd (any lengths and mask, kernels.general)
+        # CUDA modules with those also get fwd (any lengths and mask, kernels.general) and fwd_ragged
+        # (sequences of their own lengths in one frame, kernels.ragged)
         has_fwd = has_dense and man["target"]["backend"] == "cuda"
         # CPU modules get rows / rows_kpad (short queries, any lengths and mask, rows.Rows)
         has_rows = man["target"]["backend"] == "llvm-cpu"
         assert set(man["entry_points"]) == ({"init", "step", "finalize"} | ({"dense", "causal"} if has_dense else set())
-                                            | ({"fwd"} if has_fwd else set()) | ({"rows", "rows_kpad"} if has_rows else set()))
+                                            | ({"fwd", "fwd_ragged"} if has_fwd else set())
+                                            | ({"rows", "rows_kpad"} if has_rows else set()))
         assert "?" in man["entry_points"]["step"]["args"]["q"][0], "batch / sequence dims must be dynamic"
         assert man["toolchain"]["iree-base-compiler"] and any(f.startswith("--iree-hal-target-device") for f in man["flags"])
         assert (out / f"{r['module']}.vmfb").stat().st_size > 0

@@ -35,7 +35,7 @@ def fwd_module():
         if key not in mods:
             spec = KernelSpec(dtype, layout, group, dq, dv or dq, TILES, Target.from_name("host"))
             assert fwd_plan(spec, fused_step=True) is not None
-            vmfb = ict.compile_str(source_mlir(spec, fused_step=True), extra_args=compile_flags(spec) + ASYNC_FLAGS)
+            vmfb = ict.compile_str(source_mlir(spec, fused_step=True, with_ragged=False), extra_args=compile_flags(spec) + ASYNC_FLAGS)
             mods[key] = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True,
                                    dense=dense_abi(spec, fused_step=True))
         return mods[key]
