@@ -94,10 +94,7 @@ def rows_fit(p: BatchProblem, module) -> bool:
 def rows_desc(p: BatchProblem) -> np.ndarray:
     """``rows``' per-batch descriptor: (qlen, klen, y, x) with CK's coordinates for the batch's
     own lengths (``rows.ROWS_DESC_COLUMNS``)."""
-    desc = np.zeros((p.batch, 4), np.int32)
-    for b, (ql, kl) in enumerate(zip(p.q_lens.tolist(), p.k_lens.tolist())):
-        desc[b] = (ql, kl, *p.mask.clipped_coords(ql, kl))
-    return desc
+    return frames.descriptors(p.mask, p.q_lens, p.k_lens)
 
 
 def dense_kind(p: BatchProblem, dense: dict | None) -> tuple[str, int | None] | None:
@@ -160,6 +157,12 @@ def uses_fwd(p: BatchProblem, module) -> bool:
     return module is not None and p.sq > 0 and p.sk > 0 and route(p, module).path == "fwd"
 
 
+def _returned(p: BatchProblem, out, lse, return_lse: bool):
+    """``out`` (and ``lse``) in the caller's array type."""
+    out = _wrap(out, p.q, p.q.dtype)
+    return (out, _wrap(lse, p.q, "f32")) if return_lse else out
+
+
 def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str):
     """A checked batch-mode problem on the module ``get_module()`` gives, by :func:`route`."""
     out_shape = (p.batch, p.hq, p.sq, p.dv) if p.layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
@@ -171,8 +174,7 @@ def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str)
         seqs = Sequences.batch(p.q_lens, p.k_lens)
         out, lse = _execute(p, seqs, out_shape, (p.batch, p.hq, p.sq), (p.batch, p.sq), (p.batch, p.sq), tiles,
                             get_module, family)
-    out = _wrap(out, p.q, p.q.dtype)
-    return (out, _wrap(lse, p.q, "f32")) if return_lse else out
+    return _returned(p, out, lse, return_lse)
 
 
 def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, family: str):
@@ -185,8 +187,7 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
     module = get_module() if p.sq and p.sk else None
     if has_ragged(module, "bshd"):
         out, lse = _varlen_frame(p, starts, module)
-        out = _wrap(out, p.q, p.q.dtype)
-        return (out, _wrap(lse, p.q, "f32")) if return_lse else out
+        return _returned(p, out, lse, return_lse)
     if p.q.on_device:
         module = None
     short = short_sequences(p, q_len, k_len) if getattr(module, "has_rows", False) else []
@@ -198,8 +199,7 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
     out, lse = _execute(p, seqs, (p.sq, p.hq, p.dv), (p.hq, total_q), (1, p.sq), (1, total_q), tiles, get_module, family)
     for group in short:
         _rows_group(p, module, group, starts, out, lse)
-    out = _wrap(out, p.q, p.q.dtype)
-    return (out, _wrap(lse, p.q, "f32")) if return_lse else out
+    return _returned(p, out, lse, return_lse)
 
 
 def run_paged(q, cache: PagedCache, seqstart_q, seqstart_padded_q, *, mask, scale, return_lse: bool, modules):
@@ -220,8 +220,7 @@ def run_paged(q, cache: PagedCache, seqstart_q, seqstart_padded_q, *, mask, scal
         starts = (*starts[:3], cache.lens, *starts[4:])
         pages = (frames.paged_bases(cache.block_table, cache.page_size, cache.lens), cache.page_size)
         out, lse = _varlen_frame(p, starts, module, pages)
-        out = _wrap(out, p.q, p.q.dtype)
-        return (out, _wrap(lse, p.q, "f32")) if return_lse else out
+        return _returned(p, out, lse, return_lse)
     k, v, seqstart_k = cache.packed()
     p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=None, seqstart_padded_q=seqstart_padded_q,
                              seqstart_padded_k=None, mask=mask, scale=scale)
@@ -266,9 +265,7 @@ def _rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndar
     ki = np.minimum(k_start[:, None] + np.arange(mk), p.sk - 1)
     q, k, v = (np.take(x.array[0], idx, axis=0, out=aligned_empty(idx.shape + x.array.shape[2:], x.array.dtype))
                for x, idx in ((p.q, qi), (p.k, ki), (p.v, ki)))  # [n, S, H, D], bshd, read in place
-    desc = np.array([(ql, kl, *p.mask.clipped_coords(ql, kl)) for ql, kl in zip(q_len.tolist(), k_len.tolist())],
-                    np.int32)
-    o, l = module.run_rows(q, k, v, p.q.dtype, p.scale, desc, padded_keys=True)
+    o, l = module.run_rows(q, k, v, p.q.dtype, p.scale, frames.descriptors(p.mask, q_len, k_len), padded_keys=True)
     rows = np.repeat(np.arange(len(group)), q_len)
     rel = np.arange(int(q_len.sum())) - np.repeat(np.cumsum(q_len) - q_len, q_len)
     out[q_start[rows] + rel] = o[rows, rel]

@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["Frame", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
+__all__ = ["Frame", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
            "has_ragged"]
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,9 @@ def _contiguous(starts) -> np.ndarray:
     return np.asarray(starts, np.int64)[:, None].astype(np.int32)
 
 
-def _descs(mask, q_len: np.ndarray, k_len: np.ndarray) -> np.ndarray:
+def descriptors(mask, q_len: np.ndarray, k_len: np.ndarray) -> np.ndarray:
+    """``[B, 4]`` int32: each sequence's (qlen, klen, y, x), CK's coordinates for its own lengths
+    (``Mask.clipped_coords``); the ``rows`` entry points read the same rows."""
     desc = np.zeros((len(q_len), 4), np.int32)
     for b, (ql, kl) in enumerate(zip(q_len.tolist(), k_len.tolist())):
         desc[b] = (ql, kl, *mask.clipped_coords(ql, kl))
@@ -112,7 +114,7 @@ def batch_frame(mask, q_len: np.ndarray, k_len: np.ndarray, sq: int, sk: int) ->
     batch = np.arange(len(q_len))
     out = frame_rows(batch * sq_f, q_len, sq)
     return Frame(frame_rows(batch * sq, q_len, sq_f), _contiguous(batch * sk), max(sk_f, 1), sk_f,
-                 _descs(mask, q_len, k_len), out, out)
+                 descriptors(mask, q_len, k_len), out, out)
 
 
 def group_frame(mask, starts, total_rows: int, pages: tuple[np.ndarray, int] | None = None) -> Frame:
@@ -122,7 +124,7 @@ def group_frame(mask, starts, total_rows: int, pages: tuple[np.ndarray, int] | N
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     sq_f, sk_f = int(q_len.max(initial=0)), int(k_len.max(initial=0))
     base, page = (_contiguous(k_start), max(sk_f, 1)) if pages is None else pages
-    return Frame(frame_rows(q_start, q_len, sq_f), base, page, sk_f, _descs(mask, q_len, k_len),
+    return Frame(frame_rows(q_start, q_len, sq_f), base, page, sk_f, descriptors(mask, q_len, k_len),
                  _out_rows(q_len, sq_f, q_start, total_rows), _out_rows(q_len, sq_f, lse_start, total_q))
 
 

@@ -8,7 +8,7 @@ sequence's last page are not read (any value, e.g. -1).
 
 On a module with ragged frames (``fmha_iree.frames``: CUDA modules, llvm-cpu builds of the GPU
 formulation) the cache is read on the device: the frame's key gather takes each sequence's rows
-from its pages (``frames.paged_rows``), host arrays or DeviceTensors alike. Elsewhere the used keys
+from its pages (``frames.paged_bases``), host arrays or DeviceTensors alike. Elsewhere the used keys
 are gathered on the host into a packed ``[sum(seqlen_k), Hk, D]`` copy that the tile plan reads
 (host arrays only).
 """
@@ -21,7 +21,7 @@ import numpy as np
 
 from .spec import Operand, as_operand, int_array, int_vector
 
-__all__ = ["PagedCache", "check_paged", "gather_pages", "paged_args"]
+__all__ = ["PagedCache", "check_paged"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,7 @@ class PagedCache:
     v: Operand
     block_table: np.ndarray  # [B, max_pages]
     lens: np.ndarray  # [B] int64
+    rows: np.ndarray  # the flat cache row of every used key, sequence by sequence
 
     @property
     def on_device(self) -> bool:
@@ -51,33 +52,35 @@ class PagedCache:
         return o.array.reshape((n * p, h, d))
 
     def packed(self):
-        """(k, v, seqstart_k): the used keys gathered on the host (``gather_pages``)."""
-        return gather_pages(self.k_cache, self.v_cache, self.block_table, self.lens, len(self.lens))
+        """(k, v, seqstart_k): the used keys gathered on the host into packed ``[sum(seqlen_k), Hk,
+        D]`` arrays (the inputs' array type: numpy, or torch CPU tensors) and int64 ``[B+1]``
+        starts; host caches only."""
+        if self.on_device:
+            raise TypeError("k_cache: this module reads a paged cache from host arrays (torch CPU tensors or numpy); "
+                            "got a DeviceTensor")
+        starts = np.concatenate([[0], np.cumsum(self.lens)]).astype(np.int64)
+        return _take(self.k_cache, self.k, self.rows), _take(self.v_cache, self.v, self.rows), starts
 
 
-def check_paged(k_cache, v_cache, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table,
-                device_ok: bool = True) -> PagedCache:
+def check_paged(k_cache, v_cache, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table) -> PagedCache:
     """Validate a group-mode call's paged cache (every page a sequence reads inside the cache,
-    seqlen_k within the table's capacity); ``device_ok=False`` refuses DeviceTensor caches."""
+    seqlen_k within the table's capacity, host arrays or DeviceTensors for both caches)."""
     for name, val in (("seqstart_k", seqstart_k), ("seqstart_padded_k", seqstart_padded_k)):
         if val is not None:
             raise ValueError(f"{name} must be None with block_table (the pages and seqlen_k place the keys)")
     batch = len(int_vector(seqstart_q, "seqstart_q", None)) - 1
     if batch < 0:
         raise ValueError("seqstart_q must have at least one entry")
-    ko, vo = _cache_operand(k_cache, "k_cache", device_ok), _cache_operand(v_cache, "v_cache", device_ok)
+    ko, vo = _cache_operand(k_cache, "k_cache"), _cache_operand(v_cache, "v_cache")
     if ko.on_device != vo.on_device:
         raise TypeError("k_cache and v_cache must both be DeviceTensors or both host arrays, got "
                         f"{'a DeviceTensor' if ko.on_device else 'a host array'} k_cache")
-    lens, bt, _ = _used_rows(ko, vo, block_table, seqlen_k, batch)
-    return PagedCache(k_cache, v_cache, ko, vo, bt, lens)
+    lens, bt, rows = _used_rows(ko, vo, block_table, seqlen_k, batch)
+    return PagedCache(k_cache, v_cache, ko, vo, bt, lens, rows)
 
 
-def _cache_operand(x, name: str, device_ok: bool = False) -> Operand:
+def _cache_operand(x, name: str) -> Operand:
     o = as_operand(x, name)
-    if o.on_device and not device_ok:
-        raise TypeError(f"{name}: this module reads a paged cache from host arrays (torch CPU tensors or numpy); "
-                        "got a DeviceTensor")
     if o.array.ndim != 4:
         raise ValueError(f"{name} must be 4-D [num_pages, page_size, Hk, D], got shape {list(o.array.shape)}")
     return o
@@ -88,16 +91,6 @@ def _block_table(block_table, batch: int) -> np.ndarray:
     if bt.ndim != 2 or bt.shape[0] != batch:
         raise ValueError(f"block_table must have shape [B={batch}, max_pages], got {list(bt.shape)}")
     return bt
-
-
-def gather_pages(k_cache, v_cache, block_table, seqlen_k, batch: int):
-    """Validate a paged cache for ``batch`` sequences; return (packed k, packed v, seqstart_k) as
-    the group-mode arguments: ``[sum(seqlen_k), Hk, D]`` arrays (the inputs' array type: numpy,
-    or torch CPU tensors) and int64 ``[B+1]`` starts."""
-    ko, vo = _cache_operand(k_cache, "k_cache"), _cache_operand(v_cache, "v_cache")
-    lens, _, flat = _used_rows(ko, vo, block_table, seqlen_k, batch)
-    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    return _take(k_cache, ko, flat), _take(v_cache, vo, flat), starts
 
 
 def _used_rows(ko: Operand, vo: Operand, block_table, seqlen_k, batch: int):
@@ -135,11 +128,3 @@ def _take(x, o: Operand, flat: np.ndarray):
 
         return x.detach().reshape(n * p, h, d)[torch.from_numpy(flat)]
     return o.array.reshape(n * p, h, d)[flat]
-
-
-def paged_args(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table):
-    """The group-mode (k, v, seqstart_k, seqlen_k) of a call with a paged cache: packed K/V and
-    their starts, every key of them used (host arrays only)."""
-    cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table, device_ok=False)
-    k, v, starts = cache.packed()
-    return k, v, starts, None
