@@ -159,8 +159,8 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``); those one-call entry points take a caller-owned
     workspace for their intermediates (``mlir_templates.dense._dense_common``). ``fused_step=True`` on
     the CPU builds the GPU formulation for llvm-cpu, so its numerics can be tested where CI runs.
-    CUDA modules (and those CPU builds) also get ``fwd`` (``kernels.general``: any lengths and mask,
-    ``fwd_plan``; gfx modules do not);
+    CUDA and gfx9 modules (and those CPU builds) also get ``fwd`` (``kernels.general``: any lengths
+    and mask, ``fwd_plan``; RDNA modules do not);
     ``with_fwd=False`` leaves it out (tests of the other entry points, which it would only slow
     to compile), ``with_ragged=False`` leaves out ``fwd_ragged`` (``kernels.ragged``) beside it."""
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
@@ -215,26 +215,31 @@ def _short_lowering(spec: KernelSpec, main: dict) -> dict:
     sg = int(main.get("subgroup_size", 64))
     sgn = 2 if sg == 32 else 1
     keep = {k: v for k, v in main.items() if k in ("mma_kind", "qk_mma_kind", "qk_virtual", "subgroup_size")}
-    k2 = 32 if spec.dv >= 256 else 64  # K and V tiles of 64 keys at Dv = 256 pass 64 KiB of shared memory
+    # K and V tiles of 64 keys at Dv = 256 pass 64 KiB of shared memory; on gfx9 64-key tiles
+    # spilled 2-30 SGPRs in the GQA split-KV kernels (iree-compile 3.13, 2026-12-02), 32 none
+    k2 = 32 if spec.dv >= 256 or spec.target.backend == "rocm" else 64
     return {**keep, "workgroup_m": 16, "workgroup_n": spec.dv, "reduction_k2": k2, "subgroups_m": 1, "subgroups_n": sgn,
             "workgroup_size": sg * sgn, "promote_operands": [1, 2]}
 
 
 def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     """The ``fwd`` entry point's plan (``kernels.general``): any lengths and mask in one call, or
-    None where the module has none (CPU torch modules; gfx targets, see below; lowerings IREE
+    None where the module has none (CPU torch modules; RDNA targets, see below; lowerings IREE
     picks itself, whose dynamic shapes get IREE's slow fallback config; lowerings that split Dv
     across workgroups). llvm-cpu builds of it (tests) unroll at most 4 groups to keep their
     compile short."""
     from .kernels.general import Plan, Tier
 
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
-    if not fused or spec.target.backend == "rocm":
-        # gfx targets: the masked edge dispatches carry ~36 dynamic sizes and offsets as push
-        # constants and spill 5-21 SGPRs on gfx90a / gfx942 (iree-compile 3.13, 2026-12-01); until
-        # they take fewer, gfx modules keep the plan for the shapes fwd would serve
+    if not fused or spec.target.family == "rdna":
+        # RDNA (wave32): the masked edge ops of the d128 kernels spill 1-39 VGPRs to scratch on
+        # gfx1201 and SGPRs on gfx1100 (iree-compile 3.13, 2026-12-02); those modules keep the
+        # plan for the shapes fwd would serve. gfx9 compiles without spills since every dispatch
+        # reads its sizes as 32-bit values (kernels.ir.Fn.bounded; 35 push constants were 20)
         return None
     cpu = spec.target.backend == "llvm-cpu"
+    arg_dims = (spec.dq, spec.dv)
+    spec = _padded_heads(spec)
     main = {"backend": "cpu", "workgroup_m": 64, "reduction_k2": 32, "workgroup_n": spec.dv} if cpu else gpu_lowering(spec)
     if main is None or int(main.get("workgroup_n", spec.dv)) != spec.dv:
         return None
@@ -245,7 +250,28 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     cols = math.lcm(64, k2)
     fill = _FILL_WGS.get("cpu" if cpu else (spec.target.family if spec.target.family == "cuda" else spec.target.arch), 128)
     return Plan(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, Tier(main, wm), Tier(_short_lowering(spec, main), 16),
-                cols=cols, rows=max(512, wm), fill_wgs=fill, max_groups=4 if cpu else 16)
+                cols=cols, rows=max(512, wm), fill_wgs=fill, max_groups=4 if cpu else 16,
+                dq_arg=arg_dims[0], dv_arg=arg_dims[1])
+
+
+# Head dims with tile configs of their own; ``fwd`` runs any other one zero-padded up to the next
+# (CK's kK0max: its d96 kernels compute 128 wide). IREE 3.13 derives no MFMA / WMMA layout for an
+# attention op at 96 or 192 ("failed to derive layout for promoted read-like op" for every tile,
+# subgroup and promotion choice tried on gfx942, 2026-12-02), so those took IREE's own config.
+_TILED_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def _padded_heads(spec: KernelSpec) -> KernelSpec:
+    """``spec`` at the head dims ``fwd`` computes with (its own, or the next tiled ones up), with
+    the default tiles of those where they differ."""
+    up = lambda d: next((t for t in _TILED_HEAD_DIMS if t >= d), d)  # noqa: E731
+    dq, dv = up(spec.dq), up(spec.dv)
+    if (dq, dv) == (spec.dq, spec.dv):
+        return spec
+    from .tiles import default_tiles
+
+    t = spec.target
+    return dataclasses.replace(spec, dq=dq, dv=dv, tiles=default_tiles(t.family, dq, dv, t.arch, spec.dtype))
 
 
 def native_exp2_default(spec: KernelSpec) -> bool:

@@ -22,6 +22,9 @@ __all__ = ["KernelSpec", "Operand", "BatchProblem", "as_operand", "check_batch",
 
 LAYOUTS = ("bhsd", "bshd")
 MAX_HEAD_DIM = 256
+# the GPU kernels index rows (every axis but the head dim, multiplied out) as 32-bit values, with
+# room for a tile's rounding (kernels.ir.Fn.bounded); a tensor past it would not fit one GPU anyway
+ROWS_MAX = 2**31 - 2**16
 _F32_MAX = float(np.finfo(np.float32).max)  # kernels compute in float32: a larger scale is inf there
 _NUMPY_DTYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}
 _TORCH_DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
@@ -139,6 +142,10 @@ def _operands(q, k, v, ndim: int, what: str) -> tuple[Operand, Operand, Operand]
     for name, o in zip("qkv", ops):
         if o.array.ndim != ndim:
             raise ValueError(f"{name} must be {what}, got shape {list(o.array.shape)}")
+        rows = math.prod(o.array.shape[:-1])
+        if rows > ROWS_MAX:
+            raise ValueError(f"{name} has {rows} rows (its shape {list(o.array.shape)} without the head dim, "
+                             f"multiplied out): at most {ROWS_MAX} are supported")
     return ops
 
 

@@ -67,6 +67,10 @@ def presets(name):
                 for m in ("0", "b"):
                     rows.append(_row(16384 // s, 16, 16, s, 128, m, dt, label="square", modules=c, flex=False))
         return rows
+    if name == "heads":
+        # head dims without tiles of their own: fwd runs them zero-padded (96 -> 128, 192 -> 256)
+        return [_row(b, h, h, s, d, m, label=f"d{d}", modules="generic", flex=False)
+                for d, h in ((96, 16), (192, 8)) for b, s, m in ((4, 4096, "b"), (4, 1000, "0"), (16, 1024, "0"))]
     rows = []
     for d in (64, 128, 256):
         for s in (512, 1024, 2048, 4096, 8192, 16384):
@@ -237,7 +241,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="local-task")
     ap.add_argument("--modules", help="folder of precompiled modules (GPU deployment path)")
-    ap.add_argument("--preset", choices=("cpu", "cpu-general", "fa", "general"), default="cpu")
+    ap.add_argument("--preset", choices=("cpu", "cpu-general", "fa", "general", "heads"), default="cpu")
     ap.add_argument("--max-seqlen", type=int, default=0)
     ap.add_argument("--hdim", type=int, nargs="*", help="only these head dims")
     ap.add_argument("--dtype", nargs="*", help="only these dtypes (f16, bf16, f32)")

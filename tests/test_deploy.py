@@ -76,9 +76,11 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
         # GPU modules with an explicit lowering over the whole Dv also get the one-call entry points.
         has_dense = man["tiles"]["iree"]["lowering"] is not None and man["tiles"]["ck"]["kN1"] == r["hdim"]
         assert (man["dense"] is not None) == has_dense, (r["module"], man["dense"])
-        # CUDA modules with those also get fwd (any lengths and mask, kernels.general) and fwd_ragged
-        # (sequences of their own lengths in one frame, kernels.ragged)
-        has_fwd = has_dense and man["target"]["backend"] == "cuda"
+        # CUDA and gfx9 modules in f16 / bf16 whose tiles keep Dv whole also get fwd (any lengths and
+        # mask, kernels.general) and fwd_ragged (sequences of their own lengths in one frame,
+        # kernels.ragged), head dims 96 / 192 included (run zero-padded to 128 / 256); RDNA does not
+        has_fwd = (man["target"]["family"] in ("cuda", "cdna") and r["dtype"] != "f32"
+                   and man["tiles"]["ck"]["kN1"] == r["hdim"])
         # CPU modules get rows / rows_kpad (short queries, any lengths and mask, rows.Rows)
         has_rows = man["target"]["backend"] == "llvm-cpu"
         assert set(man["entry_points"]) == ({"init", "step", "finalize"} | ({"dense", "causal"} if has_dense else set())
@@ -102,6 +104,9 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
             matrix_ops = sum(k["mfma_count"] + k["wmma_count"] for k in isa)
             if low is not None:  # our configs name an MFMA/WMMA intrinsic: it must be in the code
                 assert matrix_ops > 0, f"{r['module']}: no MFMA/WMMA instructions"
+            if has_fwd:  # every attention op of fwd / fwd_ragged on MFMA, padded head dims included
+                ops = [k for k in isa if k["kernel"].startswith("fwd") and "attention" in k["kernel"]]
+                assert ops and all(k["mfma_count"] + k["wmma_count"] for k in ops), (r["module"], ops)
         else:
             assert man["isa"] is None
         if man["target"]["backend"] == "cuda":  # every exp2 expansion became ex2.approx (fmha_iree/ptx.py)

@@ -191,3 +191,23 @@ def test_scale_at_float32_edge_is_accepted(main_problem):
     q, k, v = main_problem
     out = fmha_iree.fmha_fwd(q * 0, k, v, scale=float(np.finfo(np.float32).max) / 2)
     assert torch.isfinite(out).all()
+
+
+def test_rows_past_32_bits_are_refused(main_problem, monkeypatch):
+    """The kernels index rows (a tensor's axes but the head dim) in 32 bits; a tensor with more is
+    a ValueError naming it, in batch and group mode (the bound lowered so that a small tensor
+    crosses it)."""
+    import fmha_iree.spec as spec
+
+    q, k, v = good(B=2, Hq=2, Sq=8, Sk=24)
+    monkeypatch.setattr(spec, "ROWS_MAX", 2 * 2 * 16)
+    before = compiles()
+    with pytest.raises(ValueError, match=r"\bk has 96 rows"):
+        fmha_iree.fmha_fwd(q, k, v)
+    packed = [x.transpose(1, 2).reshape(-1, 2, 32) for x in (q, k, v)]
+    with pytest.raises(ValueError, match=r"\bk has 96 rows"):  # 48 tokens x 2 heads
+        fmha_iree.fmha_fwd_varlen(*packed, seqstart_q=[0, 8, 16], seqstart_k=[0, 24, 48])
+    assert compiles() == before
+    monkeypatch.undo()
+    q, k, v = main_problem
+    check_fwd(q, k, v, mask="b", what="after the row bound")

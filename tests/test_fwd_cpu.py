@@ -110,6 +110,16 @@ def test_fwd_half_precision(fwd_module, dtype, mask):
     _check(fwd_module(name, "bhsd", 2, 64), q, k, v, mask, dtype=dtype, what=f"{name} {mask}")
 
 
+@pytest.mark.parametrize("sq,sk,mask", [(77, 130, "b"), (130, 77, "t:3,40"), (1, 63, "0"), (1, 1000, "b"), (200, 200, "0")],
+                         ids=["77x130-b", "130x77-window", "1x63", "decode-1000", "200x200"])
+def test_fwd_padded_head_dims(fwd_module, sq, sk, mask):
+    """Head dims without tiles of their own (Dq 96, Dv 48) run zero-padded to 128 / 64: every
+    path (groups, split-KV, the short tier, the padded-keys copy) returns the argument's Dv."""
+    q, k, v = make_qkv(seed_of("fwd-dpad", sq, sk, mask), B=2, Hq=4, Hk=2, Sq=sq, Sk=sk, Dq=96, Dv=48)
+    out, _ = _check(fwd_module("f32", "bhsd", 2, 96, 48), q, k, v, mask, what=f"d96/48 {mask} {sq}x{sk}")
+    assert out.shape[-1] == 48
+
+
 def test_fwd_module_carries_its_entry_point(fwd_module):
     """The module exports ``fwd``; batch problems with cu_seqlen padding still take the plan."""
     mod = fwd_module("f32", "bhsd", 2, 64)

@@ -113,11 +113,13 @@ def test_group_mode_seqlen_k_and_padded_starts(module):
     _group(module(), "b", lq, lk, seqlen_k=used, pad_q=[2, 5, 0, 3], pad_k=[1, 0, 7, 2], what="padded")
 
 
-@pytest.mark.parametrize("dtype,layout,group,dq,dv", [("bf16", "bshd", 1, 64, 64), ("f16", "bshd", 4, 64, 32)],
-                         ids=["bf16-mha", "f16-mqa-dv32"])
+@pytest.mark.parametrize("dtype,layout,group,dq,dv", [("bf16", "bshd", 1, 64, 64), ("f16", "bshd", 4, 64, 32),
+                                                      ("f16", "bshd", 2, 96, 48)],
+                         ids=["bf16-mha", "f16-mqa-dv32", "f16-gqa-padded-d96x48"])
 def test_group_mode_dtypes_and_gqa(module, dtype, layout, group, dq, dv):
+    """Also head dims run zero-padded (96 / 48 compute as 128 / 64 in the frame)."""
     mod = module(dtype, layout, group, dq, dv)
-    hq, hk = (2, 2) if group == 1 else (4, 1)
+    hq, hk = (2, 2) if group == 1 else (4, 4 // group)
     for mask in ("b", "t:10,5", "0"):
         _group(mod, mask, [3, 100, 1, 64], [70, 100, 129, 200], hq=hq, hk=hk, dq=dq, dv=dv, dtype=dtype, what=dtype)
 

@@ -54,13 +54,15 @@ def _combine_body(fn: Fn, st: State, b: str, h: str, r: str, n: str | None) -> t
     return mstar, f"{res}#0", (f"{res}#1" if n else None)
 
 
-def normalize_slots(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout: str) -> tuple[str, str, str, str]:
-    """Slots ``[B, Hk, S, M >= Sq*G, (Dv)]`` to ``out`` (``layout``, ``dtype``) and
+def normalize_slots(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout: str,
+                    dv_out: int | None = None) -> tuple[str, str, str, str]:
+    """Slots ``[B, Hk, S, M >= Sq*G, (Dv)]`` to ``out`` (``layout``, ``dtype``; its first
+    ``dv_out`` columns of Dv, default all) and
     ``lse [B, Hq, Sq]``: ``max = max_s max_s``, ``sum = sum_s sum_s 2^(max_s - max)``, the same for
     acc, ``out = acc / sum``, ``lse = (max + log2 sum) * ln 2``. Each output element loops over the
     slots itself (a linalg reduction over the short slot dim became one workgroup per element).
     Returns (out, out type, lse, lse type)."""
-    G, dv = int(group), st.dv
+    G, dv = int(group), dv_out or st.dv
     b, hk = st.lead[0], st.lead[1]
     par5 = ", ".join(['"parallel"'] * 5)
     if layout == "bhsd":  # out domain (b, h, g, s, n)
@@ -126,20 +128,20 @@ def _out_layout(layout: str, G: int, dv: int, dtype: str, b: str, hk: str, sq: s
 
 
 def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout: str,
-                  lowering=None) -> tuple[str, str, str, str]:
+                  lowering=None, dv_out: int | None = None) -> tuple[str, str, str, str]:
     """A one-slot state to ``out`` / ``lse``: plain elementwise ops on slot 0 (tiled by
-    ``elementwise.copy_attrs`` for ``lowering``)."""
-    G, dv = int(group), st.dv
+    ``elementwise.copy_attrs`` for ``lowering``); ``out`` gets the first ``dv_out`` columns."""
+    G, full, dv = int(group), st.dv, dv_out or st.dv
     b, hk = st.lead[0], st.lead[1]
     # the whole state viewed as rows (s, g) first, then sliced: a slice of the first Sq * G rows
     # expanded afterwards is a copy IREE runs as one-workgroup `slow_memcpy` dispatches
     per = fn.floordiv(st.lead[3], G)
-    a6 = tensor_type(["?", "?", "?", "?", G, dv], "f32")
+    a6 = tensor_type(["?", "?", "?", "?", G, full], "f32")
     m5, s6 = tensor_type(["?", "?", "?", "?", G], "f32"), tensor_type(["?", "?", "?", "?", G, 1], "f32")
     a5, m4 = tensor_type(["?", "?", "?", G, dv], "f32"), tensor_type(["?", "?", "?", G], "f32")
 
     def views():
-        acc6 = fn.let(f"tensor.expand_shape {st.acc} [[0], [1], [2], [3, 4], [5]] output_shape [{b}, {hk}, {st.lead[2]}, {per}, {G}, {dv}] "
+        acc6 = fn.let(f"tensor.expand_shape {st.acc} [[0], [1], [2], [3, 4], [5]] output_shape [{b}, {hk}, {st.lead[2]}, {per}, {G}, {full}] "
                       f": {st.acc_type} into {a6}", "ex")
         mx5 = fn.let(f"tensor.expand_shape {st.mx} [[0], [1], [2], [3, 4]] output_shape [{b}, {hk}, {st.lead[2]}, {per}, {G}] "
                      f": {st.mx_type} into {m5}", "ex")

@@ -79,11 +79,12 @@ class PagedRows:
 
 
 def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, rows, size: tuple[str, str],
-                heads: str, out_layout: str, dtype: str, d: int, lowering) -> str:
+                heads: str, out_layout: str, dtype: str, d: int, d_src: int, lowering) -> str:
     """Emit the dispatch; ``rows`` (``ExplicitRows`` or ``PagedRows``) gives each result row's
     source row, ``size`` = (A, R), ``src_rows`` the source's row count per leading index, ``heads``
-    the head count (host values). Returns the result."""
-    ty = tensor_type(["?", "?", "?", d], dtype)
+    the head count (host values); the result's head dim ``d`` >= the source's ``d_src`` (zeros
+    past it). Returns the result."""
+    ty, src_ty = tensor_type(["?", "?", "?", d], dtype), tensor_type(["?", "?", "?", d_src], dtype)
     r_out, h_out = rows_dims(out_layout)
     a, r = size
     shape = [a, r, heads] if out_layout == "bshd" else [a, heads, r]
@@ -106,8 +107,11 @@ def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, rows, size:
             safe = fn.max(row, 0)
             n, rr = fn.floordiv(safe, src_rows), fn.arith(f"arith.remsi {safe}, {src_rows} : index", "gr")
             h, dd = fn.let(f"linalg.index {h_out} : index", "gx"), fn.let("linalg.index 3 : index", "gx")
+            if d_src < d:
+                ok = fn.andi(ok, fn.cmp("slt", dd, d_src))
+                dd = fn.min(dd, d_src - 1)
             at = [n, rr, h, dd] if src_layout == "bshd" else [n, h, rr, dd]
-            val = fn.let(f"tensor.extract {src}[{', '.join(at)}] : {ty}", "gv")
+            val = fn.let(f"tensor.extract {src}[{', '.join(at)}] : {src_ty}", "gv")
             zero = fn.let(f"arith.constant 0.0 : {dtype}", "gz")
             fn.emit(f"linalg.yield {fn.let(f'arith.select {ok}, {val}, {zero} : {dtype}', 'gv')} : {dtype}")
         return [out]

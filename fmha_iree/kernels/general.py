@@ -52,17 +52,23 @@ def fwd_body(fn: Fn, p: Plan, q: str, k: str, v: str, coords, desc: tuple[str, s
     """Emit ``fwd``'s work on the tensors ``q`` / ``k`` / ``v`` (the plan's types and layout) into
     ``fn`` with the coordinates ``coords()`` returns (a ``Coords``; and, ragged, the ``[4, B]``
     descriptor at ``desc``: (1-D tensor, offset)); ``sizes`` (B, Sq, Hq, Sk, Hk) as host values
-    where the tensors are made in the function (else read from them), ``frame`` what makes them in
-    each path (``Ctx.frame``). Returns its results (name, type): out, lse, scratch."""
-    T, D, DV = p.dtype, p.dq, p.dv
+    (``Fn.bounded``) where the tensors are made in the function (else read from them), ``frame`` what makes them in
+    each path (``Ctx.frame``, at the plan's head dims). Returns its results (name, type): out, lse,
+    scratch."""
+    T, (D, DV) = p.dtype, (p.arg_dims if frame is None else (p.dq, p.dv))
     ty_q, ty_k, ty_v = tensor_type(["?", "?", "?", D], T), tensor_type(["?", "?", "?", D], T), tensor_type(["?", "?", "?", DV], T)
     s_ax, h_ax = (2, 1) if p.layout == "bhsd" else (1, 2)
-    # sizes below 2**31 (a problem is validated before it is called): IREE then passes derived
-    # sizes as single 32-bit push constants (fewer scalar registers per dispatch)
-    bounded = lambda val: fn.arith(f"util.assume.int {val}<umin = 0, umax = 2147483647> : index", "a")  # noqa: E731
+    # sizes below 2**31 (every tensor of a validated problem fits in memory): IREE then passes
+    # derived sizes as single 32-bit push constants (fewer scalar registers per dispatch)
     dims = ((q, ty_q, 0), (q, ty_q, s_ax), (q, ty_q, h_ax), (k, ty_k, s_ax), (k, ty_k, h_ax))
-    b, sq, hq, sk, hk = (bounded(fn.dim(*dim) if sizes is None else size)
-                         for dim, size in zip(dims, sizes or (None,) * 5))
+    b, sq, hq, sk, hk = sizes or (fn.bounded(fn.dim(*dim)) for dim in dims)
+    if sizes is None:
+        # the arguments re-tied to those bounded sizes: every dispatch then reads one 32-bit
+        # value per size (not K's and V's own 64-bit dims apiece), which keeps the masked edge
+        # kernels within gfx90a's scalar registers
+        order = lambda h, s: (b, h, s) if s_ax == 2 else (b, s, h)  # noqa: E731
+        q, k, v = (_retied(fn, val, ty, order(h, s)) for val, ty, h, s in
+                   ((q, ty_q, hq, sq), (k, ty_k, hk, sk), (v, ty_v, hk, sk)))
     co = coords()
     scale = "%scale" if T == "f32" else fn.arith(f"arith.truncf %scale : f32 to {T}", "sc")
     kd = ("b0", "b1", "k2", "k1") if p.layout == "bhsd" else ("b0", "k2", "b1", "k1")
@@ -72,11 +78,17 @@ def fwd_body(fn: Fn, p: Plan, q: str, k: str, v: str, coords, desc: tuple[str, s
     return body(c)
 
 
+def _retied(fn: Fn, value: str, ty: str, dims: tuple[str, str, str]) -> str:
+    """``value`` (a rank-4 tensor with three dynamic dims) as the same tensor with ``dims``."""
+    own = ", ".join(fn.dim(value, ty, i) for i in range(3))
+    return fn.let(f"flow.tensor.reshape {value} : {ty}{{{own}}} -> {ty}{{{', '.join(dims)}}}", "t")
+
+
 def render_fwd(plan: Plan, func_name: str = "fwd") -> str:
     """The MLIR text of ``util.func public @func_name`` (see the module docstring)."""
     fn = Fn()
     p = plan
-    T, D, DV = p.dtype, p.dq, p.dv
+    T, (D, DV) = p.dtype, p.arg_dims
     ty_q, ty_k, ty_v = tensor_type(["?", "?", "?", D], T), tensor_type(["?", "?", "?", D], T), tensor_type(["?", "?", "?", DV], T)
     idx = lambda name: fn.arith(f"arith.index_cast %{name} : i64 to index", name)  # noqa: E731
     results = fwd_body(fn, p, "%q", "%k", "%v", lambda: Coords.uniform(idx("y"), idx("x")))

@@ -99,7 +99,7 @@ def _window(c: Ctx, lo: str, hi: str, live: str | None = None) -> tuple[str, str
     fn, unit = c.fn, c.p.cols
     hi = hi if live is None else fn.select(live, hi, lo)
     start, keys = edge_window(fn, lo, hi, c.limit, unit)
-    return start, fn.assume_div(keys, unit)
+    return fn.bounded(start), fn.assume_div(keys, unit)
 
 
 def _groups_host(c: Ctx, tier: Tier, n: int) -> _Groups:
@@ -115,6 +115,7 @@ def _groups_host(c: Ctx, tier: Tier, n: int) -> _Groups:
     for g in range(n):
         live = fn.cmp("slt", fn.mul(g, rows), c.sq)
         bd = group_bounds(fn, g=g, rows=rows, sq=c.sq, sk=c.sk, co=c.co, cols=p.cols)
+        bd = dataclasses.replace(bd, int_lo=fn.bounded(bd.int_lo))  # a key index: one 32-bit push constant
         bounds.append(bd)
         k2.append(fn.assume_div(fn.mul(fn.select(live, bd.n_cols, 0), p.cols), p.cols))
         wr, wl = _window(c, bd.right_lo, bd.right_hi, live), _window(c, bd.left_lo, bd.left_hi, live)
@@ -123,15 +124,16 @@ def _groups_host(c: Ctx, tier: Tier, n: int) -> _Groups:
         any_left = fn.arith(f"arith.ori {any_left}, {fn.cmp('sgt', wl[1], 0)} : i1", "p")
     fits = fn.cmp("sle", width, c.limit)  # the widest window, so every one
     width = fn.assume_div(width, p.cols)
-    return _Groups(rows, fn.c(n), m, fn.mul(m, n), width, bounds, k2, windows, any_left, fits)
+    return _Groups(rows, fn.c(n), m, fn.assume_div(fn.mul(m, n), tier.tile_rows), width, bounds, k2, windows, any_left, fits)
 
 
 def _pieces_host(c: Ctx, tier: Tier) -> _Pieces:
     fn, p = c.fn, c.p
     L = p.cols
-    m_pad = fn.round_up(fn.mul(c.sq, p.group), tier.tile_rows)
-    m = fn.assume_div(m_pad, tier.tile_rows)
+    m_pad = fn.assume_div(fn.round_up(fn.mul(c.sq, p.group), tier.tile_rows), tier.tile_rows)
+    m = m_pad
     bd = group_bounds(fn, g=0, rows=c.sq, sq=c.sq, sk=c.sk, co=c.co, cols=L)
+    bd = dataclasses.replace(bd, int_lo=fn.bounded(bd.int_lo))
     wgs = fn.mul(fn.mul(c.b, c.hk), fn.floordiv(m_pad, tier.tile_rows))
     pieces = fn.clamp(fn.ceildiv(p.split_target, fn.max(wgs, 1)), 1, fn.min(fn.max(bd.n_cols, 1), p.max_split))
     per_cols = fn.floordiv(bd.n_cols, pieces)
@@ -141,7 +143,7 @@ def _pieces_host(c: Ctx, tier: Tier) -> _Pieces:
     wr, wl = _window(c, bd.right_lo, bd.right_hi), _window(c, bd.left_lo, bd.left_hi)
     width = fn.max(fn.max(wr[1], wl[1]), L)
     fits = fn.cmp("sle", width, c.limit)
-    return _Pieces(m, m_pad, fn.assume_div(width, L), bd, pieces, per, rest, fn.add(bd.int_lo, fn.mul(pieces, per)),
+    return _Pieces(m, m_pad, fn.assume_div(width, L), bd, pieces, per, rest, fn.bounded(fn.add(bd.int_lo, fn.mul(pieces, per))),
                    fn.add(done, 2), (done, fn.add(done, 1)), (wr, wl), fits)
 
 
@@ -178,7 +180,7 @@ def _prefill(c: Ctx, tier: Tier, h: _Groups, qp: str, cr: _Carry, left: bool) ->
     chained on its state. Dead groups and empty edges run as empty ops."""
     fn, p = c.fn, c.p
     for g, (bd, k2) in enumerate(zip(h.bounds, h.k2)):
-        row0 = fn.mul(fn.opaque(g), h.m)
+        row0 = fn.bounded(fn.mul(fn.opaque(g), h.m))
         at = (["0", "0", "0", row0], [c.b, c.hk, "1", h.m])
 
         def interior(bd=bd, k2=k2, row0=row0, cr=cr, at=at):
@@ -264,7 +266,7 @@ def body(c: Ctx) -> list[tuple[str, str]]:
     one = _groups_host(padded, main, 1)
     paths += [(one.any_left, lambda: _padded_path(padded, main, one, True)),
               (None, lambda: _padded_path(padded, main, one, False))]
-    o_ty, l_ty = _ty(["?", "?", "?", p.dv], p.dtype), _ty(["?", "?", "?"], "f32")
+    o_ty, l_ty = _ty(["?", "?", "?", p.arg_dims[1]], p.dtype), _ty(["?", "?", "?"], "f32")
     types = [o_ty, l_ty, *(c.frame.types() if c.frame is not None else ()), *scratch_types(p)]
 
     def chain(i: int):
@@ -285,9 +287,14 @@ def scratch_types(p) -> list[str]:
 
 
 def _entered(c: Ctx) -> tuple[Ctx, object]:
-    """``c`` with its inputs made inside the path (a ragged frame's gathers, ``Ctx.frame``), and
-    what ``_finish`` needs of them."""
-    return (c, None) if c.frame is None else c.frame.enter(c)
+    """``c`` with its inputs made inside the path (a ragged frame's gathers, ``Ctx.frame``; K and
+    V copied zero-padded to the plan's head dims, ``Plan.pads``), and what ``_finish`` needs of
+    them."""
+    if c.frame is not None:
+        return c.frame.enter(c)
+    if not c.p.pads:
+        return c, None
+    return dataclasses.replace(c, k=kv_padded(c, "k"), v=kv_padded(c, "v"), held=(c.p.dq, c.p.dv)), None
 
 
 def _finish(c: Ctx, entered, results: list[str]) -> list[str]:
@@ -309,7 +316,7 @@ def _groups_work(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     qp = q_padded(c, c.q, h.m_pad)
     cr = _prefill(c, tier, h, qp, _Carry(new_state(fn, [c.b, c.hk, fn.opaque(1), h.m_pad], p.dv), mask), left)
     out, _, lse, _ = normalize_one(fn, cr.state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout,
-                                  lowering=tier.lowering)
+                                  lowering=tier.lowering, dv_out=p.arg_dims[1])
     return [out, lse, qp, mask, *cr.state.names()]
 
 
@@ -317,8 +324,9 @@ def _padded_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     """``_groups_path`` over copies of K and V zero-padded to ``c.limit`` keys (so that every edge
     window can be read); the copies are transients of this path."""
     c, entered = _entered(c)
-    kp, vp = (kv_padded(c, which) for which in ("k", "v"))
-    return _finish(c, entered, _groups_work(dataclasses.replace(c, k=kp, v=vp), tier, h, left))
+    if c.frame is not None or not c.p.pads:  # (else _entered's copies already have c.limit keys)
+        c = dataclasses.replace(c, k=kv_padded(c, "k"), v=kv_padded(c, "v"))
+    return _finish(c, entered, _groups_work(c, tier, h, left))
 
 
 def _split_path(c: Ctx, tier: Tier, h: _Pieces, tag: str, rest: bool) -> list[str]:
@@ -328,5 +336,6 @@ def _split_path(c: Ctx, tier: Tier, h: _Pieces, tag: str, rest: bool) -> list[st
     mask = edge_masks(c, groups=fn.c(1), rows=c.sq, m_rows=h.m, width=h.width)
     qp = q_padded(c, c.q, h.m_pad)
     cr = _split(c, tier, h, qp, _Carry(new_state(fn, [c.b, c.hk, h.n_slots, h.m_pad], p.dv), mask), tag, rest)
-    out, _, lse, _ = normalize_slots(fn, cr.state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout)
+    out, _, lse, _ = normalize_slots(fn, cr.state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout,
+                                     dv_out=p.arg_dims[1])
     return _finish(c, entered, [out, lse, qp, mask, *cr.state.names()])

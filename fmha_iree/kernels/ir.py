@@ -88,7 +88,9 @@ class Fn:
         if key not in self._consts:
             name = f"%o{int(value)}"
             self._consts[key] = name
-            self.prologue.append(f"  {name} = util.optimization_barrier {self.c(value)} : index")
+            barrier = f"%o{int(value)}b"
+            self.prologue.append(f"  {barrier} = util.optimization_barrier {self.c(value)} : index")
+            self.prologue.append(f"  {name} = util.assume.int {barrier}<umin = 0, umax = 2147483647> : index")
         return self._consts[key]
 
     def const(self, literal: str, ty: str, base: str) -> str:
@@ -144,8 +146,15 @@ class Fn:
 
     def assume_div(self, v: str, div: int) -> str:
         """``v`` annotated as a non-negative multiple of ``div`` (IREE's GPU pipeline distributes an
-        attention op only over sizes it can prove to be whole tiles)."""
-        return self.arith(f"util.assume.int {v}<umin = 0, udiv = {int(div)}> : index", "a")
+        attention op only over sizes it can prove to be whole tiles). Every such value is a count
+        along one axis of a tensor, below 2**31 (``umax``: IREE then passes it to a dispatch as one
+        32-bit push constant)."""
+        return self.arith(f"util.assume.int {v}<umin = 0, umax = 2147483647, udiv = {int(div)}> : index", "a")
+
+    def bounded(self, v: str) -> str:
+        """``v`` annotated as a size below 2**31 (IREE then passes it, and what is derived from it,
+        to a dispatch as one 32-bit push constant, not two)."""
+        return self.arith(f"util.assume.int {v}<umin = 0, umax = 2147483647> : index", "a")
 
     def dim(self, value: str, ty: str, i: int) -> str:
         return self.arith(f"tensor.dim {value}, {self.c(i)} : {ty}", "d")

@@ -43,6 +43,19 @@ class Plan:
     split_target: int = 512  # workgroups split-KV aims for
     max_split: int = 64
     ragged: bool = False  # fwd_ragged: each batch its own lengths and mask (a descriptor per batch)
+    # the arguments' head dims where they are smaller than dq / dv (0: the same): the work runs at
+    # dq / dv over copies zero-padded along the head dim, as CK's kK0max pads 96 to 128 in its tile
+    dq_arg: int = 0
+    dv_arg: int = 0
+
+    @property
+    def arg_dims(self) -> tuple[int, int]:
+        """(Dq, Dv) of the function's q / k / v arguments and of its out."""
+        return self.dq_arg or self.dq, self.dv_arg or self.dv
+
+    @property
+    def pads(self) -> bool:
+        return self.arg_dims != (self.dq, self.dv)
 
 
 @dataclasses.dataclass
@@ -64,6 +77,15 @@ class Ctx:
     desc: tuple[str, str] | None = None  # ragged: (i32 tensor, offset) of [4, B]: rows qlen, klen, y, x
     q: str = "%q"  # the Q tensor ([B, Hq, Sq, Dq] or [B, Sq, Hq, Dq])
     frame: object = None  # ragged: makes q / k / v inside each path and gathers its results (kernels.ragged)
+    held: tuple[int, int] = (0, 0)  # head dims (Dq, Dv) k / v have now (0: the plan's arg_dims)
+
+    def dims_held(self) -> tuple[int, int]:
+        """Head dims of ``k`` / ``v`` as they are now (copies or frames: the plan's)."""
+        return self.held if self.held[0] else self.p.arg_dims
+
+    def q_held(self) -> int:
+        """Head dim of ``q``: a frame's is the plan's, an argument's its own (``q_padded`` pads it)."""
+        return self.p.dq if self.frame is not None else self.p.arg_dims[0]
 
 
 def _ty(shape, elt):
@@ -98,14 +120,16 @@ def kv_operand(c: Ctx, which: str, lo: str, keys, pieces: str | None = None) -> 
 
 
 def kv_padded(c: Ctx, which: str) -> Operand:
-    """K or V copied into ``c.limit`` keys (two dispatches: a fill, then the copy stored into its
-    keys). Past Sk, V holds zeros (a masked key's weight is 0, and 0 * V must be 0) and K ones (any
-    finite value; a different one from V's, or IREE 3.13 folds the two fills into one buffer and
-    stores both copies into it)."""
+    """K or V copied into ``c.limit`` keys and the plan's head dim (two dispatches: a fill, then the
+    copy stored into its keys and columns). Past Sk, V holds zeros (a masked key's weight is 0, and
+    0 * V must be 0) and K ones (any finite value; a different one from V's, or IREE 3.13 folds the
+    two fills into one buffer and stores both copies into it); past the argument's head dim K's ones
+    meet Q's zeros (``q_padded``) and V's columns are dropped."""
     fn, T = c.fn, c.p.dtype
     src = c.k if which == "k" else c.v
     d = c.p.dq if which == "k" else c.p.dv
-    ty = _ty(["?", "?", "?", d], T)
+    d_src = c.dims_held()[0 if which == "k" else 1]
+    ty, src_ty = _ty(["?", "?", "?", d], T), _ty(["?", "?", "?", d_src], T)
     bhsd = c.p.layout == "bhsd"
     full = [c.b, c.hk, c.limit] if bhsd else [c.b, c.limit, c.hk]
     part = [c.b, c.hk, c.sk] if bhsd else [c.b, c.sk, c.hk]
@@ -116,16 +140,16 @@ def kv_padded(c: Ctx, which: str) -> Operand:
         return [fn.let(f"linalg.fill ins({z} : {T}) outs({e} : {ty}) -> {ty}", "kz")]
 
     dest = fn.dispatch([(ty, full)], zeros)[0]
-    attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=2 if bhsd else 1, inner=d)
+    attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=2 if bhsd else 1, inner=d_src)
 
     def region():
-        e = fn.let(f"tensor.empty({', '.join(part)}) : {ty}", "e")
+        e = fn.let(f"tensor.empty({', '.join(part)}) : {src_ty}", "e")
         m4, par = "d0, d1, d2, d3", ", ".join(['"parallel"'] * 4)
         cp = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({m4}) -> ({m4})>, affine_map<({m4}) -> ({m4})>], "
-                    f"iterator_types = [{par}]}} ins({src.name} : {ty}) outs({e} : {ty}){attrs} {{\n"
-                    f"  ^bb0(%kc_in: {T}, %kc_out: {T}):\n    linalg.yield %kc_in : {T}\n  }} -> {ty}", "kc")
-        return [fn.let(f"tensor.insert_slice {cp} into {dest}[0, 0, 0, 0] [{', '.join(part)}, {d}] [1, 1, 1, 1] "
-                       f": {ty} into {ty}", "ins")]
+                    f"iterator_types = [{par}]}} ins({src.name} : {src_ty}) outs({e} : {src_ty}){attrs} {{\n"
+                    f"  ^bb0(%kc_in: {T}, %kc_out: {T}):\n    linalg.yield %kc_in : {T}\n  }} -> {src_ty}", "kc")
+        return [fn.let(f"tensor.insert_slice {cp} into {dest}[0, 0, 0, 0] [{', '.join(part)}, {d_src}] [1, 1, 1, 1] "
+                       f": {src_ty} into {ty}", "ins")]
 
     out = fn.dispatch([(ty, full)], region)[0]
     return Operand(out, ty, src.dims)
@@ -134,24 +158,33 @@ def kv_padded(c: Ctx, which: str) -> Operand:
 def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
     """Q as ``[B, Hk, m_pad, Dq]``, rows ``(s, g)`` (row ``s * G + g``); rows past ``Sq * G`` are
     left unwritten (every row is independent: a padding row only ever reaches its own output row,
-    which is dropped). One explicit dispatch: a copy generic stored into the rows it fills (IREE
-    lowers an unstructured copy into a slice to a one-workgroup ``slow_memcpy``)."""
+    which is dropped), columns past the argument's head dim zeros (``Plan.pads``: then the rows
+    are a zero fill first). One explicit dispatch: a copy generic stored into the rows it fills
+    (IREE lowers an unstructured copy into a slice to a one-workgroup ``slow_memcpy``)."""
     fn, G, D, T = c.fn, c.p.group, c.p.dq, c.p.dtype
-    q_ty = _ty(["?", "?", "?", D], T)
+    S = c.q_held()  # the source's head dim
+    q_ty, a_ty = _ty(["?", "?", "?", D], T), _ty(["?", "?", "?", S], T)
     # the loops run in the source's order (IREE turns a copy around that way itself, and the
     # tile of ``copy_attrs`` is given for it): (b, h, g, s, d) for bhsd, (b, s, h, g, d) for bshd
     if c.p.layout == "bhsd":  # q [B, Hk*G, Sq, D] as [B, Hk, G, Sq, D]
-        src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1, 2], [3], [4]] output_shape [{c.b}, {c.hk}, {G}, {c.sq}, {D}] "
-                     f": {q_ty} into {_ty(['?', '?', G, '?', D], T)}", "q")
-        src_ty, dst_map, s_dim = _ty(["?", "?", G, "?", D], T), "d0, d1, d3, d2, d4", 3
+        src_ty, dst_map, s_dim = _ty(["?", "?", G, "?", S], T), "d0, d1, d3, d2, d4", 3
+        src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1, 2], [3], [4]] output_shape [{c.b}, {c.hk}, {G}, {c.sq}, {S}] "
+                     f": {a_ty} into {src_ty}", "q")
     else:  # q [B, Sq, Hk*G, D] as [B, Sq, Hk, G, D]
-        src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1], [2, 3], [4]] output_shape [{c.b}, {c.sq}, {c.hk}, {G}, {D}] "
-                     f": {q_ty} into {_ty(['?', '?', '?', G, D], T)}", "q")
-        src_ty, dst_map, s_dim = _ty(["?", "?", "?", G, D], T), "d0, d2, d1, d3, d4", 1
-    dest = fn.let(f"tensor.empty({c.b}, {c.hk}, {m_pad}) : {q_ty}", "qp")
+        src_ty, dst_map, s_dim = _ty(["?", "?", "?", G, S], T), "d0, d2, d1, d3, d4", 1
+        src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1], [2, 3], [4]] output_shape [{c.b}, {c.sq}, {c.hk}, {G}, {S}] "
+                     f": {a_ty} into {src_ty}", "q")
+    if S == D:
+        dest = fn.let(f"tensor.empty({c.b}, {c.hk}, {m_pad}) : {q_ty}", "qp")
+    else:
+        def zeros():
+            e = fn.let(f"tensor.empty({c.b}, {c.hk}, {m_pad}) : {q_ty}", "e")
+            z = fn.let(f"arith.constant 0.0 : {T}", "z")
+            return [fn.let(f"linalg.fill ins({z} : {T}) outs({e} : {q_ty}) -> {q_ty}", "qz")]
+        dest = fn.dispatch([(q_ty, [c.b, c.hk, m_pad])], zeros)[0]
     rows = fn.mul(c.sq, G)
-    t_ty = _ty(["?", "?", "?", G, D], T)
-    attrs = copy_attrs(c.p.main.lowering, rank=5, row_dim=s_dim, inner=D)
+    t_ty = _ty(["?", "?", "?", G, S], T)
+    attrs = copy_attrs(c.p.main.lowering, rank=5, row_dim=s_dim, inner=S)
 
     def region():
         e = fn.let(f"tensor.empty({c.b}, {c.hk}, {c.sq}) : {t_ty}", "e")
@@ -160,8 +193,8 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
         cp = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({d5})>, affine_map<({d5}) -> ({dst_map})>], "
                     f"iterator_types = [{par}]}} ins({src} : {src_ty}) outs({e} : {t_ty}){attrs} {{\n"
                     f"  ^bb0(%qc_in: {T}, %qc_out: {T}):\n    linalg.yield %qc_in : {T}\n  }} -> {t_ty}", "qc")
-        flat = fn.let(f"tensor.collapse_shape {cp} [[0], [1], [2, 3], [4]] : {t_ty} into {q_ty}", "qc")
-        return [fn.let(f"tensor.insert_slice {flat} into {dest}[0, 0, 0, 0] [{c.b}, {c.hk}, {rows}, {D}] [1, 1, 1, 1] "
-                       f": {q_ty} into {q_ty}", "ins")]
+        flat = fn.let(f"tensor.collapse_shape {cp} [[0], [1], [2, 3], [4]] : {t_ty} into {a_ty}", "qc")
+        return [fn.let(f"tensor.insert_slice {flat} into {dest}[0, 0, 0, 0] [{c.b}, {c.hk}, {rows}, {S}] [1, 1, 1, 1] "
+                       f": {a_ty} into {q_ty}", "ins")]
 
     return fn.dispatch([(q_ty, [c.b, c.hk, m_pad])], region)[0]

@@ -35,6 +35,7 @@ from .operands import Ctx, Plan
 __all__ = ["render_ragged", "RAGGED_SCALARS"]
 
 RAGGED_SCALARS = ("B", "Sq", "Sk", "NP", "P", "No", "Ro", "Nl", "Rl", "y", "x", "yu", "xu", "khi", "khiu")
+_SIZES = RAGGED_SCALARS[:9]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,28 +55,31 @@ class _Frame:
         (returned, not left as transients: IREE 3.13's CUDA HAL frees a transient with a host wait
         for the call's last kernel)."""
         p = self.plan
-        return [self._ty(p.dq), self._ty(p.dq), self._ty(p.dv), self._ty(p.dv), tensor_type(["?", "?", "?"], "f32")]
+        return [self._ty(p.dq), self._ty(p.dq), self._ty(p.dv), self._ty(p.arg_dims[1]), tensor_type(["?", "?", "?"], "f32")]
 
     def _ty(self, d: int) -> str:
         return tensor_type(["?", "?", "?", d], self.plan.dtype)
 
-    def _gather(self, c: Ctx, src: str, src_rows: str, rows, size, heads: str, d: int) -> str:
+    def _gather(self, c: Ctx, src: str, src_rows: str, rows, size, heads: str, d: int, d_src: int) -> str:
         lay = c.p.layout
         return gather_rows(c.fn, src=src, src_layout=lay, src_rows=src_rows, rows=rows, size=size, heads=heads,
-                           out_layout=lay, dtype=c.p.dtype, d=d, lowering=c.p.main.lowering)
+                           out_layout=lay, dtype=c.p.dtype, d=d, d_src=d_src, lowering=c.p.main.lowering)
 
     def enter(self, c: Ctx):
         s, (hq, hk), at = self.s, self.heads, self.at
         keys = PagedRows("%idx", at["k"], s["NP"], s["P"], c.fn.add(at["desc"], s["B"]))  # klen: the desc's row 1
-        qf = self._gather(c, "%q", self.src_rows[0], ExplicitRows("%idx", at["q"]), (s["B"], s["Sq"]), hq, c.p.dq)
-        kf = self._gather(c, "%k", self.src_rows[1], keys, (s["B"], s["Sk"]), hk, c.p.dq)
-        vf = self._gather(c, "%v", self.src_rows[2], keys, (s["B"], s["Sk"]), hk, c.p.dv)
-        c = dataclasses.replace(c, q=qf, k=Operand(kf, c.k.type, c.k.dims), v=Operand(vf, c.v.type, c.v.dims))
+        (dq, dv), (aq, av) = (c.p.dq, c.p.dv), c.p.arg_dims  # frames at the plan's head dims, zero-padded
+        qf = self._gather(c, "%q", self.src_rows[0], ExplicitRows("%idx", at["q"]), (s["B"], s["Sq"]), hq, dq, aq)
+        kf = self._gather(c, "%k", self.src_rows[1], keys, (s["B"], s["Sk"]), hk, dq, aq)
+        vf = self._gather(c, "%v", self.src_rows[2], keys, (s["B"], s["Sk"]), hk, dv, av)
+        c = dataclasses.replace(c, q=qf, k=Operand(kf, c.k.type, c.k.dims), v=Operand(vf, c.v.type, c.v.dims),
+                                held=(c.p.dq, c.p.dv))
         return c, (qf, kf, vf)
 
     def leave(self, c: Ctx, entered, results: list[str]) -> list[str]:
         s, hq = self.s, self.heads[0]
-        out = self._gather(c, results[0], s["Sq"], ExplicitRows("%idx", self.at["out"]), (s["No"], s["Ro"]), hq, c.p.dv)
+        dv = c.p.arg_dims[1]
+        out = self._gather(c, results[0], s["Sq"], ExplicitRows("%idx", self.at["out"]), (s["No"], s["Ro"]), hq, dv, dv)
         lse = gather_lse(c.fn, lse=results[1], idx=("%idx", self.at["lse"]), size=(s["Nl"], s["Rl"]), heads=hq,
                          rows=s["Sq"])
         return [out, lse, *entered, *results]
@@ -85,14 +89,15 @@ def render_ragged(plan: Plan, func_name: str = "fwd_ragged") -> str:
     """The MLIR text of ``util.func public @func_name`` (see the module docstring)."""
     fn, p = Fn(), plan
     T, lay = p.dtype, p.layout
-    ty_q, ty_v = tensor_type(["?", "?", "?", p.dq], T), tensor_type(["?", "?", "?", p.dv], T)
+    ty_q, ty_v = (tensor_type(["?", "?", "?", d], T) for d in p.arg_dims)
     s = {n: fn.arith(f"arith.index_cast %{n} : i64 to index", n) for n in RAGGED_SCALARS}
+    s.update({n: fn.bounded(s[n]) for n in _SIZES})  # one value per size in every dispatch that reads it
     at = {"q": fn.c(0), "k": fn.mul(s["B"], s["Sq"])}
     at["desc"] = fn.add(at["k"], fn.mul(s["B"], s["NP"]))
     at["out"] = fn.add(at["desc"], fn.mul(4, s["B"]))
     at["lse"] = fn.add(at["out"], fn.mul(s["No"], s["Ro"]))
     r_ax, h_ax = rows_dims(lay)
-    hq, hk = fn.dim("%q", ty_q, h_ax), fn.dim("%k", ty_q, h_ax)
+    hq, hk = fn.bounded(fn.dim("%q", ty_q, h_ax)), fn.bounded(fn.dim("%k", ty_q, h_ax))
     rows = (fn.dim("%q", ty_q, r_ax), fn.dim("%k", ty_q, r_ax), fn.dim("%v", ty_v, r_ax))
     frame = _Frame(s, at, (hq, hk), rows, p)
     co = lambda: Coords(s["y"], s["x"], s["yu"], s["xu"], s["khi"], s["khiu"])  # noqa: E731
