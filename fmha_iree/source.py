@@ -352,13 +352,16 @@ def entry_points(spec: KernelSpec) -> dict:
             "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
         },
     }
-    if fwd_plan(spec) is not None:
+    plan = fwd_plan(spec)
+    if plan is not None:
         lay = "[B, Hq, Sq, D]" if spec.layout == "bhsd" else "[B, Sq, Hq, D]"
         out["fwd"] = {
+            "compute_head_dims": [plan.dq, plan.dv],  # wider than the arguments': zero-padded inside
             "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
                      "scale": [[], "f32 scalar"], "y": [[], "i64 scalar"], "x": [[], "i64 scalar"]},
             "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"],
-                        "scratch": [["padded Q", "edge masks", "acc", "max", "sum"], "dropped by the caller"]},
+                        "scratch": [(["padded K", "padded V"] if plan.pads else []) + ["padded Q", "edge masks", "acc",
+                                                                                      "max", "sum"], "dropped by the caller"]},
             "note": (f"any Sq, Sk >= 1 and any CK mask in one call ({lay} layout): row s sees keys "
                      "s - y + 1 <= j < s + x (CK's coordinates, clipped to [-Sk, Sq + 1] / [-Sq, Sk + 1]); "
                      "batch lengths uniform (no cu_seqlen padding)"),

@@ -70,7 +70,7 @@ def presets(name):
     if name == "heads":
         # head dims without tiles of their own: fwd runs them zero-padded (96 -> 128, 192 -> 256)
         return [_row(b, h, h, s, d, m, label=f"d{d}", modules="generic", flex=False)
-                for d, h in ((96, 16), (192, 8)) for b, s, m in ((4, 4096, "b"), (4, 1000, "0"), (16, 1024, "0"))]
+                for d, h in ((96, 16), (192, 16)) for b, s, m in ((4, 4096, "b"), (4, 1000, "0"), (16, 1024, "0"))]
     rows = []
     for d in (64, 128, 256):
         for s in (512, 1024, 2048, 4096, 8192, 16384):

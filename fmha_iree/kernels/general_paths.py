@@ -267,7 +267,8 @@ def body(c: Ctx) -> list[tuple[str, str]]:
     paths += [(one.any_left, lambda: _padded_path(padded, main, one, True)),
               (None, lambda: _padded_path(padded, main, one, False))]
     o_ty, l_ty = _ty(["?", "?", "?", p.arg_dims[1]], p.dtype), _ty(["?", "?", "?"], "f32")
-    types = [o_ty, l_ty, *(c.frame.types() if c.frame is not None else ()), *scratch_types(p)]
+    kv_copies = [_ty(["?", "?", "?", d], p.dtype) for d in (p.dq, p.dv)] if p.pads else []
+    types = [o_ty, l_ty, *(c.frame.types() if c.frame is not None else kv_copies), *scratch_types(p)]
 
     def chain(i: int):
         cond, run = paths[i]
@@ -294,12 +295,17 @@ def _entered(c: Ctx) -> tuple[Ctx, object]:
         return c.frame.enter(c)
     if not c.p.pads:
         return c, None
-    return dataclasses.replace(c, k=kv_padded(c, "k"), v=kv_padded(c, "v"), held=(c.p.dq, c.p.dv)), None
+    k, v = kv_padded(c, "k"), kv_padded(c, "v")
+    return dataclasses.replace(c, k=k, v=v, held=(c.p.dq, c.p.dv)), (k.name, v.name)
 
 
 def _finish(c: Ctx, entered, results: list[str]) -> list[str]:
-    """A path's results; a ragged frame's gathered out (``Ctx.frame``)."""
-    return results if c.frame is None else c.frame.leave(c, entered, results)
+    """A path's results; a ragged frame's gathered out (``Ctx.frame``); the padded K / V copies
+    after out and lse (returned, not transients: IREE 3.13's CUDA HAL frees a transient with a
+    host wait for the call's last kernel)."""
+    if c.frame is not None:
+        return c.frame.leave(c, entered, results)
+    return results if entered is None else [*results[:2], *entered, *results[2:]]
 
 
 def _groups_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
