@@ -310,7 +310,8 @@ class FmhaModule:
             args = [self._put(x, dtype) for x, dtype in tensors]
             ups = [self._ring.put(np.ascontiguousarray(a, np.int32).ravel()) for a in staged]
             args += [(view, None) for view, _, _ in ups]
-            rets, fence = self._call(fn, args, len(results), scalars=scalars, queue_waits=tuple(f for _, f, _ in ups))
+            waits = tuple(f for _, f, _ in ups if f is not None)
+            rets, fence = self._call(fn, args, len(results), scalars=scalars, queue_waits=waits)
             for _, _, read_by in ups:
                 read_by(fence)
             return [self._result(bv, fence, dtype, keep_on_device) for bv, dtype in zip(rets, results)]
