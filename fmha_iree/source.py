@@ -254,22 +254,14 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
                 dq_arg=arg_dims[0], dv_arg=arg_dims[1])
 
 
-# Head dims with tile configs of their own; ``fwd`` runs any other one zero-padded up to the next
-# (CK's kK0max: its d96 kernels compute 128 wide). IREE 3.13 derives no MFMA / WMMA layout for an
-# attention op at 96 or 192 ("failed to derive layout for promoted read-like op" for every tile,
-# subgroup and promotion choice tried on gfx942, 2026-12-02), so those took IREE's own config.
-_TILED_HEAD_DIMS = (32, 64, 128, 256)
-
-
 def _padded_heads(spec: KernelSpec) -> KernelSpec:
-    """``spec`` at the head dims ``fwd`` computes with (its own, or the next tiled ones up), with
-    the default tiles of those where they differ."""
-    up = lambda d: next((t for t in _TILED_HEAD_DIMS if t >= d), d)  # noqa: E731
-    dq, dv = up(spec.dq), up(spec.dv)
+    """``spec`` at the head dims ``fwd`` computes with (``tiles.compute_head_dim``), with the
+    default tiles of those where they differ."""
+    from .tiles import compute_head_dim, default_tiles
+
+    dq, dv = compute_head_dim(spec.dq), compute_head_dim(spec.dv)
     if (dq, dv) == (spec.dq, spec.dv):
         return spec
-    from .tiles import default_tiles
-
     t = spec.target
     return dataclasses.replace(spec, dq=dq, dv=dv, tiles=default_tiles(t.family, dq, dv, t.arch, spec.dtype))
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["TileConfig", "default_tiles", "parse_tiles", "tuned_lowering"]
+__all__ = ["TileConfig", "default_tiles", "parse_tiles", "tuned_lowering", "TILED_HEAD_DIMS", "compute_head_dim"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +151,19 @@ _TABLES = {"cpu": _CPU, "cdna": _GPU, "rdna": _GPU, "cuda": _CUDA}
 _ARCH_OVERRIDES = {
     "gfx1100": {128: TileConfig(32, 32, 16, 64, 16, kv_chunk=256), 256: TileConfig(16, 16, 16, 32, 16, kv_chunk=256)},
 }
+
+
+# Head dims with tile configs of their own; ``fwd`` runs any other one zero-padded up to the next
+# (CK's kK0max: its d96 kernels compute 128 wide). IREE 3.13 derives no MFMA / WMMA layout for an
+# attention op at 96 or 192 ("failed to derive layout for promoted read-like op" for every tile,
+# subgroup and promotion choice tried on gfx942, 2026-12-02, docs/tried.md), so those took IREE's
+# own config.
+TILED_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def compute_head_dim(d: int) -> int:
+    """The head dim ``fwd`` computes a head dim ``d`` at: ``d`` itself, or the next tiled one up."""
+    return next((t for t in TILED_HEAD_DIMS if t >= d), d)
 
 
 def default_tiles(family: str, dq: int, dv: int, arch: str = "", dtype: str = "") -> TileConfig:
