@@ -13,6 +13,8 @@ import contextlib
 
 __all__ = ["Fn", "tensor_type"]
 
+_I32_MAX = 2**31 - 1  # the bound of Fn.bounded / assume_div: sizes IREE passes as one 32-bit constant
+
 
 def tensor_type(shape, elt: str) -> str:
     """``tensor<AxBx...xT>``; ``?`` or None marks a dynamic size."""
@@ -90,7 +92,7 @@ class Fn:
             self._consts[key] = name
             barrier = f"%o{int(value)}b"
             self.prologue.append(f"  {barrier} = util.optimization_barrier {self.c(value)} : index")
-            self.prologue.append(f"  {name} = util.assume.int {barrier}<umin = 0, umax = 2147483647> : index")
+            self.prologue.append(f"  {name} = util.assume.int {barrier}<umin = 0, umax = {_I32_MAX}> : index")
         return self._consts[key]
 
     def const(self, literal: str, ty: str, base: str) -> str:
@@ -149,12 +151,12 @@ class Fn:
         attention op only over sizes it can prove to be whole tiles). Every such value is a count
         along one axis of a tensor, below 2**31 (``umax``: IREE then passes it to a dispatch as one
         32-bit push constant)."""
-        return self.arith(f"util.assume.int {v}<umin = 0, umax = 2147483647, udiv = {int(div)}> : index", "a")
+        return self.arith(f"util.assume.int {v}<umin = 0, umax = {_I32_MAX}, udiv = {int(div)}> : index", "a")
 
     def bounded(self, v: str) -> str:
         """``v`` annotated as a size below 2**31 (IREE then passes it, and what is derived from it,
         to a dispatch as one 32-bit push constant, not two)."""
-        return self.arith(f"util.assume.int {v}<umin = 0, umax = 2147483647> : index", "a")
+        return self.arith(f"util.assume.int {v}<umin = 0, umax = {_I32_MAX}> : index", "a")
 
     def dim(self, value: str, ty: str, i: int) -> str:
         return self.arith(f"tensor.dim {value}, {self.c(i)} : {ty}", "d")

@@ -122,13 +122,33 @@ def kv_operand(c: Ctx, which: str, lo: str, keys, pieces: str | None = None) -> 
     return Operand(ex, ty5, ("b0", "b2", "k2", "b1", kdim))
 
 
+def _generated(c: Ctx, ty: str, sizes: list, attrs: str, fill: str, element) -> str:
+    """One dispatch making ``ty`` (dynamic ``sizes``; rank 4): a generic over the result whose
+    element at indices ``i`` is ``element(i)`` = (valid i1, value) where valid, else ``fill``.
+    Reading each element where it is (``tensor.extract``) keeps a padded copy one dispatch: a copy
+    stored into a filled tensor became a one-workgroup ``slow_memcpy`` (0.63 ms for K and V at B4
+    H16 S4096 on the H200, 2026-12-02)."""
+    fn, T = c.fn, c.p.dtype
+
+    def region():
+        e = fn.let(f"tensor.empty({', '.join(sizes)}) : {ty}", "e")
+        out = fn.fresh("gp")
+        fn.emit(f"{out} = linalg.generic {{indexing_maps = [affine_map<(d0, d1, d2, d3) -> (d0, d1, d2, d3)>], "
+                f"iterator_types = [{_PAR4}]}} outs({e} : {ty}){attrs} {{")
+        with fn.region(f"^bb0(%gp_o: {T}):", f"}} -> {ty}"), fn.local():
+            ok, val = element([fn.let(f"linalg.index {n} : index", "gi") for n in range(4)])
+            z = fn.let(f"arith.constant {fill} : {T}", "gz")
+            fn.emit(f"linalg.yield {fn.let(f'arith.select {ok}, {val}, {z} : {T}', 'gv')} : {T}")
+        return [out]
+
+    return fn.dispatch([(ty, sizes)], region)[0]
+
+
 def kv_padded(c: Ctx, which: str) -> Operand:
-    """K or V copied into ``c.limit`` keys and the plan's head dim: one dispatch, a generic over
-    the copy that reads the source element it needs (a plain copy stored into a filled tensor
-    became a one-workgroup ``slow_memcpy``: 0.63 ms for K and V at B4 H16 S4096 on the H200,
-    2026-12-02). Past Sk, V holds zeros (a masked key's weight is 0, and 0 * V must be 0) and K
-    ones (any finite value); past the argument's head dim K's ones meet Q's zeros (``q_padded``)
-    and V's columns are dropped."""
+    """K or V copied into ``c.limit`` keys and the plan's head dim (``_generated``). Past Sk, V
+    holds zeros (a masked key's weight is 0, and 0 * V must be 0) and K ones (any finite value);
+    past the argument's head dim K's ones meet Q's zeros (``q_padded``) and V's columns are
+    dropped."""
     fn, T = c.fn, c.p.dtype
     src = c.k if which == "k" else c.v
     d = c.p.dq if which == "k" else c.p.dv
@@ -136,26 +156,17 @@ def kv_padded(c: Ctx, which: str) -> Operand:
     ty, src_ty = _ty(["?", "?", "?", d], T), _ty(["?", "?", "?", d_src], T)
     s_dim = 2 if c.p.layout == "bhsd" else 1
     full = [c.b, c.hk, c.limit] if s_dim == 2 else [c.b, c.limit, c.hk]
+
+    def element(at):
+        ok = fn.cmp("slt", at[s_dim], c.sk)
+        at[s_dim] = fn.min(at[s_dim], fn.sub(c.sk, 1))
+        if d_src < d:
+            ok = fn.andi(ok, fn.cmp("slt", at[3], d_src))
+            at[3] = fn.min(at[3], d_src - 1)
+        return ok, fn.let(f"tensor.extract {src.name}[{', '.join(at)}] : {src_ty}", "kv")
+
     attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=s_dim, inner=d)
-
-    def region():
-        e = fn.let(f"tensor.empty({', '.join(full)}) : {ty}", "e")
-        out = fn.fresh("kp")
-        fn.emit(f"{out} = linalg.generic {{indexing_maps = [affine_map<(d0, d1, d2, d3) -> (d0, d1, d2, d3)>], "
-                f"iterator_types = [{_PAR4}]}} outs({e} : {ty}){attrs} {{")
-        with fn.region(f"^bb0(%kp_o: {T}):", f"}} -> {ty}"), fn.local():
-            at = [fn.let(f"linalg.index {n} : index", "kx") for n in range(4)]
-            ok = fn.cmp("slt", at[s_dim], c.sk)
-            at[s_dim] = fn.min(at[s_dim], fn.sub(c.sk, 1))
-            if d_src < d:
-                ok = fn.andi(ok, fn.cmp("slt", at[3], d_src))
-                at[3] = fn.min(at[3], d_src - 1)
-            val = fn.let(f"tensor.extract {src.name}[{', '.join(at)}] : {src_ty}", "kv")
-            z = fn.let(f"arith.constant {'1.0' if which == 'k' else '0.0'} : {T}", "kz")
-            fn.emit(f"linalg.yield {fn.let(f'arith.select {ok}, {val}, {z} : {T}', 'kv')} : {T}")
-        return [out]
-
-    return Operand(fn.dispatch([(ty, full)], region)[0], ty, src.dims)
+    return Operand(_generated(c, ty, full, attrs, "1.0" if which == "k" else "0.0", element), ty, src.dims)
 
 
 def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
@@ -166,6 +177,8 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
     lowers an unstructured copy into a slice to a one-workgroup ``slow_memcpy``)."""
     fn, G, D, T = c.fn, c.p.group, c.p.dq, c.p.dtype
     S = c.q_held()  # the source's head dim
+    if S != D:
+        return _q_gathered(c, q_arg, m_pad, S)
     q_ty, a_ty = _ty(["?", "?", "?", D], T), _ty(["?", "?", "?", S], T)
     # the loops run in the source's order (IREE turns a copy around that way itself, and the
     # tile of ``copy_attrs`` is given for it): (b, h, g, s, d) for bhsd, (b, s, h, g, d) for bshd
@@ -177,8 +190,6 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
         src_ty, dst_map, s_dim = _ty(["?", "?", "?", G, S], T), "d0, d2, d1, d3, d4", 1
         src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1], [2, 3], [4]] output_shape [{c.b}, {c.sq}, {c.hk}, {G}, {S}] "
                      f": {a_ty} into {src_ty}", "q")
-    if S != D:
-        return _q_gathered(c, q_arg, m_pad, S)
     dest = fn.let(f"tensor.empty({c.b}, {c.hk}, {m_pad}) : {q_ty}", "qp")
     rows = fn.mul(c.sq, G)
     t_ty = _ty(["?", "?", "?", G, S], T)
@@ -199,27 +210,20 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
 
 
 def _q_gathered(c: Ctx, q_arg: str, m_pad: str, d_src: int) -> str:
-    """``q_padded`` for a Q narrower than the plan's head dim: a generic over ``[B, Hk, m_pad, Dq]``
-    that reads element ``(s, g, d)`` of the argument, zeros past its head dim and past ``Sq * G``
-    rows (a copy stored into a filled tensor is a ``slow_memcpy``, see ``kv_padded``)."""
+    """``q_padded`` for a Q narrower than the plan's head dim (``_generated``): element
+    ``(b, h, s * G + g, d)`` of ``[B, Hk, m_pad, Dq]`` is the argument's, zeros past its head dim
+    and past ``Sq * G`` rows."""
     fn, G, D, T = c.fn, c.p.group, c.p.dq, c.p.dtype
     q_ty, a_ty = _ty(["?", "?", "?", D], T), _ty(["?", "?", "?", d_src], T)
+
+    def element(at):
+        b, h, r, dd = at
+        rows = fn.mul(c.sq, G)
+        ok = fn.andi(fn.cmp("slt", r, rows), fn.cmp("slt", dd, d_src))
+        r = fn.min(r, fn.sub(rows, 1))
+        s, head = fn.floordiv(r, G), fn.add(fn.mul(h, G), fn.arith(f"arith.remsi {r}, {fn.c(G)} : index", "qx"))
+        at = [b, head, s] if c.p.layout == "bhsd" else [b, s, head]
+        return ok, fn.let(f"tensor.extract {q_arg}[{', '.join(at)}, {fn.min(dd, d_src - 1)}] : {a_ty}", "qv")
+
     attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=2, inner=D)
-
-    def region():
-        e = fn.let(f"tensor.empty({c.b}, {c.hk}, {m_pad}) : {q_ty}", "e")
-        out = fn.fresh("qg")
-        fn.emit(f"{out} = linalg.generic {{indexing_maps = [affine_map<(d0, d1, d2, d3) -> (d0, d1, d2, d3)>], "
-                f"iterator_types = [{_PAR4}]}} outs({e} : {q_ty}){attrs} {{")
-        with fn.region(f"^bb0(%qg_o: {T}):", f"}} -> {q_ty}"), fn.local():
-            b, h, r, dd = (fn.let(f"linalg.index {n} : index", "qx") for n in range(4))
-            ok = fn.andi(fn.cmp("slt", r, fn.mul(c.sq, G)), fn.cmp("slt", dd, d_src))
-            r = fn.min(r, fn.sub(fn.mul(c.sq, G), 1))
-            s, head = fn.floordiv(r, G), fn.add(fn.mul(h, G), fn.arith(f"arith.remsi {r}, {fn.c(G)} : index", "qx"))
-            at = [b, head, s] if c.p.layout == "bhsd" else [b, s, head]
-            val = fn.let(f"tensor.extract {q_arg}[{', '.join(at)}, {fn.min(dd, d_src - 1)}] : {a_ty}", "qv")
-            z = fn.let(f"arith.constant 0.0 : {T}", "qz")
-            fn.emit(f"linalg.yield {fn.let(f'arith.select {ok}, {val}, {z} : {T}', 'qv')} : {T}")
-        return [out]
-
-    return fn.dispatch([(q_ty, [c.b, c.hk, m_pad])], region)[0]
+    return _generated(c, q_ty, [c.b, c.hk, m_pad], attrs, "0.0", element)
