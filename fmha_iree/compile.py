@@ -125,10 +125,23 @@ _CPU_FLAGS = ["--iree-llvmcpu-reassociate-fp-reductions", "--iree-llvmcpu-use-fa
 # trip; on the H200 (2026-11-30) that took B=32 S=512 d128 from 1.57 to 0.57 ms per call.
 ASYNC_FLAGS = ["--iree-execution-model=async-external"]
 
+# CUDA: every dispatch binding keeps its own buffer (offset applied by the HAL) instead of IREE's
+# fused bindings, which pass a suballocation's offset as a push constant of unknown alignment.
+# A dispatch shared by call sites reading K / V in place and call sites reading a packed copy
+# (fwd_ragged's frames, the padded path's copies) then read every K / V / Q element with a scalar
+# 16-bit load: NVPTX cannot prove the 16-byte alignment of a vector load (iree-compile 3.13,
+# sm_80; fwd's interior and split-KV ops, every fwd_ragged op: 32-320 `ld.global.nc.b16` per key
+# step, 4 `ld.global.nc.v4.b32` with this flag). ROCm keeps the fusion: its loads are vectors
+# either way, and without it gfx90a's GQA kernels spill more scalar registers (3 -> 9 kernels,
+# bf16 d128 G=4, 2026-12-02).
+CUDA_FLAGS = ["--iree-scheduling-optimize-bindings=false"]
+
 
 def compile_flags(spec: KernelSpec) -> list[str]:
     """Every iree-compile flag used for ``spec`` (target selection first)."""
     extra = _CPU_FLAGS if spec.target.backend == "llvm-cpu" else ASYNC_FLAGS
+    if spec.target.backend == "cuda":
+        extra = extra + CUDA_FLAGS
     return spec.target.compile_flags() + ["--iree-input-type=auto"] + extra
 
 

@@ -188,9 +188,10 @@ def run(args):
             if key not in loaded:
                 from fmha_iree import load
 
-                def fits(m):
+                def fits(m):  # the rows' tensors are bhsd
                     lens = bool((m.get("dense") or {}).get("seqlens"))
-                    return ((m["problem"]["dtype"], m["problem"]["hdim"], m["problem"]["group"]) == key[:3]
+                    pr = m["problem"]
+                    return ((pr["dtype"], pr["hdim"], pr["group"]) == key[:3] and pr.get("layout", "bhsd") == "bhsd"
                             and (p["modules"] == "any" or lens == (p["modules"] == "seqlens")))
 
                 match = sorted(f for f in Path(args.modules).glob("*.json") if fits(json.loads(f.read_text())))

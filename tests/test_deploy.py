@@ -113,6 +113,10 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
             ex = man["native_exp2"]
             assert ex["replaced"] > 0 and ex["floors_left"] == 0, (r["module"], ex)
             assert (out / f"{r['module']}.vmfb").read_bytes().count(b"ex2.approx.ftz.f32") >= ex["replaced"]
+            if has_fwd:  # K / V / Q read with vector loads (compile.CUDA_FLAGS), not 16-bit scalars
+                ptx = [p for p in (out / "dumps" / r["module"]).glob("*_fwd*.ptx") if "mma.sync" in p.read_text()]
+                scalar = {p.name: p.read_text().count("ld.global.nc.b16") for p in ptx}
+                assert ptx and not any(scalar.values()), (r["module"], scalar)
         else:
             assert man["native_exp2"] is None
 

@@ -16,7 +16,7 @@ import torch
 
 import fmha_iree
 from fmha_iree import frames
-from fmha_iree.compile import ASYNC_FLAGS, compile_flags
+from fmha_iree.compile import ASYNC_FLAGS, CUDA_FLAGS, compile_flags
 from fmha_iree.device import DeviceTensor
 from fmha_iree.dispatch import has_ragged, route, run_batch, run_paged, run_varlen
 from fmha_iree.mask import Mask
@@ -44,7 +44,9 @@ def module():
         if key not in mods:
             spec = KernelSpec(dtype, layout, group, dq, dv or dq, TILES, Target.from_name("host"))
             assert fwd_plan(spec, fused_step=True) is not None
-            vmfb = ict.compile_str(source_mlir(spec, fused_step=True), extra_args=compile_flags(spec) + ASYNC_FLAGS)
+            # CUDA's unfused bindings (CUDA_FLAGS): the frames are packed results, read in place
+            flags = compile_flags(spec) + ASYNC_FLAGS + CUDA_FLAGS
+            vmfb = ict.compile_str(source_mlir(spec, fused_step=True), extra_args=flags)
             mods[key] = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True, layout=layout)
         return mods[key]
 
