@@ -35,7 +35,14 @@ class PagedCache:
     v: Operand
     block_table: np.ndarray  # [B, max_pages]
     lens: np.ndarray  # [B] int64
-    rows: np.ndarray  # the flat cache row of every used key, sequence by sequence
+
+    def rows(self) -> np.ndarray:
+        """The flat cache row of every used key, sequence by sequence (the host gather's index;
+        one entry per key, so made only where the keys are gathered on the host)."""
+        page = self.page_size
+        seq = np.repeat(np.arange(len(self.lens)), self.lens)
+        j = np.arange(int(self.lens.sum())) - np.repeat(np.cumsum(self.lens) - self.lens, self.lens)
+        return self.block_table[seq, j // page].astype(np.int64) * page + j % page
 
     @property
     def on_device(self) -> bool:
@@ -59,7 +66,8 @@ class PagedCache:
             raise TypeError("k_cache: this module reads a paged cache from host arrays (torch CPU tensors or numpy); "
                             "got a DeviceTensor")
         starts = np.concatenate([[0], np.cumsum(self.lens)]).astype(np.int64)
-        return _take(self.k_cache, self.k, self.rows), _take(self.v_cache, self.v, self.rows), starts
+        rows = self.rows()
+        return _take(self.k_cache, self.k, rows), _take(self.v_cache, self.v, rows), starts
 
 
 def check_paged(k_cache, v_cache, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table) -> PagedCache:
@@ -75,8 +83,8 @@ def check_paged(k_cache, v_cache, seqstart_q, seqstart_k, seqlen_k, seqstart_pad
     if ko.on_device != vo.on_device:
         raise TypeError("k_cache and v_cache must both be DeviceTensors or both host arrays, got "
                         f"{'a DeviceTensor' if ko.on_device else 'a host array'} k_cache")
-    lens, bt, rows = _used_rows(ko, vo, block_table, seqlen_k, batch)
-    return PagedCache(k_cache, v_cache, ko, vo, bt, lens, rows)
+    lens, bt = _used_pages(ko, vo, block_table, seqlen_k, batch)
+    return PagedCache(k_cache, v_cache, ko, vo, bt, lens)
 
 
 def _cache_operand(x, name: str) -> Operand:
@@ -93,8 +101,10 @@ def _block_table(block_table, batch: int) -> np.ndarray:
     return bt
 
 
-def _used_rows(ko: Operand, vo: Operand, block_table, seqlen_k, batch: int):
-    """(lens, block table, flat cache row of every used key in sequence order), validated."""
+def _used_pages(ko: Operand, vo: Operand, block_table, seqlen_k, batch: int):
+    """(lens, block table), validated: every page a sequence reads is a page of the cache. The
+    check runs over the table's entries (one per page, not per key: a decode batch's call checks
+    ``B x max_pages`` entries, not its ``sum(seqlen_k)`` keys)."""
     n_pages, page, hk, _ = ko.array.shape
     if n_pages * page >= 2 ** 31:
         raise ValueError(f"k_cache holds {n_pages} x {page} rows: at most 2**31 - 1 rows are addressed")
@@ -109,15 +119,12 @@ def _used_rows(ko: Operand, vo: Operand, block_table, seqlen_k, batch: int):
         b = int(np.argmax((lens < 0) | (lens > bt.shape[1] * page)))
         raise ValueError(f"seqlen_k[{b}] = {int(lens[b])} is outside [0, {bt.shape[1] * page}] "
                          f"(max_pages {bt.shape[1]} x page_size {page})")
-    rows = [np.arange(n) for n in lens.tolist()]
-    seq = np.repeat(np.arange(batch), lens)
-    j = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    pages = bt[seq, j // page] if len(j) else np.zeros(0, np.int64)
-    if ((pages < 0) | (pages >= n_pages)).any():
-        i = int(np.argmax((pages < 0) | (pages >= n_pages)))
-        raise ValueError(f"block_table[{int(seq[i])}, {int(j[i] // page)}] = {int(pages[i])} is not a page of "
-                         f"k_cache (0..{n_pages - 1})")
-    return lens, bt, pages * page + j % page
+    used = np.arange(bt.shape[1]) < -(-lens // page)[:, None]  # [B, max_pages]: pages with keys
+    bad = used & ((bt < 0) | (bt >= n_pages))
+    if bad.any():
+        b, c = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"block_table[{b}, {c}] = {int(bt[b, c])} is not a page of k_cache (0..{n_pages - 1})")
+    return lens, bt
 
 
 def _take(x, o: Operand, flat: np.ndarray):

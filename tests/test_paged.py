@@ -100,6 +100,7 @@ def test_bad_paged_arguments_are_refused_before_compiling():
     before = compiles()
     bad = [
         (dict(block_table=torch.tensor([[5, -1], [1, 2]], dtype=torch.int32)), ValueError, "block_table"),
+        (dict(block_table=torch.tensor([[0, -1], [1, -2]], dtype=torch.int32)), ValueError, r"block_table\[1, 1\] = -2"),
         (dict(block_table=bt[:1]), ValueError, "block_table"),
         (dict(block_table=bt.float()), TypeError, "block_table"),
         (dict(seqlen_k=torch.tensor([10, 40], dtype=torch.int32)), ValueError, "seqlen_k"),
