@@ -89,11 +89,14 @@ def _contiguous(starts) -> np.ndarray:
 
 def descriptors(mask, q_len: np.ndarray, k_len: np.ndarray) -> np.ndarray:
     """``[B, 4]`` int32: each sequence's (qlen, klen, y, x), CK's coordinates for its own lengths
-    (``Mask.clipped_coords``); the ``rows`` entry points read the same rows."""
-    desc = np.zeros((len(q_len), 4), np.int32)
-    for b, (ql, kl) in enumerate(zip(q_len.tolist(), k_len.tolist())):
-        desc[b] = (ql, kl, *mask.clipped_coords(ql, kl))
-    return desc
+    (``Mask.clipped_coords``, evaluated over all sequences at once: a decode batch of 1024
+    sequences took 1.1 ms of host time per call one sequence at a time); the ``rows`` entry points
+    read the same rows."""
+    ql, kl = np.asarray(q_len, np.int64).reshape(-1), np.asarray(k_len, np.int64).reshape(-1)
+    y, x = mask.coords(ql, kl)  # elementwise over the arrays
+    y = np.minimum(np.maximum(y, -kl), ql + 1)
+    x = np.minimum(np.maximum(x, -ql), kl + 1)
+    return np.stack([ql, kl, np.broadcast_to(y, ql.shape), np.broadcast_to(x, ql.shape)], axis=1).astype(np.int32)
 
 
 def _out_rows(q_len: np.ndarray, sq_f: int, dest: np.ndarray, total: int) -> np.ndarray:

@@ -225,3 +225,23 @@ def test_ragged_coords_bound_every_sequence(mask):
             vis[:a, :b] = _visible(m, int(a), int(b))
             assert not (inner[:a] & ~vis[:a]).any(), f"{mask}: interior holds a key row {a}x{b} does not see"
             assert not (vis & ~outer).any(), f"{mask}: a key row {a}x{b} sees lies outside the union"
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_descriptors_are_each_sequences_clipped_coords(mask):
+    """The per-sequence descriptor rows, computed for all sequences at once, are each sequence's
+    (qlen, klen) and ``Mask.clipped_coords`` for its own lengths (empty sequences included); the
+    visibility they give is CK's rule for that sequence (``_visible`` from the reference's
+    ``materialize``)."""
+    m = Mask.from_str(mask)
+    rng = np.random.default_rng(5)
+    lq, lk = rng.integers(0, 90, 64), rng.integers(0, 120, 64)
+    lq[:4], lk[:4] = [0, 1, 0, 90], [0, 0, 1, 1]
+    desc = frames.descriptors(m, lq, lk)
+    assert desc.shape == (64, 4) and desc.dtype == np.int32
+    for (a, b), row in zip(zip(lq.tolist(), lk.tolist()), desc):
+        assert tuple(row) == (a, b, *m.clipped_coords(a, b))
+        y, x = int(row[2]), int(row[3])
+        i, j = np.arange(a)[:, None], np.arange(b)[None, :]
+        assert np.array_equal((j >= i - y + 1) & (j < np.minimum(i + x, b)), m.materialize(a, b))
+    assert frames.descriptors(m, np.zeros(0, np.int64), np.zeros(0, np.int64)).shape == (0, 4)
