@@ -20,7 +20,7 @@ import numpy as np
 from . import frames
 from .frames import has_ragged
 from .device import DeviceTensor, aligned_empty
-from .plan import Plan, Sequences, build_plan, units_budget
+from .plan import Plan, Sequences, build_plan, runs, units_budget
 from .runtime import dense_entry
 from .paged import PagedCache
 from .spec import BatchProblem, Operand, check_varlen
@@ -266,8 +266,7 @@ def _rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndar
     q, k, v = (np.take(x.array[0], idx, axis=0, out=aligned_empty(idx.shape + x.array.shape[2:], x.array.dtype))
                for x, idx in ((p.q, qi), (p.k, ki), (p.v, ki)))  # [n, S, H, D], bshd, read in place
     o, l = module.run_rows(q, k, v, p.q.dtype, p.scale, frames.descriptors(p.mask, q_len, k_len), padded_keys=True)
-    rows = np.repeat(np.arange(len(group)), q_len)
-    rel = np.arange(int(q_len.sum())) - np.repeat(np.cumsum(q_len) - q_len, q_len)
+    rows, rel = runs(q_len)
     out[q_start[rows] + rel] = o[rows, rel]
     lse[:, lse_start[rows] + rel] = l[rows, :, rel].T
 

@@ -16,6 +16,8 @@ import dataclasses
 
 import numpy as np
 
+from .plan import runs
+
 __all__ = ["Frame", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
            "has_ragged"]
 
@@ -96,15 +98,14 @@ def descriptors(mask, q_len: np.ndarray, k_len: np.ndarray) -> np.ndarray:
     y, x = mask.coords(ql, kl)  # elementwise over the arrays
     y = np.minimum(np.maximum(y, -kl), ql + 1)
     x = np.minimum(np.maximum(x, -ql), kl + 1)
-    return np.stack([ql, kl, np.broadcast_to(y, ql.shape), np.broadcast_to(x, ql.shape)], axis=1).astype(np.int32)
+    return np.stack([ql, kl, y, x], axis=1).astype(np.int32)
 
 
 def _out_rows(q_len: np.ndarray, sq_f: int, dest: np.ndarray, total: int) -> np.ndarray:
     """``[1, total]`` int32: the frame row of each destination row (``dest[b] + i`` for query
     ``i`` of sequence ``b``), -1 elsewhere."""
     idx = np.full(total, -1, np.int64)
-    b = np.repeat(np.arange(len(q_len)), q_len)
-    i = np.arange(int(q_len.sum())) - np.repeat(np.cumsum(q_len) - q_len, q_len)
+    b, i = runs(q_len)
     idx[np.asarray(dest, np.int64)[b] + i] = b * sq_f + i
     return idx.astype(np.int32)[None]
 

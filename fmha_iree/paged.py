@@ -19,6 +19,7 @@ import dataclasses
 
 import numpy as np
 
+from .plan import runs
 from .spec import Operand, as_operand, int_array, int_vector
 
 __all__ = ["PagedCache", "check_paged"]
@@ -40,8 +41,7 @@ class PagedCache:
         """The flat cache row of every used key, sequence by sequence (the host gather's index;
         one entry per key, so made only where the keys are gathered on the host)."""
         page = self.page_size
-        seq = np.repeat(np.arange(len(self.lens)), self.lens)
-        j = np.arange(int(self.lens.sum())) - np.repeat(np.cumsum(self.lens) - self.lens, self.lens)
+        seq, j = runs(self.lens)
         return self.block_table[seq, j // page].astype(np.int64) * page + j % page
 
     @property

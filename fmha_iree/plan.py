@@ -22,7 +22,7 @@ import numpy as np
 from .mask import Mask
 from .tiles import TileConfig
 
-__all__ = ["Sequences", "Plan", "build_plan", "units_budget"]
+__all__ = ["Sequences", "Plan", "build_plan", "units_budget", "runs"]
 
 # Upper bound on one step call's score elements (Hq * R * C per unit).
 # CPU: 1 Mi floats = 4 MiB. The step's dispatches each pass over the whole call's scores, so they
@@ -33,6 +33,14 @@ __all__ = ["Sequences", "Plan", "build_plan", "units_budget"]
 # gathers and the i1 mask (256 Mi elements), and every call costs ~1 ms of host overhead (H200
 # profile, docs/BENCHMARKS.md), so calls are as large as that allows.
 SCORE_BUDGET = {"cpu": 1 << 20, "gpu": 1 << 28}
+
+
+def runs(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For consecutive runs of ``lens[r]`` elements (rows of sequences, chunks of tiles): each
+    element's run and its position within the run (``lens = [2, 3]``: ``[0, 0, 1, 1, 1]``,
+    ``[0, 1, 0, 1, 2]``)."""
+    lens = np.asarray(lens)
+    return np.repeat(np.arange(len(lens)), lens), np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
 
 
 def units_budget(hq: int, tiles: TileConfig, family: str = "cpu") -> int:
@@ -79,8 +87,7 @@ def _slots(seqs: Sequences, tile_base: np.ndarray, rows: int, starts: np.ndarray
     n = seqs.q_len
     total = int(n.sum())
     if total:
-        seq = np.repeat(np.arange(len(n)), n)
-        rel = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
+        seq, rel = runs(n)
         out[seqs.b[seq], starts[seq] + rel] = tile_base[seq] * rows + rel
     return out.astype(np.int32)
 
@@ -102,8 +109,7 @@ def build_plan(seqs: Sequences, mask: Mask, tiles: TileConfig, out_shape, lse_sh
     n_chunks = np.where(hi > lo, -(-(hi - lo) // C), 0)
 
     n_units = int(n_chunks.sum())
-    u_tile = np.repeat(np.arange(n_tiles), n_chunks)
-    u_wave = np.arange(n_units) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
+    u_tile, u_wave = runs(n_chunks)
     us = seq[u_tile]
     krel0 = lo[u_tile] + u_wave * C
     desc = np.stack(
