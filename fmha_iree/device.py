@@ -12,31 +12,59 @@ import threading
 
 import numpy as np
 
+from .allocation import AllocatorPolicy, CacheKeeper, allocator_policy
+
 __all__ = ["DeviceRegistry", "DEVICES", "get_device", "DeviceTensor", "element_type", "exhausted", "memory_errors",
            "HOST_DTYPES"]
 
 
 class DeviceRegistry:
     """The IREE HAL devices this process opened, one per URI (IREE devices are costly to create
-    and hold the allocator pools every call reuses)."""
+    and hold the allocator pools every call reuses), each opened with its
+    :func:`allocation.allocator_policy` and, where that keeps released buffers, a
+    :class:`allocation.CacheKeeper`."""
 
     def __init__(self):
         self._devices: dict = {}
+        self._keepers: dict = {}
         self._lock = threading.Lock()
 
     def get(self, uri: str):
         """The device for ``uri``, opened on first use; ``ValueError`` naming it if it cannot be."""
-        import iree.runtime as rt
-
         with self._lock:
             dev = self._devices.get(uri)
             if dev is None:
-                try:
-                    dev = rt.get_device(uri)
-                except Exception as e:  # the runtime raises ValueError/RuntimeError variants
-                    raise ValueError(f"device {uri!r} could not be opened: {e}") from None
-                self._devices[uri] = dev
+                policy = allocator_policy(uri)
+                dev = self._devices[uri] = _open(uri, policy)
+                if policy.budget:
+                    self._keepers[uri] = CacheKeeper(dev.allocator, policy.budget)
             return dev
+
+    def keeper(self, uri: str) -> CacheKeeper | None:
+        """The keeper of ``uri``'s device (None where released buffers are not kept)."""
+        with self._lock:
+            return self._keepers.get(uri)
+
+    def trim(self, uri: str):
+        """Return the buffers ``uri``'s device keeps to the driver (after an out-of-memory
+        failure, so that the next call can use them)."""
+        keeper = self.keeper(uri)
+        if keeper is not None:
+            with contextlib.suppress(Exception):
+                keeper.trim()
+
+
+def _open(uri: str, policy: AllocatorPolicy):
+    import iree.runtime as rt
+
+    try:
+        if not policy.allocators:
+            return rt.get_device(uri)
+        if policy.flags:
+            rt.flags.parse_flags(*policy.flags)  # read when the driver is created (first use)
+        return rt.get_driver(uri).create_device_by_uri(uri, allocators=list(policy.allocators))
+    except Exception as e:  # the runtime raises ValueError/RuntimeError variants
+        raise ValueError(f"device {uri!r} could not be opened: {e}") from None
 
 
 DEVICES = DeviceRegistry()
@@ -53,8 +81,10 @@ _EXHAUSTED = ("RESOURCE_EXHAUSTED", "OUT_OF_MEMORY", "out of memory")
 def exhausted(e: RuntimeError, uri: str, what: str) -> MemoryError | None:
     """A ``MemoryError`` naming the device and what needed the memory, to raise from ``e``, where
     IREE reported an out-of-memory failure (a RuntimeError carrying ``RESOURCE_EXHAUSTED``); else
-    None. The device stays usable for calls that fit."""
+    None. The device's cached free memory is returned to the driver, so it stays usable for
+    calls that fit."""
     if any(s in str(e) for s in _EXHAUSTED):
+        DEVICES.trim(uri)
         return MemoryError(f"device {uri!r} ran out of memory for {what}: {str(e)[:300]}")
     return None
 
@@ -184,7 +214,7 @@ class DeviceTensor:
         self.wait()
         try:
             return get_device(self.device_uri).create_dlpack_capsule(self.buffer_view(), *dlpack_device(self.device_uri))
-        except RuntimeError as e:  # IREE 3.13's CUDA HAL: results live in pool allocations it cannot export
+        except RuntimeError as e:  # IREE 3.13's CUDA HAL cannot export its stream-ordered pool allocations
             raise TypeError(f"this tensor's memory on {self.device_uri!r} cannot be exported through DLPack "
                             f"({str(e)[:160]}); copy it with .to_torch()") from e
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from .plan import runs
 
-__all__ = ["Frame", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
+__all__ = ["Frame", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
            "has_ragged"]
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Frame:
     q_idx: np.ndarray  # [B, Sq_f] int32: source row of each frame query row, -1 none
     k_base: np.ndarray  # [B, NP] int32: key j < klen of sequence b is row k_base[b, j // page] + j % page
     page: int
-    sk_f: int  # the frame's keys: the longest klen
+    sk_f: int  # the frame's keys: the longest klen, rounded up (frame_keys)
     desc: np.ndarray  # [B, 4] int32: (qlen, klen, y, x) per sequence
     out_idx: np.ndarray  # [N, R] int32: frame row (b * Sq_f + s) of each output row, -1 none
     lse_idx: np.ndarray  # [N, R2] int32: frame row of each LSE column
@@ -47,6 +47,17 @@ class Frame:
                               self.lse_idx.ravel()]).astype(np.int32)
         b, sq_f = self.q_idx.shape
         return idx, (b, sq_f, self.sk_f, self.k_base.shape[1], self.page, *self.out_idx.shape, *self.lse_idx.shape)
+
+
+def frame_keys(longest: int) -> int:
+    """The frame's key count for a longest sequence of ``longest`` keys: rounded up to one of 32
+    steps per power of two (at most 1/16 more keys, each zero and masked). A decode loop whose key
+    counts grow by one per call then makes the same frame, and so the same allocations, for many
+    calls in a row: a CUDA device serves a repeated size from its cache (``device.allocator_policy``)."""
+    if longest <= 64:
+        return longest
+    step = 1 << (longest.bit_length() - 5)
+    return -(-longest // step) * step
 
 
 def ragged_coords(desc: np.ndarray, sq_f: int, sk_f: int) -> tuple[int, int, int, int, int, int]:
@@ -114,10 +125,10 @@ def batch_frame(mask, q_len: np.ndarray, k_len: np.ndarray, sq: int, sk: int) ->
     """A batch ``[B, Sq, ...]`` with cu_seqlen padding: batch ``b``'s rows ``q_len[b]`` and keys
     ``k_len[b]``; the output keeps the batch's shape (padded rows 0, their LSE -inf)."""
     q_len, k_len = np.asarray(q_len, np.int64), np.asarray(k_len, np.int64)
-    sq_f, sk_f = int(q_len.max(initial=0)), int(k_len.max(initial=0))
+    sq_f, longest = int(q_len.max(initial=0)), int(k_len.max(initial=0))
     batch = np.arange(len(q_len))
     out = frame_rows(batch * sq_f, q_len, sq)
-    return Frame(frame_rows(batch * sq, q_len, sq_f), _contiguous(batch * sk), max(sk_f, 1), sk_f,
+    return Frame(frame_rows(batch * sq, q_len, sq_f), _contiguous(batch * sk), max(longest, 1), frame_keys(longest),
                  descriptors(mask, q_len, k_len), out, out)
 
 
@@ -126,9 +137,9 @@ def group_frame(mask, starts, total_rows: int, pages: tuple[np.ndarray, int] | N
     tensors; ``pages`` = (row bases, page size) of a paged cache (``paged_bases``) in place of
     the keys' starts."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
-    sq_f, sk_f = int(q_len.max(initial=0)), int(k_len.max(initial=0))
-    base, page = (_contiguous(k_start), max(sk_f, 1)) if pages is None else pages
-    return Frame(frame_rows(q_start, q_len, sq_f), base, page, sk_f, descriptors(mask, q_len, k_len),
+    sq_f, longest = int(q_len.max(initial=0)), int(k_len.max(initial=0))
+    base, page = (_contiguous(k_start), max(longest, 1)) if pages is None else pages
+    return Frame(frame_rows(q_start, q_len, sq_f), base, page, frame_keys(longest), descriptors(mask, q_len, k_len),
                  _out_rows(q_len, sq_f, q_start, total_rows), _out_rows(q_len, sq_f, lse_start, total_q))
 
 

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from .device import DeviceTensor, exhausted, get_device, memory_errors
+from .device import DEVICES, DeviceTensor, exhausted, get_device, memory_errors
 from .plan import Plan
 from .staging import UploadRing
 
@@ -52,6 +52,7 @@ class FmhaModule:
         self.layout = layout  # of q / k / v in its entry points (None: not known)
         self._ring = UploadRing(device_uri)
         self.device = get_device(device_uri)
+        self._keeper = DEVICES.keeper(device_uri)
         self._ctx = rt.SystemContext(config=rt.Config(device=self.device))
         vm = rt.VmModule.copy_buffer(self._ctx.instance, vmfb)
         self._ctx.add_vm_module(vm)
@@ -200,6 +201,8 @@ class FmhaModule:
             if err is None:
                 raise
             raise err from e
+        if self._keeper is not None:
+            self._keeper.after_call()  # bounds the released buffers the device keeps
         if slot is not None:
             slot[2] = fence
         return [rets.get_as_object(i, rt.HalBufferView) for i in range(n_results)], fence

@@ -10,10 +10,13 @@ elsewhere into --modules):
 
 Rows (`--preset gpu`, f16 D128): 16 causal sequences of random lengths 128..2047 (seeded, about
 17k tokens, H16); a decode batch (B32, one query each, KV lengths random in 256..8192, Hq32/Hk8);
-the same decode from a paged KV cache (page 64, pages in a shuffled order); the 16-sequence
+the same decode from a paged KV cache (page 64, pages in a shuffled order); the decode as a loop
+whose key lengths grow by one per call (``seqlen_k`` over the packed cache, 64 calls cycled up to
+the row's lengths: a serving system's steady state, where each call is a new batch composition;
+peers and the diff at the row's lengths); the 16-sequence
 prefill from a paged cache; the prefill and the decode as padded batches in batch mode with
 cu_seqlen_q / cu_seqlen_k (fmha_fwd). `--preset cpu` (f32 D64): 16 causal sequences 128..1023 (H8), decode
-B32 with KV 256..4096 (Hq32/Hk8), that decode paged, and 1 x 2048 + 32 x 64 causal (H8) beside
+B32 with KV 256..4096 (Hq32/Hk8), that decode paged and growing, and 1 x 2048 + 32 x 64 causal (H8) beside
 the 1 x 2048 alone and the same batch padded to 2048 in batch mode (fmha_fwd). Every row's mask is
 CK's "b" (bottom-right causal, per sequence).
 
@@ -40,6 +43,7 @@ and bench.csv.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -53,6 +57,7 @@ from _varlen_peers import _pad, _starts, _torch_peers, _unpad
 
 HBM_TB_PER_S = 4.3  # the H200's HBM copy rate, the reference of the decode rows' GB/s
 PAGE = 64
+GROW = 64  # the growing decode row's calls per cycle (key lengths from the row's minus 63 up to them)
 
 
 def _case(label, q_lens, k_lens, hq, hk, d, dtype, *, mask="b", paged=0, ref=None, mode="varlen"):
@@ -76,6 +81,8 @@ def presets(name: str, scale: float = 1.0, seed: int = 0) -> list[dict]:
         return [_case("prefill 16 seqs", pre, pre, 16, 16, 128, "f16"),
                 _case("decode B32", [1] * 32, kv, 32, 8, 128, "f16"),
                 _case("decode B32 paged", [1] * 32, kv, 32, 8, 128, "f16", paged=PAGE, ref="decode B32"),
+                _case("decode B32, KV growing per call", [1] * 32, kv, 32, 8, 128, "f16", mode="growing",
+                      ref="decode B32"),
                 _case("prefill 16 seqs paged", pre, pre, 16, 16, 128, "f16", paged=PAGE, ref="prefill 16 seqs"),
                 _case("prefill 16 seqs, padded batch + cu_seqlen", pre, pre, 16, 16, 128, "f16", mode="cu_seqlen",
                       ref="prefill 16 seqs"),
@@ -89,6 +96,8 @@ def presets(name: str, scale: float = 1.0, seed: int = 0) -> list[dict]:
         return [_case("prefill 16 seqs", pre, pre, 8, 8, 64, "f32"),
                 _case("decode B32", [1] * 32, kv, 32, 8, 64, "f32"),
                 _case("decode B32 paged", [1] * 32, kv, 32, 8, 64, "f32", paged=PAGE, ref="decode B32"),
+                _case("decode B32, KV growing per call", [1] * 32, kv, 32, 8, 64, "f32", mode="growing",
+                      ref="decode B32"),
                 _case(alone, [long], [long], 8, 8, 64, "f32"),
                 _case(f"mixed: 1 x {long} + 32 x {short}", mix, mix, 8, 8, 64, "f32", ref=alone),
                 _case(f"mixed: padded to {long} (batch mode)", mix, mix, 8, 8, 64, "f32", mode="padded", ref=alone)]
@@ -219,6 +228,8 @@ class Ours:
                           ((d["q"], c["q_lens"], mq), (d["k"], c["k_lens"], mk), (d["v"], c["k_lens"], mk)))
             kw = dict(cu_seqlen_q=sq, cu_seqlen_k=_starts(c["k_lens"])) if c["mode"] == "cu_seqlen" else {}
             return (lambda: self.batch(c, qp, kp, vp, mask=mask, **kw)), "device" if self.gpu else "host"
+        if c["mode"] == "growing":
+            return self._growing(c, d), "device" if self.gpu else "host"
         if not c["paged"]:
             q, k, v = (self.up(d[n]) for n in "qkv")
             sk = _starts(c["k_lens"])
@@ -239,6 +250,19 @@ class Ours:
                 print(f"  fmha_iree paged cache as DeviceTensors: {str(e).splitlines()[0][:110]}; host arrays instead")
                 return paged(d["q"], d["k_cache"], d["v_cache"]), "host (paged cache refused as DeviceTensors)"
         return paged(d["q"], d["k_cache"], d["v_cache"]), "host"
+
+
+    def _growing(self, c, d):
+        """A decode loop: each call sees one key more per sequence (``seqlen_k`` over the packed
+        cache), over ``GROW`` calls cycled; ``fn(0)`` is the call at the row's key lengths."""
+        q, k, v = (self.up(d[n]) for n in "qkv")
+        sq, sk, full = _starts(c["q_lens"]), _starts(c["k_lens"]), np.array(c["k_lens"], np.int32)
+        steps = itertools.cycle(range(GROW - 1, -1, -1))
+
+        def fn(back=None):
+            back = next(steps) if back is None else back
+            return self.varlen(c, q, k, v, sq, sk, seqlen_k=full - back, mask=c["mask"])
+        return fn
 
 
 def _to_torch(out):
@@ -303,7 +327,7 @@ def run(args) -> list[dict]:
         else:
             t, t_host = median_time(fn, reps), None
         compiles = fmha_iree.cache_stats()["compiles"] - c0
-        out = _to_torch(last["out"])
+        out = _to_torch(call(0) if c["mode"] == "growing" else last["out"])
         if c["mode"] in ("padded", "cu_seqlen"):
             out = _unpad(out, ql)
 

@@ -211,3 +211,62 @@ def test_rows_past_32_bits_are_refused(main_problem, monkeypatch):
     monkeypatch.undo()
     q, k, v = main_problem
     check_fwd(q, k, v, mask="b", what="after the row bound")
+
+
+def test_cuda_allocator_policy_from_the_environment():
+    """CUDA devices keep released buffers (IREE's stream-ordered allocations off, its caching
+    allocator on) unless the environment says otherwise; a bad setting is a ValueError naming the
+    variable; other devices keep IREE's defaults."""
+    from fmha_iree.allocation import CUDA_CACHE_DEFAULT, CUDA_CACHE_ENV, allocator_policy
+
+    p = allocator_policy("cuda://0", {})
+    assert p.flags == ("--cuda_async_allocations=false",) and p.budget == CUDA_CACHE_DEFAULT
+    assert len(p.allocators) == 1 and p.allocators[0].startswith("caching:device_local=")
+    assert allocator_policy("cuda", {CUDA_CACHE_ENV: "1048576"}).budget == 1048576
+    off = allocator_policy("cuda", {CUDA_CACHE_ENV: "0"})
+    assert off.allocators == () and off.budget == 0
+    user = allocator_policy("cuda", {"IREE_PY_RUNTIME_FLAGS": "--cuda_async_allocations=true"})
+    assert user.flags == () and user.allocators
+    for uri in ("local-task", "hip://0", "vulkan"):
+        assert allocator_policy(uri, {}) == allocator_policy("cuda", {CUDA_CACHE_ENV: "0"}).__class__()
+    for bad in ("8g", "-1"):
+        with pytest.raises(ValueError, match=CUDA_CACHE_ENV):
+            allocator_policy("cuda", {CUDA_CACHE_ENV: bad})
+
+
+def test_cache_keeper_bounds_the_kept_bytes():
+    """IREE's caching allocator (on the CPU device here, the same code as on CUDA) keeps released
+    buffers; the keeper returns them once the device's allocations grew by more than its budget
+    or after enough calls missed the cache, and not before."""
+    import iree.runtime as rt
+
+    from fmha_iree.allocation import CacheKeeper, allocator_policy
+
+    spec = allocator_policy("cuda", {}).allocators
+    dev = rt.get_driver("local-task").create_device_by_uri("local-task", allocators=list(spec))
+    alloc = dev.allocator
+
+    def buf(n):
+        return alloc.allocate_buffer(memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT,
+                                     allocation_size=n)
+
+    def held():
+        s = alloc.statistics
+        return s["device_bytes_allocated"] - s["device_bytes_freed"]
+
+    keeper = CacheKeeper(alloc, budget=4 << 20, misses=8)
+    for _ in range(5):  # one size again and again: served from the cache, nothing returned
+        b = buf(1 << 20)
+        del b
+        keeper.after_call()
+    assert keeper.trims == 0 and (1 << 20) <= held() < (2 << 20)  # (plus the device's own few bytes)
+    for i in range(3):  # new 2 MB sizes: the second passes the budget and all are returned
+        b = buf((2 << 20) + i * 4096)
+        del b
+        keeper.after_call()
+    assert keeper.trims == 1 and (2 << 20) <= held() < (3 << 20)  # the third one is kept
+    for i in range(8):  # small new sizes, under the budget: returned at the 8th miss since the last
+        b = buf(4096 * (i + 1))
+        del b
+        keeper.after_call()
+    assert keeper.trims == 2 and held() < (64 << 10)

@@ -211,7 +211,7 @@ def test_ragged_coords_bound_every_sequence(mask):
         n = int(rng.integers(1, 6))
         lq, lk = rng.integers(0, 60, n), rng.integers(0, 80, n)
         lq[0] = max(lq[0], 1)
-        sq_f, sk_f = int(lq.max()), max(int(lk.max()), 1)
+        sq_f, sk_f = int(lq.max()), frames.frame_keys(max(int(lk.max()), 1))
         desc = np.array([(a, b, *m.clipped_coords(int(a), int(b))) for a, b in zip(lq, lk)], np.int32)
         y, x, yu, xu, khi, khiu = frames.ragged_coords(desc, sq_f, sk_f)
         s, j = np.arange(sq_f)[:, None], np.arange(sk_f)[None, :]
@@ -245,3 +245,16 @@ def test_descriptors_are_each_sequences_clipped_coords(mask):
         i, j = np.arange(a)[:, None], np.arange(b)[None, :]
         assert np.array_equal((j >= i - y + 1) & (j < np.minimum(i + x, b)), m.materialize(a, b))
     assert frames.descriptors(m, np.zeros(0, np.int64), np.zeros(0, np.int64)).shape == (0, 4)
+
+
+def test_frame_keys_round_up_in_few_steps():
+    """A frame holds every key of its longest sequence and at most 1/16 more (short ones exactly);
+    key counts growing by one per call (a decode loop) make a new frame size rarely."""
+    for n in range(1, 20000):
+        f = frames.frame_keys(n)
+        assert n <= f <= max(n, n + n // 16), n
+    assert frames.frame_keys(64) == 64 and frames.frame_keys(0) == 0
+    assert len({frames.frame_keys(n) for n in range(4000, 4256)}) == 2
+    lq, lk = np.ones(3, np.int64), np.array([100, 5000, 7])
+    fr = frames.group_frame(Mask.from_str("b"), (_starts(lq)[:-1], lq, _starts(lk)[:-1], lk, _starts(lq)[:-1], 3), 3)
+    assert fr.sk_f == frames.frame_keys(5000) > 5000 and fr.page == 5000
