@@ -13,6 +13,7 @@ from .paged import check_paged
 from .source import dense_abi, dense_params, entry_points
 from .spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
 from .targets import resolve_device
+from .torch_gpu import exported, imported, torch_gpu
 
 __all__ = ["fmha_fwd", "fmha_fwd_varlen", "route", "cache_stats", "clear_memory_caches", "to_device"]
 
@@ -157,6 +158,12 @@ def fmha_fwd(
     length is compiled in (``dispatch.route``); every other call runs the tiled plan. All give the
     same results.
     """
+    gpu = torch_gpu({"q": q, "k": k, "v": v}, device)
+    if gpu is not None:  # torch GPU tensors: shared with IREE both ways (torch_gpu)
+        out = fmha_fwd(*imported((q, k, v), gpu), mask=mask, scale=scale, return_lse=return_lse, layout=layout,
+                       cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=gpu.uri,
+                       specialize=specialize)
+        return exported(out, gpu)
     key = None
     if cu_seqlen_q is None and cu_seqlen_k is None:
         key = device_call_key(q, k, v, mask, scale, return_lse, layout, tiles, device, specialize)
@@ -218,6 +225,13 @@ def fmha_fwd_varlen(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    gpu = torch_gpu({"q": q, "k": k, "v": v}, device)
+    if gpu is not None:  # torch GPU tensors: shared with IREE both ways (torch_gpu)
+        out = fmha_fwd_varlen(*imported((q, k, v), gpu), seqstart_q, seqstart_k, seqlen_k=seqlen_k,
+                              seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
+                              block_table=block_table, mask=mask, scale=scale, return_lse=return_lse, tiles=tiles,
+                              device=gpu.uri)
+        return exported(out, gpu)
     if block_table is not None:
         cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
         return run_paged(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, return_lse=return_lse,

@@ -16,6 +16,7 @@ from .runtime import FmhaModule
 from .spec import check_batch, check_varlen
 from .targets import resolve_device
 from .tiles import TileConfig
+from .torch_gpu import exported, imported, torch_gpu
 
 __all__ = ["DeployedFmha", "load"]
 
@@ -37,7 +38,12 @@ class DeployedFmha:
 
     def __call__(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None):
         """Batch mode, as :func:`fmha_iree.fmha_fwd`. A repeated call on DeviceTensors of the
-        same shapes replays its checked and routed form (``dispatch.PreparedCalls``)."""
+        same shapes replays its checked and routed form (``dispatch.PreparedCalls``). torch GPU
+        tensors on the module's GPU are shared with it both ways (``torch_gpu``)."""
+        gpu = torch_gpu({"q": q, "k": k, "v": v}, self._module.device_uri)
+        if gpu is not None:
+            return exported(self(*imported((q, k, v), gpu), mask=mask, scale=scale, return_lse=return_lse,
+                                 cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k), gpu)
         key = None
         if cu_seqlen_q is None and cu_seqlen_k is None:
             key = device_call_key(q, k, v, mask, scale, return_lse)
@@ -67,6 +73,11 @@ class DeployedFmha:
         if pr["layout"] != "bshd":
             raise ValueError(f"group mode needs a module compiled with --layout bshd; this one has layout {pr['layout']!r}")
         mask = pr.get("mask") if mask is None else mask
+        gpu = torch_gpu({"q": q, "k": k, "v": v}, self._module.device_uri)
+        if gpu is not None:
+            return exported(self.varlen(*imported((q, k, v), gpu), seqstart_q, seqstart_k, seqlen_k=seqlen_k,
+                                        seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
+                                        block_table=block_table, mask=mask, scale=scale, return_lse=return_lse), gpu)
 
         def modules(p):
             self._check(p, return_lse)

@@ -5,8 +5,8 @@ of :func:`fmha_iree.fmha_fwd_varlen`) and :func:`sdpa`, a drop-in for
 ``torch.nn.functional.scaled_dot_product_attention``.
 
 Importing this module registers the ops (``import fmha_iree.torch_ops``); nothing else in the
-package imports torch at import time. Torch tensors on the CPU only, as :func:`fmha_iree.fmha_fwd`
-takes them today (their data goes through host memory).
+package imports torch at import time. Torch tensors on the CPU, or on a GPU (shared with IREE both ways
+through DLPack, as :func:`fmha_iree.fmha_fwd` takes them: ``fmha_iree.torch_gpu``).
 """
 
 from __future__ import annotations

@@ -210,10 +210,11 @@ def run(args):
             t_lse = device_time(lambda: f(qd, kd, vd, mask=mask, return_lse=True), args.reps)
             host = host_time(call, args.reps)
             out = call().to_torch()
+            t_torch = _torch_inputs_time(f, q, k, v, mask, args.reps, out) if args.torch_inputs else None
         else:
             call = lambda: f(q, k, v, mask=mask)  # noqa
             t = median_time(call, args.reps)
-            t_lse = host = None
+            t_lse = host = t_torch = None
             out = call()
         dev = "cuda" if cuda else "cpu"
         peers, ref = _torch_peers(q.to(dev), k.to(dev), v.to(dev), mask, args.reps, cuda, flex=p["flex"])
@@ -223,7 +224,9 @@ def run(args):
         kv_bytes = 2 * p["B"] * p["Hk"] * p["Sk"] * p["D"] * q.element_size()
         row = {**p, "fmha_iree_ms": t * 1e3, "fmha_iree_tflops": flops / t / 1e12, "kv_gb_per_s": kv_bytes / t / 1e9,
                "max_abs_diff": err, "fmha_iree_lse_ms": t_lse * 1e3 if t_lse else None,
-               "host_issue_ms": host * 1e3 if host else None}
+               "host_issue_ms": host * 1e3 if host else None,
+               "fmha_iree_torch_inputs_ms": t_torch * 1e3 if t_torch else None,
+               "fmha_iree_torch_inputs_vs_device_tensors": t / t_torch if t_torch else None}
         best = min((pt for pt in peers.values() if pt), default=None)
         row["ratio_vs_best"] = best / t if best else None
         for name, pt in peers.items():
@@ -234,8 +237,22 @@ def run(args):
         print(f"{p['label']:<18} B={p['B']:<3} H={p['Hq']}/{p['Hk']:<3} {p['Sq']}x{p['Sk']:<6} D={p['D']} {p['dtype']} "
               f"mask={mask:<9} fmha_iree {t * 1e3:8.3f} ms {row['fmha_iree_tflops']:6.1f} TFLOP/s {row['kv_gb_per_s']:6.0f} GB/s"
               + (f" (lse {t_lse * 1e3:.3f}, host {host * 1e3:.3f} ms)" if t_lse else "")
+              + (f" (torch CUDA tensors {t_torch * 1e3:.3f} ms, {t / t_torch:.2f}x)" if t_torch else "")
               + f" | {peer_txt} | best {row['ratio_vs_best'] or 0:.2f}x | diff {err:.1e}", flush=True)
     return rows
+
+
+def _torch_inputs_time(f, q, k, v, mask, reps: int, want) -> float:
+    """Seconds per call of ``f`` on torch CUDA tensors (shared with IREE through DLPack, results
+    returned as torch CUDA tensors; each call waits for torch's stream first and for its results
+    last, ``fmha_iree.torch_gpu``), back to back; the result must equal ``want``."""
+    import torch
+
+    qc, kc, vc = (x.cuda() for x in (q, k, v))
+    out = f(qc, kc, vc, mask=mask)
+    if not (isinstance(out, torch.Tensor) and out.is_cuda and torch.equal(out.cpu(), want)):
+        raise RuntimeError("fmha_iree on torch CUDA tensors: the result is not the DeviceTensor call's")
+    return device_time(lambda: f(qc, kc, vc, mask=mask), reps)
 
 
 def main():
@@ -249,6 +266,8 @@ def main():
     ap.add_argument("--mask", choices=("all", "none", "causal"), default="all", help="only unmasked / causal rows")
     ap.add_argument("--label", nargs="*", help="only rows whose label contains one of these words")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--torch-inputs", action="store_true",
+                    help="on CUDA, also time each row with torch CUDA tensors passed as they are (issue 17)")
     ap.add_argument("--specialize", action="store_true",
                     help="fmha_fwd(..., specialize=True): modules fixed to each shape (compiled in the warm-up)")
     ap.add_argument("--out", help="folder for bench.json, bench.csv, bench.png")

@@ -5,8 +5,9 @@ through ``fmha_iree.load`` (only iree-base-runtime, numpy and torch needed there
     python scripts/gpu_check.py gpu_modules/*.vmfb --device cuda://0
 
 For every module: shapes that take the plan (odd lengths, windows) and shapes that take the one-call
-dense / causal entry points (lengths multiples of the module's alignment), with host arrays and
-with DeviceTensors, against a float64 reference computed from the inputs with the CK mask rule.
+dense / causal entry points (lengths multiples of the module's alignment), with host arrays, with
+DeviceTensors and with torch CUDA tensors (non-contiguous views; the results must come back as
+torch CUDA tensors), against a float64 reference computed from the inputs with the CK mask rule.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("modules", nargs="+")
     ap.add_argument("--device", default="cuda://0")
+    ap.add_argument("--sources", nargs="+", default=["host", "device", "torch"], choices=("host", "device", "torch"),
+                    help="inputs as host arrays, DeviceTensors, torch CUDA tensors (non-contiguous views)")
     args = ap.parse_args()
     worst = 0.0
     for path in args.modules:
@@ -54,17 +57,19 @@ def main():
             s = s.masked_fill(~vis, float("-inf"))
             ref = torch.softmax(s, -1).nan_to_num(0) @ v.double().repeat_interleave(g, 1)
             rl = torch.logsumexp(s, -1)
-            for src in ("host", "device"):
-                ins = tuple(lay(x) for x in (q, k, v))
-                ins = ins if src == "host" else tuple(fmha_iree.to_device(x, args.device) for x in ins)
+            for src in args.sources:
+                ins = _inputs(src, tuple(lay(x) for x in (q, k, v)), args.device)
                 out, lse = f(*ins, mask=mask, return_lse=True)
                 if src == "device":
                     out, lse = out.to_torch(), lse.to_torch()
+                if src == "torch":  # torch CUDA tensors back, on the inputs' GPU
+                    assert out.is_cuda and lse.is_cuda, (out.device, lse.device)
+                    out, lse = out.cpu(), lse.cpu()
                 err = (lay(out).double() - ref).abs().max().item()
                 lerr = (lse.double() - rl).nan_to_num(0, 0, 0).abs().max().item()
                 # without the LSE: compiled-in lengths take dense_o_s<S>
                 out2 = f(*ins, mask=mask)
-                out2 = out2.to_torch() if src == "device" else out2
+                out2 = out2.to_torch() if src == "device" else out2.cpu()
                 err = max(err, (lay(out2).double() - ref).abs().max().item())
                 if src == "device":  # a repeated call on DeviceTensors replays its prepared form
                     out3 = f(*ins, mask=mask, return_lse=True)[0].to_torch()
@@ -73,6 +78,19 @@ def main():
                 print(f"  {pr['dtype']} d{d} g{g} B={B} Sq={sq} Sk={sk} mask={mask:<8} path={path_kind:<12} {src:<6}: "
                       f"max|out-ref|={err:.2e} max|lse-ref|={lerr:.2e}", flush=True)
     print(f"worst max|out-ref| {worst:.2e}")
+
+
+def _inputs(src: str, xs: tuple, device: str) -> tuple:
+    """The inputs as host tensors, DeviceTensors, or torch CUDA tensors that are non-contiguous
+    views (the same values; fmha_iree makes them contiguous on the GPU)."""
+    import fmha_iree
+
+    if src == "host":
+        return xs
+    if src == "device":
+        return tuple(fmha_iree.to_device(x, device) for x in xs)
+    gpu = f"cuda:{device.split('://')[-1] or 0}"
+    return tuple(x.to(gpu).transpose(1, 2).contiguous().transpose(1, 2) for x in xs)
 
 
 if __name__ == "__main__":
