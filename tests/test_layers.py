@@ -16,7 +16,7 @@ PKG = Path(fmha_iree.__file__).resolve().parent
 
 # Lowest first. A module may import any module of an earlier layer.
 LAYERS = [
-    ["targets", "tiles", "mask", "cache", "isa", "ptx", "torch_abi"],  # leaves: no fmha_iree imports
+    ["targets", "tiles", "mask", "cache", "isa", "ptx", "torch_abi", "allocation"],  # leaves: no fmha_iree imports
     ["device"],  # IREE devices, DeviceTensor
     ["spec", "plan"],  # problem spec, tiling plan
     ["paged"],  # a paged KV cache's validation and gather
@@ -27,7 +27,7 @@ LAYERS = [
     ["compile"],  # iree-compile, caches
     ["staging"],  # per-call uploads without a host wait
     ["runtime", "frames"],  # a loaded module's entry points; ragged problems as padded frames
-    ["dispatch"],  # which entry point a call takes
+    ["dispatch", "torch_gpu"],  # which entry point a call takes; torch GPU tensors in and out
     ["api", "deploy"],  # public entry points
     ["cli", "demo", "torch_ops"],
     ["hf", "distributed", "__init__"],  # transformers integration, context parallelism (torch.distributed)
