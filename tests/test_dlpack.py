@@ -6,6 +6,7 @@ Kernel key: the workhorse f32 g1 d64 bhsd.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,3 +39,44 @@ def test_import_refuses_what_it_cannot_share():
         DeviceTensor.from_dlpack(x.double())
     with pytest.raises(ValueError, match="device"):
         DeviceTensor.from_dlpack(x, "cuda://0")
+
+
+class _FakeDevice:
+    def __init__(self, index):
+        self.type, self.index = "cuda", index
+
+    def __eq__(self, other):
+        return isinstance(other, _FakeDevice) and other.index == self.index
+
+    def __repr__(self):
+        return f"cuda:{self.index}"
+
+
+class _FakeGpuTensor:
+    """Stands for a torch CUDA tensor where torch has no GPU: what ``torch_gpu`` looks at."""
+
+    __module__ = "torch.fake"
+
+    def __init__(self, index):
+        self.device = _FakeDevice(index)
+
+
+def test_torch_gpu_tensors_pick_their_gpu_or_are_refused_by_name():
+    """torch GPU tensors choose the IREE device of their GPU; tensors on two GPUs, beside CPU
+    tensors, or on another device than ``device`` names are a ValueError naming the argument;
+    anything else (CPU tensors, numpy, DeviceTensors) takes the usual path."""
+    import torch
+
+    from fmha_iree.torch_gpu import torch_gpu
+
+    g0, g1 = _FakeGpuTensor(0), _FakeGpuTensor(1)
+    drv = "hip" if getattr(torch.version, "hip", None) else "cuda"
+    assert torch_gpu({"q": g0, "k": g0, "v": g0}, None).uri == f"{drv}://0"
+    assert torch_gpu({"q": g1, "k": g1, "v": g1}, f"{drv}://1").uri == f"{drv}://1"
+    with pytest.raises(ValueError, match="^k is on cuda:1 but q on cuda:0"):
+        torch_gpu({"q": g0, "k": g1, "v": g0}, None)
+    with pytest.raises(ValueError, match="^v is on cpu"):
+        torch_gpu({"q": g0, "k": g0, "v": torch.zeros(1)}, None)
+    with pytest.raises(ValueError, match="but device is 'local-task'"):
+        torch_gpu({"q": g0, "k": g0, "v": g0}, "local-task")
+    assert torch_gpu({"q": torch.zeros(1), "k": np.zeros(1), "v": None}, "cuda://0") is None
