@@ -44,7 +44,6 @@ class AllocatorPolicy:
     flags: tuple[str, ...] = ()
     allocators: tuple[str, ...] = ()
     budget: int = 0
-    why: str = "IREE's defaults"
 
 
 def allocator_policy(uri: str, environ=None) -> AllocatorPolicy:
@@ -64,11 +63,10 @@ def allocator_policy(uri: str, environ=None) -> AllocatorPolicy:
     if budget < 0:
         raise ValueError(f"${CUDA_CACHE_ENV} must be >= 0, got {budget}")
     if budget == 0:
-        return AllocatorPolicy(why=f"${CUDA_CACHE_ENV}=0: IREE's stream-ordered pools")
+        return AllocatorPolicy()
     user = "cuda_async_allocations" in environ.get("IREE_PY_RUNTIME_FLAGS", "")
     return AllocatorPolicy(() if user else ("--cuda_async_allocations=false",),
-                           (f"caching:device_local=*;*;{_KEPT}",), budget,
-                           f"released buffers kept, up to {budget} bytes beyond the live ones")
+                           (f"caching:device_local=*;*;{_KEPT}",), budget)
 
 
 class CacheKeeper:
@@ -79,24 +77,25 @@ class CacheKeeper:
         self.allocator, self.budget, self.misses = allocator, budget, misses
         self._lock = threading.Lock()
         self._stats = bool(getattr(allocator, "has_statistics", False))
-        self._base, self._allocated, self._missed, self.trims = self._held(), 0, 0, 0
+        self._allocated, self._base = self._read()
+        self._missed, self.trims = 0, 0
 
-    def _held(self) -> int:
+    def _read(self) -> tuple[int, int]:
+        """(bytes allocated so far, bytes held now: live and kept) by the allocator; (0, 0)
+        where it keeps no statistics."""
         if not self._stats:
-            return 0
+            return 0, 0
         s = self.allocator.statistics
-        self._allocated = s["device_bytes_allocated"]
-        return s["device_bytes_allocated"] - s["device_bytes_freed"]
+        return s["device_bytes_allocated"], s["device_bytes_allocated"] - s["device_bytes_freed"]
 
     def after_call(self):
         """Return the kept buffers to the driver when they may exceed the budget."""
         with self._lock:
-            before = self._allocated
-            held = self._held()
-            self._missed += 1 if (self._allocated > before or not self._stats) else 0
-            if held <= self._base + self.budget and self._missed < self.misses:
-                return
-            self._trim()
+            allocated, held = self._read()
+            self._missed += 1 if (allocated > self._allocated or not self._stats) else 0
+            self._allocated = allocated
+            if held > self._base + self.budget or self._missed >= self.misses:
+                self._trim()
 
     def trim(self):
         """Return every kept buffer to the driver now."""
@@ -105,4 +104,5 @@ class CacheKeeper:
 
     def _trim(self):
         self.allocator.trim()
-        self._base, self._missed, self.trims = self._held(), 0, self.trims + 1
+        self._allocated, self._base = self._read()
+        self._missed, self.trims = 0, self.trims + 1

@@ -53,7 +53,7 @@ def frame_keys(longest: int) -> int:
     """The frame's key count for a longest sequence of ``longest`` keys: rounded up to one of 32
     steps per power of two (at most 1/16 more keys, each zero and masked). A decode loop whose key
     counts grow by one per call then makes the same frame, and so the same allocations, for many
-    calls in a row: a CUDA device serves a repeated size from its cache (``device.allocator_policy``)."""
+    calls in a row: a CUDA device serves a repeated size from its cache (``allocation.allocator_policy``)."""
     if longest <= 64:
         return longest
     step = 1 << (longest.bit_length() - 5)

@@ -251,7 +251,6 @@ class Ours:
                 return paged(d["q"], d["k_cache"], d["v_cache"]), "host (paged cache refused as DeviceTensors)"
         return paged(d["q"], d["k_cache"], d["v_cache"]), "host"
 
-
     def _growing(self, c, d):
         """A decode loop: each call sees one key more per sequence (``seqlen_k`` over the packed
         cache), over ``GROW`` calls cycled; ``fn(0)`` is the call at the row's key lengths."""
