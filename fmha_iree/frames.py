@@ -18,7 +18,7 @@ import numpy as np
 
 from .plan import runs
 
-__all__ = ["Frame", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
+__all__ = ["Frame", "Pieces", "OFF", "packed_pieces", "paged_pieces", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
            "has_ragged"]
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Frame:
     desc: np.ndarray  # [B, 4] int32: (qlen, klen, y, x) per sequence
     out_idx: np.ndarray  # [N, R] int32: frame row (b * Sq_f + s) of each output row, -1 none
     lse_idx: np.ndarray  # [N, R2] int32: frame row of each LSE column
+    paged: bool = False  # k_base holds a paged cache's pages (block table times page size)
 
     @property
     def empty(self) -> bool:
@@ -41,12 +42,105 @@ class Frame:
     def coords(self) -> tuple[int, ...]:
         return ragged_coords(self.desc, self.q_idx.shape[1], self.sk_f)
 
-    def table(self) -> tuple[np.ndarray, tuple[int, ...]]:
-        """``fwd_ragged``'s index table and its size scalars (``kernels.ragged``)."""
+    def table(self, pieces: "Pieces") -> tuple[np.ndarray, tuple[int, ...]]:
+        """``fwd_ragged``'s index table (ending with ``pieces``' table) and its size scalars
+        (``kernels.ragged``)."""
         idx = np.concatenate([self.q_idx.ravel(), self.k_base.ravel(), self.desc.T.ravel(), self.out_idx.ravel(),
-                              self.lse_idx.ravel()]).astype(np.int32)
+                              self.lse_idx.ravel(), pieces.table()]).astype(np.int32)
         b, sq_f = self.q_idx.shape
         return idx, (b, sq_f, self.sk_f, self.k_base.shape[1], self.page, *self.out_idx.shape, *self.lse_idx.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """``fwd_ragged``'s packed path (``kernels.packed``): K / V rows read in place as pieces of
+    ``W`` rows; ``S = 0`` leaves it off."""
+
+    first: np.ndarray  # [NPc + 1] int32: each piece's first sequence (its slot 0); the tail piece last
+    scalars: tuple[int, int, int, int]  # W, NPc, P0, S
+    pages: tuple | None = None  # a paged cache's (pt [NU], pv [NU], starts [B]) int32: fwd_packed_paged
+
+    @property
+    def on(self) -> bool:
+        return self.scalars[3] > 0
+
+    @property
+    def function(self) -> str:
+        return "fwd_ragged" if not self.on else "fwd_packed" if self.pages is None else "fwd_packed_paged"
+
+    def table(self) -> np.ndarray:
+        return np.concatenate([self.first, *(self.pages or ())])
+
+    def call_scalars(self) -> tuple[int, ...]:
+        if not self.on:
+            return ()
+        return self.scalars + (() if self.pages is None else (len(self.pages[0]),))
+
+
+OFF = Pieces(np.zeros(1, np.int32), (64, 0, 0, 0))
+PIECE_KEYS = (256, 128, 64)  # widths tried, widest first (multiples of the modules' key tile)
+PIECE_ROWS = 16  # query rows per piece (the short tier's tile): Sq * G up to it, S = 16 // (Sq * G)
+
+
+def packed_pieces(frame: "Frame", k_rows: int, group: int) -> Pieces:
+    """The pieces of ``frame`` over K / V of ``k_rows`` rows, or ``OFF`` where the packed path
+    does not apply: more query rows than a piece holds, more sequences in a piece than its slots
+    at every width, or keys that are not the rows of K / V one run per sequence in order from
+    row 0 (group mode's packed keys). The pieces read every row of K / V, and a row no sequence
+    owns may hold anything: NaN in the caller's padding would reach every row of its piece
+    through ``0 * NaN``."""
+    kl = frame.desc[:, 1].astype(np.int64)
+    live = np.flatnonzero(kl > 0)
+    if frame.k_base.shape[1] != 1 or len(live) == 0:
+        return OFF
+    start = frame.k_base[live, 0].astype(np.int64)
+    end = start + kl[live]
+    if start[0] != 0 or end[-1] != k_rows or (start[1:] != end[:-1]).any():
+        return OFF  # every row read must be a key of some sequence (the caller's gaps may hold NaN)
+    return _pieces(start, end, live, k_rows, frame.q_idx.shape[1] * group)
+
+
+def paged_pieces(frame: "Frame", group: int) -> Pieces:
+    """A paged cache's pieces (``fwd_packed_paged``): each sequence's pages gathered one after the
+    other (``pt``, the unused rows of its last page zeroed: ``pv`` rows kept per page), so its keys
+    start at ``starts[b]``, a multiple of the page size; then as ``packed_pieces`` over them."""
+    page = frame.page
+    kl = frame.desc[:, 1].astype(np.int64)
+    live = np.flatnonzero(kl > 0)
+    if len(live) == 0:
+        return OFF
+    n_pages = -(-kl // page)
+    starts = (np.cumsum(n_pages) - n_pages) * page
+    pc = _pieces(starts[live], starts[live] + kl[live], live, int(n_pages.sum()) * page,
+                 frame.q_idx.shape[1] * group)
+    if not pc.on:
+        return OFF
+    b, j = runs(n_pages)
+    pt, pv = frame.k_base[b, j] // page, np.minimum(page, kl[b] - j * page)
+    return dataclasses.replace(pc, pages=(pt.astype(np.int32), pv.astype(np.int32), starts.astype(np.int32)))
+
+
+def _pieces(start: np.ndarray, end: np.ndarray, live: np.ndarray, k_rows: int, rows: int) -> Pieces:
+    """Pieces over ``k_rows`` rows holding the runs ``[start, end)`` of the sequences ``live``
+    (in order, not overlapping), ``rows`` query rows per sequence; the widest width that keeps
+    every piece within its slots."""
+    if rows > PIECE_ROWS:
+        return OFF
+    slots = PIECE_ROWS // rows
+    for w in PIECE_KEYS:
+        if k_rows < w:
+            continue
+        p0, p_end = int(start[0]) // w, -(-int(end[-1]) // w)
+        full = max(min(p_end, k_rows // w), p0)
+        lo = np.append((p0 + np.arange(full - p0)) * w, full * w)  # the tail counts rows from full * w
+        hi = np.append(lo[:-1] + w, k_rows)
+        f, l = np.searchsorted(end, lo, side="right"), np.searchsorted(start, hi, side="left") - 1
+        has = f <= l
+        fb = np.where(has, live[np.minimum(f, len(live) - 1)], 0)
+        lb = np.where(has, live[np.maximum(l, 0)], 0)
+        if not ((lb - fb + 1)[has] > slots).any():
+            return Pieces(fb.astype(np.int32), (w, full - p0, p0, slots))
+    return OFF
 
 
 def frame_keys(longest: int) -> int:
@@ -140,16 +234,23 @@ def group_frame(mask, starts, total_rows: int, pages: tuple[np.ndarray, int] | N
     sq_f, longest = int(q_len.max(initial=0)), int(k_len.max(initial=0))
     base, page = (_contiguous(k_start), max(longest, 1)) if pages is None else pages
     return Frame(frame_rows(q_start, q_len, sq_f), base, page, frame_keys(longest), descriptors(mask, q_len, k_len),
-                 _out_rows(q_len, sq_f, q_start, total_rows), _out_rows(q_len, sq_f, lse_start, total_q))
+                 _out_rows(q_len, sq_f, q_start, total_rows), _out_rows(q_len, sq_f, lse_start, total_q), pages is not None)
 
 
 def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, keep: bool):
-    """``frame`` on ``module``'s ``fwd_ragged`` (one call, ``kernels.ragged``) from ``q`` / ``k`` /
+    """``frame`` on ``module``'s ``fwd_packed`` where its keys are packed (``packed_pieces``),
+    else its ``fwd_ragged`` (one call, ``kernels.ragged``) from ``q`` / ``k`` /
     ``v`` (rank 4 in the module's layout; ABI arrays or DeviceTensors). Returns (out ``[N, R, Hq,
     Dv]``, lse ``[N2, Hq, R2]``), numpy or DeviceTensors with ``keep``."""
-    idx, sizes = frame.table()
-    out, lse = module.call("fwd_ragged", [(q, dtype), (k, dtype), (v, dtype)], staged=[idx],
-                           scalars=(float(scale), *sizes, *frame.coords()), results=[dtype, "f32"], keep_on_device=keep)
+    pieces = OFF
+    if not module.lacks(["fwd_packed", "fwd_packed_paged"]):  # a bshd module: keys as rows n * R + r of [N, R, Hk, D]
+        group = int(q.shape[2]) // max(int(k.shape[2]), 1)
+        pieces = (paged_pieces(frame, group) if frame.paged
+                  else packed_pieces(frame, int(k.shape[0]) * int(k.shape[1]), group))
+    idx, sizes = frame.table(pieces)
+    scalars = (float(scale), *sizes, *frame.coords(), *pieces.call_scalars())
+    out, lse = module.call(pieces.function, [(q, dtype), (k, dtype), (v, dtype)], staged=[idx], scalars=scalars,
+                           results=[dtype, "f32"], keep_on_device=keep)
     return out, lse
 
 

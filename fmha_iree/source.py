@@ -191,11 +191,14 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     plan = fwd_plan(spec, fused_step=fused) if with_fwd else None
     if plan is not None:
         from .kernels.general import render_fwd
-        from .kernels.ragged import render_ragged
+        from .kernels.ragged import render_packed, render_ragged
 
         funcs.append(render_fwd(plan, "fwd"))
         if with_ragged:
             funcs.append(render_ragged(dataclasses.replace(plan, ragged=True), "fwd_ragged"))
+            if plan.layout == "bshd" and not plan.pads:  # keys read in place as rows of [N, R, H, D]
+                funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed"))
+                funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed_paged", paged=True))
     text = text.rstrip()
     assert text.endswith("}"), "unexpected exported module text"
     return text[:-1] + "\n".join(funcs) + "\n}\n"
@@ -370,6 +373,21 @@ def entry_points(spec: KernelSpec) -> dict:
                      "padding, paged caches); q / k / v read as rows n * R + r; the index table and the "
                      "scalars as fmha_iree.frames.Frame.table() writes them (fmha_iree/kernels/ragged.py)"),
         }
+        if spec.layout == "bshd" and not plan.pads:
+            from .kernels.packed import PACKED_SCALARS
+
+            for name, extra, note in (
+                    ("fwd_packed", (), "K / V read in place as pieces of W rows (fwd_ragged's problem when "
+                                      "the keys are the rows of k / v one sequence after the other)"),
+                    ("fwd_packed_paged", ("NU",), "a paged cache's pages gathered in sequence order, then as "
+                                                  "fwd_packed")):
+                args = dict(out["fwd_ragged"]["args"])
+                args.update({n: [[], "i64 scalar"] for n in PACKED_SCALARS + extra})
+                out[name] = {"args": args, "results": {"out": out["fwd_ragged"]["results"]["out"],
+                                                       "lse": out["fwd_ragged"]["results"]["lse"],
+                                                       "scratch": [["pieces", "mask", "state"], "dropped by the caller"]},
+                             "note": note + "; the table and scalars as fmha_iree.frames.Pieces writes them "
+                                            "(fmha_iree/kernels/packed.py)"}
     if spec.target.backend == "llvm-cpu":
         from .rows import ROWS_DESC_COLUMNS
 

@@ -62,15 +62,15 @@ def _starts(lens):
 
 
 def _group(mod, mask, lq, lk, *, hq=4, hk=2, dq=64, dv=64, dtype="f32", seqlen_k=None, pad_q=None, pad_k=None,
-           what=""):
+           what="", spare=1):
     """Run packed sequences of ``lq`` queries / ``lk`` keys (``pad_q`` / ``pad_k``: gaps before
-    each sequence, filled with NaN) and compare with ``varlen_ref``."""
+    each sequence, filled with NaN; ``spare`` rows after the last) and compare with ``varlen_ref``."""
     g = torch.Generator().manual_seed(seed_of("ragged", what, mask))
     sq, sk = _starts(lq), _starts(lk)
     ppq = None if pad_q is None else _starts(np.asarray(lq) + pad_q)
     ppk = None if pad_k is None else _starts(np.asarray(lk) + pad_k)
     tq = int((ppq if ppq is not None else sq)[-1]) + 1
-    tk = int((ppk if ppk is not None else sk)[-1]) + 1
+    tk = int((ppk if ppk is not None else sk)[-1]) + spare
     q, k, v = (torch.randn(t, h, d, generator=g).to(TORCH[dtype]) for t, h, d in ((tq, hq, dq), (tk, hk, dq), (tk, hk, dv)))
     for x, pp, lens, ss in ((q, ppq, lq, sq), (k, ppk, lk, sk), (v, ppk, lk, sk)):
         if pp is not None:  # NaN everywhere no sequence owns
@@ -258,3 +258,92 @@ def test_frame_keys_round_up_in_few_steps():
     lq, lk = np.ones(3, np.int64), np.array([100, 5000, 7])
     fr = frames.group_frame(Mask.from_str("b"), (_starts(lq)[:-1], lq, _starts(lk)[:-1], lk, _starts(lq)[:-1], 3), 3)
     assert fr.sk_f == frames.frame_keys(5000) > 5000 and fr.page == 5000
+
+
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """The pieces every ``run_frame`` of the test chose (``frames.packed_pieces`` / ``paged_pieces``)."""
+    seen = []
+    for name in ("packed_pieces", "paged_pieces"):
+        def spy(*a, real=getattr(frames, name), **kw):
+            seen.append(real(*a, **kw))
+            return seen[-1]
+        monkeypatch.setattr(frames, name, spy)
+    return seen
+
+
+PACKED = [  # (id, query lengths, key lengths)
+    ("decode", [1] * 9, [1, 600, 64, 65, 2, 333, 0, 128, 17]),
+    ("speculative-2", [2, 2, 1, 2, 0], [300, 2, 513, 40, 7]),
+    ("one-piece", [1, 1, 1], [30, 1, 33]),
+]
+
+
+@pytest.mark.parametrize("mask", ["0", "b", "t:20,0", "b:0,0", "xb:9", "t:-1,5"])
+@pytest.mark.parametrize("name,lq,lk", PACKED, ids=[c[0] for c in PACKED])
+def test_decode_reads_keys_in_place(module, packed_calls, name, lq, lk, mask):
+    """Decode-shaped group mode whose keys are the rows of K / V goes through ``fwd_packed`` (K / V
+    read where they lie, pieces of W rows, a tail piece for rows past the last whole one): every
+    mask, zero-length sequences, two query rows, fewer keys than one piece."""
+    _group(module(), mask, lq, lk, what=f"packed-{name}", spare=0)
+    assert packed_calls and all(p.on for p in packed_calls)
+
+
+def test_decode_with_gaps_keeps_the_frame(module, packed_calls):
+    """seqlen_k shorter than a sequence's run, gaps between runs and a spare row (all NaN): rows
+    no sequence owns are never read in place."""
+    used = np.array([90, 257, 0, 1, 33], np.int32)
+    _group(module(), "b", [1, 1, 0, 1, 1], [90, 400, 30, 260, 70], seqlen_k=used, pad_k=[5, 0, 3, 100, 1], what="gaps")
+    assert packed_calls and not any(p.on for p in packed_calls)
+
+
+def test_decode_reads_keys_in_place_gqa_f16(module, packed_calls):
+    mod = module("f16", "bshd", 4, 64, 32)
+    for mask in ("b", "t:10,5"):
+        _group(mod, mask, [1] * 6, [700, 3, 256, 1, 90, 1000], hq=8, hk=2, dq=64, dv=32, dtype="f16", what="packed-f16",
+               spare=0)
+    assert packed_calls and all(p.on for p in packed_calls)
+
+
+def test_packed_pieces_refuse_what_the_path_cannot_read():
+    """Keys out of sequence order, a query tile too tall, or more sequences in a piece than its
+    slots at every width leave the frame path in charge; a sparse cache too."""
+    m = Mask.from_str("b")
+
+    def frame(lq, lk, k_start):
+        lq, lk = np.array(lq), np.array(lk)
+        return frames.group_frame(m, (_starts(lq)[:-1], lq, np.array(k_start), lk, _starts(lq)[:-1], int(lq.sum())),
+                                  int(lq.sum()))
+    ok = frames.packed_pieces(frame([1, 1], [300, 300], [0, 300]), 600, 4)
+    assert ok.on and ok.scalars == (256, 2, 0, 4) and list(ok.first) == [0, 0, 1]  # piece 1 holds both
+    narrow = frames.packed_pieces(frame([1] * 6, [40] * 6, list(range(0, 240, 40))), 240, 4)
+    assert narrow.on and narrow.scalars[0] == 128  # 256 rows would hold 7 sequences, 4 slots
+    assert not frames.packed_pieces(frame([1, 1], [300, 300], [300, 0]), 600, 4).on  # out of order
+    assert not frames.packed_pieces(frame([5, 1], [300, 300], [0, 300]), 600, 4).on  # 5 * 4 rows > 16
+    assert not frames.packed_pieces(frame([1] * 40, [2] * 40, list(range(0, 80, 2))), 80, 4).on  # 32 in 64 rows
+    assert not frames.packed_pieces(frame([1, 1], [64, 64], [0, 100]), 164, 4).on  # a gap
+    assert not frames.packed_pieces(frame([1, 1], [64, 64], [0, 64]), 129, 4).on  # a spare row
+    assert not frames.packed_pieces(frame([1, 1], [30, 20], [0, 30]), 50, 4).on  # fewer rows than a piece
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_paged_decode_gathers_pages_for_the_packed_path(module, packed_calls, page):
+    """A paged decode goes through ``fwd_packed_paged``: its pages gathered in sequence order, the
+    unused end of each last page (NaN here, as are the free pages) zeroed, never read."""
+    mod = module()
+    lq, lk = [1, 1, 1, 1, 1], [40, 1, 17, 130, 0]
+    q, kc, vc, bt = _paged_case(seed_of("packed-paged", page), lq, [max(n, 1) for n in lk], page)
+    own = np.zeros(kc.shape[:2], bool)
+    for b, n in enumerate(lk):
+        for j in range(n):
+            own[bt[b, j // page], j % page] = True
+    kc[torch.from_numpy(~own)] = float("nan")
+    vc[torch.from_numpy(~own)] = float("nan")
+    sq = _starts(lq)
+    for mask in ("b", "t:5,3", "0"):
+        cache = check_paged(kc, vc, sq, None, np.array(lk, np.int32), None, bt)
+        out, lse = run_paged(q, cache, sq, None, mask=mask, scale=None, return_lse=True, modules=_modules(mod))
+        ref_out, ref_lse = _paged_reference(q, kc, vc, sq, bt, lk, mask)
+        assert_close(out, ref_out, torch.float32, what=f"paged p{page} {mask} out")
+        assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"paged p{page} {mask} lse")
+    assert packed_calls and all(p.on and p.pages is not None for p in packed_calls)

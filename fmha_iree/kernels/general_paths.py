@@ -20,6 +20,7 @@ from .operands import Ctx, Tier, kv_operand, kv_padded, q_padded
 from .ir import tensor_type as _ty
 from .masks import MASK_TYPE, RAGGED_MASK_TYPE, edge_masks, mask_type
 from .state import State, fresh_outs, new_state
+from .window_pieces import WindowPieces, window_pieces_host, window_pieces_work
 
 __all__ = ["body"]
 
@@ -249,6 +250,8 @@ def body(c: Ctx) -> list[tuple[str, str]]:
     # fit the keys (an edge spanning nearly all of a short Sk) yields to the next one, and the
     # last runs one group over zero-padded copies of K and V
     paths = []
+    if c.desc is not None:  # a ragged frame: its sequences' union of keys, masked, in pieces
+        paths += _window_paths(c, few)
     if p.short:
         sho = _pieces_host(c, p.short)
         short = fn.andi(fn.cmp("sle", fn.mul(c.sq, p.group), p.short_rows), sho.fits)
@@ -278,6 +281,25 @@ def body(c: Ctx) -> list[tuple[str, str]]:
 
     names = chain(0)
     return list(zip(names, types))
+
+
+def _window_paths(c: Ctx, few: str) -> list:
+    """(condition, path) of a ragged frame's split-KV (``window_pieces``): short queries on the
+    short tier, a frame of too few workgroups on the main tier."""
+    fn, p = c.fn, c.p
+    paths = []
+    if p.short:
+        sho = window_pieces_host(c, p.short)
+        short = fn.andi(fn.cmp("sle", fn.mul(c.sq, p.group), p.short_rows), sho.fits)
+        paths.append((short, lambda: _window_path(c, p.short, sho)))
+    spl = window_pieces_host(c, p.main)
+    paths.append((fn.andi(few, spl.fits), lambda: _window_path(c, p.main, spl)))
+    return paths
+
+
+def _window_path(c: Ctx, tier: Tier, h: WindowPieces) -> list[str]:
+    c, entered = _entered(c)
+    return _finish(c, entered, window_pieces_work(c, tier, h))
 
 
 def scratch_types(p) -> list[str]:

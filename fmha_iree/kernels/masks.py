@@ -21,7 +21,7 @@ from .bounds import edge_window, group_bounds, row_hi, row_lo
 from .ir import tensor_type
 from .operands import Ctx
 
-__all__ = ["MASK_TYPE", "RAGGED_MASK_TYPE", "mask_type", "edge_masks"]
+__all__ = ["MASK_TYPE", "RAGGED_MASK_TYPE", "mask_type", "edge_masks", "ragged_generator"]
 
 MASK_TYPE = tensor_type(["?", 2, "?", "?"], "i1")
 RAGGED_MASK_TYPE = tensor_type(["?", "?", 2, "?", "?"], "i1")
@@ -76,6 +76,20 @@ def edge_masks(c: Ctx, *, groups: str, rows: str, m_rows: str, width: str) -> st
 
 
 def _ragged_masks(c: Ctx, *, groups: str, rows: str, m_rows: str, width: str) -> str:
+    def element(ql, kl, yb, xb, ix):
+        g, e, m, j = ix
+        s, jj, lo, hi = _edge_rule(c, g, e, m, j, rows)
+        hi = c.fn.min(hi, c.fn.min(row_hi(c.fn, s, xb, c.sk), kl))
+        return c.fn.andi(c.fn.andi(c.fn.cmp("slt", s, ql), c.fn.cmp("sge", jj, c.fn.max(lo, row_lo(c.fn, s, yb, c.sk)))),
+                         c.fn.cmp("slt", jj, hi))
+
+    return ragged_generator(c, [c.b, groups, m_rows, width], element)
+
+
+def ragged_generator(c: Ctx, sizes: list[str], element) -> str:
+    """One dispatch making a ``[B, ?, 2, ?, ?]`` i1 tensor of ``sizes`` (the dynamic ones) whose
+    element ``(b, i1..i4)`` is ``element(qlen, klen, y, x, (i1..i4))`` with batch ``b``'s
+    descriptor column (read through ``(d0)`` maps, which IREE treats as elementwise)."""
     fn = c.fn
     src, at = c.desc
     col_ty = tensor_type(["?"], "i32")
@@ -85,7 +99,7 @@ def _ragged_masks(c: Ctx, *, groups: str, rows: str, m_rows: str, width: str) ->
 
     def region():
         cols = [fn.let(f"tensor.extract_slice {src}[{o}] [{c.b}] [1] : {col_ty} to {col_ty}", "dc") for o in starts]
-        empty = fn.let(f"tensor.empty({c.b}, {groups}, {m_rows}, {width}) : {RAGGED_MASK_TYPE}", "me")
+        empty = fn.let(f"tensor.empty({', '.join(sizes)}) : {RAGGED_MASK_TYPE}", "me")
         out = fn.fresh("mask")
         maps = ", ".join([f"affine_map<({d5}) -> (d0)>"] * 4)
         fn.emit(f"{out} = linalg.generic {{indexing_maps = [{maps}, affine_map<({d5}) -> ({d5})>], "
@@ -93,13 +107,9 @@ def _ragged_masks(c: Ctx, *, groups: str, rows: str, m_rows: str, width: str) ->
         with fn.region(f"    ins({', '.join(cols)} : {', '.join([col_ty] * 4)}) outs({empty} : {RAGGED_MASK_TYPE}) {{",
                        f"}} -> {RAGGED_MASK_TYPE}"), fn.local():
             fn.emit("^bb0(%rq: i32, %rk: i32, %ry: i32, %rx: i32, %mask_out: i1):")
-            ql, kl, yb, xb = (fn.let(f"arith.index_cast {v} : i32 to index", "rd") for v in ("%rq", "%rk", "%ry", "%rx"))
-            g, e, m, j = (fn.let(f"linalg.index {i} : index", "ix") for i in range(1, 5))
-            s, jj, lo, hi = _edge_rule(c, g, e, m, j, rows)
-            hi = fn.min(hi, fn.min(row_hi(fn, s, xb, c.sk), kl))
-            ok = fn.andi(fn.andi(fn.cmp("slt", s, ql), fn.cmp("sge", jj, fn.max(lo, row_lo(fn, s, yb, c.sk)))),
-                         fn.cmp("slt", jj, hi))
-            fn.emit(f"linalg.yield {ok} : i1")
+            desc = [fn.let(f"arith.index_cast {v} : i32 to index", "rd") for v in ("%rq", "%rk", "%ry", "%rx")]
+            ix = tuple(fn.let(f"linalg.index {i} : index", "ix") for i in range(1, 5))
+            fn.emit(f"linalg.yield {element(*desc, ix)} : i1")
         return [out]
 
-    return fn.dispatch([(RAGGED_MASK_TYPE, [c.b, groups, m_rows, width])], region)[0]
+    return fn.dispatch([(RAGGED_MASK_TYPE, sizes)], region)[0]

@@ -31,8 +31,10 @@ from .frames import ExplicitRows, PagedRows, gather_lse, gather_rows, rows_dims
 from .general import fwd_body
 from .ir import Fn, tensor_type
 from .operands import Ctx, Plan
+from .packed import MASK3, PACKED_SCALARS, gather_pages, packed_host, packed_work
+from .state import State
 
-__all__ = ["render_ragged", "RAGGED_SCALARS"]
+__all__ = ["render_ragged", "render_packed", "RAGGED_SCALARS", "PACKED_SCALARS"]
 
 RAGGED_SCALARS = ("B", "Sq", "Sk", "NP", "P", "No", "Ro", "Nl", "Rl", "y", "x", "yu", "xu", "khi", "khiu")
 _SIZES = RAGGED_SCALARS[:9]
@@ -85,26 +87,72 @@ class _Frame:
         return [out, lse, *entered, *results]
 
 
-def render_ragged(plan: Plan, func_name: str = "fwd_ragged") -> str:
-    """The MLIR text of ``util.func public @func_name`` (see the module docstring)."""
-    fn, p = Fn(), plan
-    T, lay = p.dtype, p.layout
-    ty_q, ty_v = (tensor_type(["?", "?", "?", d], T) for d in p.arg_dims)
-    s = {n: fn.arith(f"arith.index_cast %{n} : i64 to index", n) for n in RAGGED_SCALARS}
+def _prologue(fn: Fn, p: Plan, scalars: tuple[str, ...]):
+    """The scalars as index values, the table's offsets and the frame object (``_Frame``)."""
+    ty_q, ty_v = (tensor_type(["?", "?", "?", d], p.dtype) for d in p.arg_dims)
+    s = {n: fn.arith(f"arith.index_cast %{n} : i64 to index", n) for n in scalars}
     s.update({n: fn.bounded(s[n]) for n in _SIZES})  # one value per size in every dispatch that reads it
     at = {"q": fn.c(0), "k": fn.mul(s["B"], s["Sq"])}
     at["desc"] = fn.add(at["k"], fn.mul(s["B"], s["NP"]))
     at["out"] = fn.add(at["desc"], fn.mul(4, s["B"]))
     at["lse"] = fn.add(at["out"], fn.mul(s["No"], s["Ro"]))
-    r_ax, h_ax = rows_dims(lay)
+    at["first"] = fn.add(at["lse"], fn.mul(s["Nl"], s["Rl"]))
+    r_ax, h_ax = rows_dims(p.layout)
     hq, hk = fn.bounded(fn.dim("%q", ty_q, h_ax)), fn.bounded(fn.dim("%k", ty_q, h_ax))
     rows = (fn.dim("%q", ty_q, r_ax), fn.dim("%k", ty_q, r_ax), fn.dim("%v", ty_v, r_ax))
-    frame = _Frame(s, at, (hq, hk), rows, p)
+    return s, at, _Frame(s, at, (hq, hk), rows, p)
+
+
+def _function(fn: Fn, p: Plan, func_name: str, scalars: tuple[str, ...], results) -> str:
+    names, types = ", ".join(n for n, _ in results), ", ".join(t for _, t in results)
+    ty_q, ty_v = (tensor_type(["?", "?", "?", d], p.dtype) for d in p.arg_dims)
+    args = (f"%q: {ty_q}, %k: {ty_q}, %v: {ty_v}, %idx: {tensor_type(['?'], 'i32')}, %scale: f32, "
+            + ", ".join(f"%{n}: i64" for n in scalars))
+    return (f"util.func public @{func_name}({args}) -> ({types}) {{\n" + fn.text()
+            + f"\n  util.return {names} : {types}\n}}\n")
+
+
+def render_ragged(plan: Plan, func_name: str = "fwd_ragged") -> str:
+    """The MLIR text of ``util.func public @func_name`` (see the module docstring)."""
+    fn, p = Fn(), plan
+    s, at, frame = _prologue(fn, p, RAGGED_SCALARS)
+    hq, hk = frame.heads
     co = lambda: Coords(s["y"], s["x"], s["yu"], s["xu"], s["khi"], s["khiu"])  # noqa: E731
     results = fwd_body(fn, p, "%q", "%k", "%v", co, desc=("%idx", at["desc"]), sizes=(s["B"], s["Sq"], hq, s["Sk"], hk),
                        frame=frame)
-    names, types = ", ".join(n for n, _ in results), ", ".join(t for _, t in results)
-    scalars = ", ".join(f"%{n}: i64" for n in RAGGED_SCALARS)
-    args = f"%q: {ty_q}, %k: {ty_q}, %v: {ty_v}, %idx: {tensor_type(['?'], 'i32')}, %scale: f32, {scalars}"
-    return (f"util.func public @{func_name}({args}) -> ({types}) {{\n" + fn.text()
-            + f"\n  util.return {names} : {types}\n}}\n")
+    return _function(fn, p, func_name, RAGGED_SCALARS, results)
+
+
+def render_packed(plan: Plan, func_name: str = "fwd_packed", paged: bool = False) -> str:
+    """``fwd_ragged``'s arguments plus ``kernels.packed``'s scalars (and its table after the
+    frame's): the frame's problem with K / V read in place, for the problems the host found
+    packed (``frames.packed_pieces``). With ``paged`` (scalar ``NU``, and after the pieces' table
+    each used page ``pt [NU]``, its rows in use ``pv [NU]`` and each sequence's first row
+    ``starts [B]`` in the gathered pages), a paged cache's pages are first gathered one after the
+    other, the unused end of each sequence's last page zeroed (``frames.paged_pieces``). A
+    function of its own: as a path of ``fwd_ragged``'s ``scf.if`` chain it sent IREE 3.13's
+    stream canonicalization into an endless rewrite."""
+    fn, p = Fn(), plan
+    scalars = RAGGED_SCALARS + PACKED_SCALARS + (("NU",) if paged else ())
+    s, at, frame = _prologue(fn, p, scalars)
+    hq, hk = frame.heads
+    scale = "%scale" if p.dtype == "f32" else fn.arith(f"arith.truncf %scale : f32 to {p.dtype}", "sc")
+    ty_q, ty_v = (tensor_type(["?", "?", "?", d], p.dtype) for d in p.arg_dims)
+    c = Ctx(fn, p, s["B"], hk, hq, s["Sq"], s["Sk"], Coords.uniform(s["y"], s["x"]), scale, Operand("%k", ty_q, ()),
+            Operand("%v", ty_v, ()), s["Sk"], desc=("%idx", at["desc"]), frame=frame)
+    kv = []
+    if paged:
+        s["NU"] = fn.bounded(s["NU"])
+        at["pt"] = fn.add(at["first"], fn.add(s["NPc"], 1))
+        at["pv"] = fn.add(at["pt"], s["NU"])
+        at["starts"] = fn.add(at["pv"], s["NU"])
+    h = packed_host(c, s, at, frame.src_rows[1], paged)
+    if paged:
+        kv = [gather_pages(c, h, at, "k"), gather_pages(c, h, at, "v")]
+        h = dataclasses.replace(h, k_src=kv[0], v_src=kv[1])
+    names = frame.leave(c, kv, packed_work(c, h, frame.src_rows[0]))
+    f_ty = [tensor_type(["?", "?", "?", p.arg_dims[1]], p.dtype), tensor_type(["?", "?", "?"], "f32")]
+    st = State("", "", "", ("", "", "", ""), p.dv)
+    types = [*f_ty, *([ty_q, ty_v] if paged else []), *f_ty, tensor_type(["?", "?", "?", p.dq], p.dtype), MASK3,
+             *st.types()]
+    return _function(fn, p, func_name, scalars, list(zip(names, types)))
