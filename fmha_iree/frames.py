@@ -18,7 +18,7 @@ import numpy as np
 
 from .plan import runs
 
-__all__ = ["Frame", "Pieces", "OFF", "packed_pieces", "paged_pieces", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
+__all__ = ["Frame", "Pieces", "OFF", "packed_pieces", "gathered_pieces", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
            "has_ragged"]
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,8 @@ class Pieces:
 
     first: np.ndarray  # [NPc + 1] int32: each piece's first sequence (its slot 0); the tail piece last
     scalars: tuple[int, int, int, int]  # W, NPc, P0, S
-    pages: tuple | None = None  # a paged cache's (pt [NU], pv [NU], starts [B]) int32: fwd_packed_paged
+    pages: tuple | None = None  # (pb [NU], pv [NU], starts [B]) int32 of the gathered pages: fwd_packed_paged
+    page: int = 0  # PG: rows per gathered page
 
     @property
     def on(self) -> bool:
@@ -74,11 +75,12 @@ class Pieces:
     def call_scalars(self) -> tuple[int, ...]:
         if not self.on:
             return ()
-        return self.scalars + (() if self.pages is None else (len(self.pages[0]),))
+        return self.scalars + (() if self.pages is None else (len(self.pages[0]), self.page))
 
 
 OFF = Pieces(np.zeros(1, np.int32), (64, 0, 0, 0))
 PIECE_KEYS = (256, 128, 64)  # widths tried, widest first (multiples of the modules' key tile)
+GATHER_PAGE = 64  # rows per page when runs with gaps are gathered for the pieces
 PIECE_ROWS = 16  # query rows per piece (the short tier's tile): Sq * G up to it, S = 16 // (Sq * G)
 
 
@@ -100,15 +102,18 @@ def packed_pieces(frame: "Frame", k_rows: int, group: int) -> Pieces:
     return _pieces(start, end, live, k_rows, frame.q_idx.shape[1] * group)
 
 
-def paged_pieces(frame: "Frame", group: int) -> Pieces:
-    """A paged cache's pieces (``fwd_packed_paged``): each sequence's pages gathered one after the
-    other (``pt``, the unused rows of its last page zeroed: ``pv`` rows kept per page), so its keys
-    start at ``starts[b]``, a multiple of the page size; then as ``packed_pieces`` over them."""
-    page = frame.page
+def gathered_pieces(frame: "Frame", group: int) -> Pieces:
+    """The pieces of ``fwd_packed_paged``: each sequence's keys gathered as pages of ``PG`` rows
+    one after the other (``pb`` each page's first row, ``pv`` its rows in use: the unused end of a
+    sequence's last page is zeroed), so that every row the pieces read is a key or a zero; then as
+    ``packed_pieces`` over them. A paged cache's pages are its own (``PG`` its page size); runs
+    with gaps between them (``seqlen_k``, ``cu_seqlen`` padding) are cut into pages of
+    ``GATHER_PAGE`` rows."""
     kl = frame.desc[:, 1].astype(np.int64)
     live = np.flatnonzero(kl > 0)
-    if len(live) == 0:
+    if len(live) == 0 or (not frame.paged and frame.k_base.shape[1] != 1):
         return OFF
+    page = frame.page if frame.paged else GATHER_PAGE
     n_pages = -(-kl // page)
     starts = (np.cumsum(n_pages) - n_pages) * page
     pc = _pieces(starts[live], starts[live] + kl[live], live, int(n_pages.sum()) * page,
@@ -116,8 +121,9 @@ def paged_pieces(frame: "Frame", group: int) -> Pieces:
     if not pc.on:
         return OFF
     b, j = runs(n_pages)
-    pt, pv = frame.k_base[b, j] // page, np.minimum(page, kl[b] - j * page)
-    return dataclasses.replace(pc, pages=(pt.astype(np.int32), pv.astype(np.int32), starts.astype(np.int32)))
+    pb = frame.k_base[b, j] if frame.paged else frame.k_base[b, 0] + j * page
+    pv = np.minimum(page, kl[b] - j * page)
+    return dataclasses.replace(pc, pages=(pb.astype(np.int32), pv.astype(np.int32), starts.astype(np.int32)), page=page)
 
 
 def _pieces(start: np.ndarray, end: np.ndarray, live: np.ndarray, k_rows: int, rows: int) -> Pieces:
@@ -245,8 +251,9 @@ def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, keep: 
     pieces = OFF
     if not module.lacks(["fwd_packed", "fwd_packed_paged"]):  # a bshd module: keys as rows n * R + r of [N, R, Hk, D]
         group = int(q.shape[2]) // max(int(k.shape[2]), 1)
-        pieces = (paged_pieces(frame, group) if frame.paged
-                  else packed_pieces(frame, int(k.shape[0]) * int(k.shape[1]), group))
+        pieces = OFF if frame.paged else packed_pieces(frame, int(k.shape[0]) * int(k.shape[1]), group)
+        if not pieces.on:  # a paged cache, or runs with gaps: the keys gathered first
+            pieces = gathered_pieces(frame, group)
     idx, sizes = frame.table(pieces)
     scalars = (float(scale), *sizes, *frame.coords(), *pieces.call_scalars())
     out, lse = module.call(pieces.function, [(q, dtype), (k, dtype), (v, dtype)], staged=[idx], scalars=scalars,

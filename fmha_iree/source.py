@@ -379,8 +379,9 @@ def entry_points(spec: KernelSpec) -> dict:
             for name, extra, note in (
                     ("fwd_packed", (), "K / V read in place as pieces of W rows (fwd_ragged's problem when "
                                       "the keys are the rows of k / v one sequence after the other)"),
-                    ("fwd_packed_paged", ("NU",), "a paged cache's pages gathered in sequence order, then as "
-                                                  "fwd_packed")):
+                    ("fwd_packed_paged", ("NU", "PG"), "the sequences' keys gathered as pages of PG rows in "
+                                                        "sequence order (a paged cache, runs with gaps), then as "
+                                                        "fwd_packed")):
                 args = dict(out["fwd_ragged"]["args"])
                 args.update({n: [[], "i64 scalar"] for n in PACKED_SCALARS + extra})
                 out[name] = {"args": args, "results": {"out": out["fwd_ragged"]["results"]["out"],

@@ -262,9 +262,9 @@ def test_frame_keys_round_up_in_few_steps():
 
 @pytest.fixture
 def packed_calls(monkeypatch):
-    """The pieces every ``run_frame`` of the test chose (``frames.packed_pieces`` / ``paged_pieces``)."""
+    """The pieces every ``run_frame`` of the test chose (``frames.packed_pieces`` / ``gathered_pieces``)."""
     seen = []
-    for name in ("packed_pieces", "paged_pieces"):
+    for name in ("packed_pieces", "gathered_pieces"):
         def spy(*a, real=getattr(frames, name), **kw):
             seen.append(real(*a, **kw))
             return seen[-1]
@@ -289,12 +289,16 @@ def test_decode_reads_keys_in_place(module, packed_calls, name, lq, lk, mask):
     assert packed_calls and all(p.on for p in packed_calls)
 
 
-def test_decode_with_gaps_keeps_the_frame(module, packed_calls):
-    """seqlen_k shorter than a sequence's run, gaps between runs and a spare row (all NaN): rows
-    no sequence owns are never read in place."""
+@pytest.mark.parametrize("mask", ["b", "t:20,0", "0"])
+def test_decode_with_gaps_gathers_its_keys(module, packed_calls, mask):
+    """seqlen_k shorter than a sequence's run, gaps between runs and a spare row (all NaN): the
+    runs are not read in place; their keys are gathered as pages (unused rows zeroed) for the
+    pieces (``fwd_packed_paged``)."""
     used = np.array([90, 257, 0, 1, 33], np.int32)
-    _group(module(), "b", [1, 1, 0, 1, 1], [90, 400, 30, 260, 70], seqlen_k=used, pad_k=[5, 0, 3, 100, 1], what="gaps")
-    assert packed_calls and not any(p.on for p in packed_calls)
+    _group(module(), mask, [1, 1, 0, 1, 1], [90, 400, 30, 260, 70], seqlen_k=used, pad_k=[5, 0, 3, 100, 1],
+           what="gaps")
+    assert packed_calls and not packed_calls[0].on  # in place refused
+    assert packed_calls[-1].on and packed_calls[-1].pages is not None and packed_calls[-1].page == frames.GATHER_PAGE
 
 
 def test_decode_reads_keys_in_place_gqa_f16(module, packed_calls):
@@ -346,4 +350,4 @@ def test_paged_decode_gathers_pages_for_the_packed_path(module, packed_calls, pa
         ref_out, ref_lse = _paged_reference(q, kc, vc, sq, bt, lk, mask)
         assert_close(out, ref_out, torch.float32, what=f"paged p{page} {mask} out")
         assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"paged p{page} {mask} lse")
-    assert packed_calls and all(p.on and p.pages is not None for p in packed_calls)
+    assert packed_calls and all(p.on and p.pages is not None and p.page == page for p in packed_calls)

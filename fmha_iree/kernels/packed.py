@@ -70,7 +70,7 @@ def packed_host(c: Ctx, s: dict, at: dict, k_rows: str, paged: bool = False) -> 
     rows = fn.mul(c.sq, p.group)
     m = fn.assume_div(fn.max(fn.round_up(fn.mul(s["S"], rows), tier.tile_rows), tier.tile_rows), tier.tile_rows)
     if paged:
-        nr = fn.bounded(fn.mul(s["NU"], s["P"]))
+        nr = fn.bounded(fn.mul(s["NU"], s["PG"]))
     else:
         nr = fn.bounded(fn.mul(fn.dim("%k", tensor_type(["?", "?", "?", p.dq], p.dtype), 0), k_rows))
     npc = fn.bounded(s["NPc"])
@@ -82,20 +82,20 @@ def packed_host(c: Ctx, s: dict, at: dict, k_rows: str, paged: bool = False) -> 
 
 
 def gather_pages(c: Ctx, h: Packed, at: dict, which: str) -> str:
-    """``[1, NU * P, Hk, D]``: the cache's pages in the order of ``at["pt"]`` (``NU`` entries; page
-    ``n`` is rows ``n * P ..`` of ``%k`` / ``%v`` read as rows), rows of page ``u`` past
-    ``at["pv"][u]`` zero (the unused end of a sequence's last page)."""
+    """``[1, NU * PG, Hk, D]``: pages of ``PG`` rows of ``%k`` / ``%v`` (read as rows) one after
+    the other, page ``u`` from row ``at["pb"][u]`` on, its rows past ``at["pv"][u]`` zero (the
+    unused end of a sequence's last page)."""
     fn, p = c.fn, c.p
     d = p.dq if which == "k" else p.dv
     ty = tensor_type(["?", "?", "?", d], p.dtype)
-    page = c.frame.s["P"]
+    page = c.frame.s["PG"]
 
     def element(ix):
         _, t, hh, dd = ix
         u = fn.floordiv(t, page)
         r = fn.sub(t, fn.mul(u, page))
         ok = fn.cmp("slt", r, _read(fn, at["pv"], u))
-        row = fn.add(fn.mul(_read(fn, at["pt"], u), page), r)  # the cache read as rows n * R + r
+        row = fn.add(_read(fn, at["pb"], u), r)  # the source read as rows n * R + r
         src_rows = c.frame.src_rows[1 if which == "k" else 2]
         n, rr = fn.floordiv(row, src_rows), fn.arith(f"arith.remsi {row}, {src_rows} : index", "pr")
         val = fn.let(f"tensor.extract %{which}[{n}, {rr}, {hh}, {dd}] : {ty}", "pv")

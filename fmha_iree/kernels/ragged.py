@@ -126,14 +126,15 @@ def render_ragged(plan: Plan, func_name: str = "fwd_ragged") -> str:
 def render_packed(plan: Plan, func_name: str = "fwd_packed", paged: bool = False) -> str:
     """``fwd_ragged``'s arguments plus ``kernels.packed``'s scalars (and its table after the
     frame's): the frame's problem with K / V read in place, for the problems the host found
-    packed (``frames.packed_pieces``). With ``paged`` (scalar ``NU``, and after the pieces' table
-    each used page ``pt [NU]``, its rows in use ``pv [NU]`` and each sequence's first row
-    ``starts [B]`` in the gathered pages), a paged cache's pages are first gathered one after the
-    other, the unused end of each sequence's last page zeroed (``frames.paged_pieces``). A
+    packed (``frames.packed_pieces``). With ``paged`` (scalars ``NU``, ``PG``, and after the
+    pieces' table each page's first row ``pb [NU]``, its rows in use ``pv [NU]`` and each
+    sequence's first row ``starts [B]`` in the gathered pages), the sequences' keys are first
+    gathered as pages of ``PG`` rows one after the other, the unused end of each sequence's last
+    page zeroed (``frames.gathered_pieces``: a paged cache's pages, or runs with gaps). A
     function of its own: as a path of ``fwd_ragged``'s ``scf.if`` chain it sent IREE 3.13's
     stream canonicalization into an endless rewrite."""
     fn, p = Fn(), plan
-    scalars = RAGGED_SCALARS + PACKED_SCALARS + (("NU",) if paged else ())
+    scalars = RAGGED_SCALARS + PACKED_SCALARS + (("NU", "PG") if paged else ())
     s, at, frame = _prologue(fn, p, scalars)
     hq, hk = frame.heads
     scale = "%scale" if p.dtype == "f32" else fn.arith(f"arith.truncf %scale : f32 to {p.dtype}", "sc")
@@ -142,9 +143,9 @@ def render_packed(plan: Plan, func_name: str = "fwd_packed", paged: bool = False
             Operand("%v", ty_v, ()), s["Sk"], desc=("%idx", at["desc"]), frame=frame)
     kv = []
     if paged:
-        s["NU"] = fn.bounded(s["NU"])
-        at["pt"] = fn.add(at["first"], fn.add(s["NPc"], 1))
-        at["pv"] = fn.add(at["pt"], s["NU"])
+        s["NU"], s["PG"] = fn.bounded(s["NU"]), fn.bounded(s["PG"])
+        at["pb"] = fn.add(at["first"], fn.add(s["NPc"], 1))
+        at["pv"] = fn.add(at["pb"], s["NU"])
         at["starts"] = fn.add(at["pv"], s["NU"])
     h = packed_host(c, s, at, frame.src_rows[1], paged)
     if paged:
