@@ -53,8 +53,9 @@ class Frame:
 
 @dataclasses.dataclass(frozen=True)
 class Pieces:
-    """``fwd_ragged``'s packed path (``kernels.packed``): K / V rows read in place as pieces of
-    ``W`` rows; ``S = 0`` leaves it off."""
+    """A decode's pieces (``kernels.packed``): ``fwd_packed`` reads K / V rows in place as pieces
+    of ``W`` rows, ``fwd_packed_paged`` the same over the keys gathered as pages (``pages``);
+    ``S = 0`` (``OFF``) leaves the call to ``fwd_ragged``."""
 
     first: np.ndarray  # [NPc + 1] int32: each piece's first sequence (its slot 0); the tail piece last
     scalars: tuple[int, int, int, int]  # W, NPc, P0, S
@@ -245,15 +246,17 @@ def group_frame(mask, starts, total_rows: int, pages: tuple[np.ndarray, int] | N
 
 def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, keep: bool):
     """``frame`` on ``module``'s ``fwd_packed`` where its keys are packed (``packed_pieces``),
-    else its ``fwd_ragged`` (one call, ``kernels.ragged``) from ``q`` / ``k`` /
+    ``fwd_packed_paged`` where a decode's keys must be gathered first (``gathered_pieces``), else
+    its ``fwd_ragged`` (one call, ``kernels.ragged``) from ``q`` / ``k`` /
     ``v`` (rank 4 in the module's layout; ABI arrays or DeviceTensors). Returns (out ``[N, R, Hq,
     Dv]``, lse ``[N2, Hq, R2]``), numpy or DeviceTensors with ``keep``."""
     pieces = OFF
     if not module.lacks(["fwd_packed", "fwd_packed_paged"]):  # a bshd module: keys as rows n * R + r of [N, R, Hk, D]
         group = int(q.shape[2]) // max(int(k.shape[2]), 1)
-        pieces = OFF if frame.paged else packed_pieces(frame, int(k.shape[0]) * int(k.shape[1]), group)
-        if not pieces.on:  # a paged cache, or runs with gaps: the keys gathered first
-            pieces = gathered_pieces(frame, group)
+        if frame.q_idx.shape[1] * group <= PIECE_ROWS:  # decode-shaped: prefill frames skip the key arithmetic
+            pieces = OFF if frame.paged else packed_pieces(frame, int(k.shape[0]) * int(k.shape[1]), group)
+            if not pieces.on:  # a paged cache, or runs with gaps: the keys gathered first
+                pieces = gathered_pieces(frame, group)
     idx, sizes = frame.table(pieces)
     scalars = (float(scale), *sizes, *frame.coords(), *pieces.call_scalars())
     out, lse = module.call(pieces.function, [(q, dtype), (k, dtype), (v, dtype)], staged=[idx], scalars=scalars,
