@@ -16,9 +16,10 @@ import dataclasses
 
 import numpy as np
 
+from .kernels.packed import PAGE_ROWS
 from .plan import runs
 
-__all__ = ["Frame", "Pieces", "OFF", "packed_pieces", "gathered_pieces", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
+__all__ = ["Frame", "Pieces", "OFF", "packed_pieces", "gathered_pieces", "page_pieces", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
            "has_ragged"]
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +55,16 @@ class Frame:
 @dataclasses.dataclass(frozen=True)
 class Pieces:
     """A decode's pieces (``kernels.packed``): ``fwd_packed`` reads K / V rows in place as pieces
-    of ``W`` rows, ``fwd_packed_paged`` the same over the keys gathered as pages (``pages``);
-    ``S = 0`` (``OFF``) leaves the call to ``fwd_ragged``."""
+    of ``W`` rows, ``fwd_packed_paged`` the same over the keys gathered as pages (``pages``),
+    ``fwd_packed_pages`` a paged cache's own pages in place (``in_place``); ``S = 0`` (``OFF``)
+    leaves the call to ``fwd_ragged``."""
 
-    first: np.ndarray  # [NPc + 1] int32: each piece's first sequence (its slot 0); the tail piece last
+    first: np.ndarray  # [NPc + tails] int32: each piece's first sequence (its slot 0); the tail pieces last
     scalars: tuple[int, int, int, int]  # W, NPc, P0, S
-    pages: tuple | None = None  # (pb [NU], pv [NU], starts [B]) int32 of the gathered pages: fwd_packed_paged
-    page: int = 0  # PG: rows per gathered page
+    pages: tuple | None = None  # int32 tables after first: (pb [NU], pv [NU], starts [B]) of the gathered
+    # pages (fwd_packed_paged), or (pid [NU], the last pages' pb [B] and pv [B], starts [B]) with in_place
+    page: int = 0  # PG: rows per page (with in_place, per sub-page: kernels.packed.PAGE_ROWS)
+    in_place: bool = False
 
     @property
     def on(self) -> bool:
@@ -68,7 +72,9 @@ class Pieces:
 
     @property
     def function(self) -> str:
-        return "fwd_ragged" if not self.on else "fwd_packed" if self.pages is None else "fwd_packed_paged"
+        if not self.on:
+            return "fwd_ragged"
+        return "fwd_packed" if self.pages is None else "fwd_packed_pages" if self.in_place else "fwd_packed_paged"
 
     def table(self) -> np.ndarray:
         return np.concatenate([self.first, *(self.pages or ())])
@@ -77,6 +83,32 @@ class Pieces:
         if not self.on:
             return ()
         return self.scalars + (() if self.pages is None else (len(self.pages[0]), self.page))
+
+
+def page_pieces(frame: "Frame", group: int) -> Pieces:
+    """The pieces of ``fwd_packed_pages``: a paged cache's rows in place as sub-pages of
+    ``PAGE_ROWS`` rows, one piece per used sub-page (one sequence each) in sequence order, plus
+    one tail piece per sequence (its last sub-page, copied with the rows it does not own
+    zeroed); ``OFF`` where the page is not a multiple of ``PAGE_ROWS`` or a sequence has more
+    query rows than a piece holds."""
+    page, sub = frame.page, PAGE_ROWS
+    kl = frame.desc[:, 1].astype(np.int64)
+    if not frame.paged or page % sub or frame.q_idx.shape[1] * group > PIECE_ROWS or not (kl > 0).any():
+        return OFF
+    n_sub = -(-kl // sub)
+    b, j = runs(n_sub)  # sub-page j of sequence b: rows [j * sub, (j + 1) * sub) of its keys
+
+    def base(bb, jj):  # its first row in the cache read as rows
+        return frame.k_base[bb, (jj * sub) // page] + (jj * sub) % page
+
+    rows = np.arange(len(kl))
+    last = np.maximum(n_sub - 1, 0)
+    first = np.concatenate([b, rows]).astype(np.int32)
+    pid = (base(b, j) // sub).astype(np.int32)
+    last_pb = np.where(kl > 0, base(rows, last), 0).astype(np.int32)
+    last_pv = (kl - last * sub).clip(0).astype(np.int32)
+    starts = ((np.cumsum(n_sub) - n_sub) * sub).astype(np.int32)
+    return Pieces(first, (sub, len(b), 0, 1), (pid, last_pb, last_pv, starts), sub, in_place=True)
 
 
 OFF = Pieces(np.zeros(1, np.int32), (64, 0, 0, 0))
@@ -246,6 +278,7 @@ def group_frame(mask, starts, total_rows: int, pages: tuple[np.ndarray, int] | N
 
 def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, keep: bool):
     """``frame`` on ``module``'s ``fwd_packed`` where its keys are packed (``packed_pieces``),
+    ``fwd_packed_pages`` where a paged cache's pages can be read in place (``page_pieces``),
     ``fwd_packed_paged`` where a decode's keys must be gathered first (``gathered_pieces``), else
     its ``fwd_ragged`` (one call, ``kernels.ragged``) from ``q`` / ``k`` /
     ``v`` (rank 4 in the module's layout; ABI arrays or DeviceTensors). Returns (out ``[N, R, Hq,
@@ -254,8 +287,11 @@ def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, keep: 
     if not module.lacks(["fwd_packed", "fwd_packed_paged"]):  # a bshd module: keys as rows n * R + r of [N, R, Hk, D]
         group = int(q.shape[2]) // max(int(k.shape[2]), 1)
         if frame.q_idx.shape[1] * group <= PIECE_ROWS:  # decode-shaped: prefill frames skip the key arithmetic
-            pieces = OFF if frame.paged else packed_pieces(frame, int(k.shape[0]) * int(k.shape[1]), group)
-            if not pieces.on:  # a paged cache, or runs with gaps: the keys gathered first
+            if frame.paged:  # the cache's own pages where they can be pieces
+                pieces = OFF if module.lacks(["fwd_packed_pages"]) else page_pieces(frame, group)
+            else:
+                pieces = packed_pieces(frame, int(k.shape[0]) * int(k.shape[1]), group)
+            if not pieces.on:  # small pages, or runs with gaps: the keys gathered first
                 pieces = gathered_pieces(frame, group)
     idx, sizes = frame.table(pieces)
     scalars = (float(scale), *sizes, *frame.coords(), *pieces.call_scalars())

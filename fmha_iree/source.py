@@ -198,7 +198,8 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
             funcs.append(render_ragged(dataclasses.replace(plan, ragged=True), "fwd_ragged"))
             if plan.layout == "bshd" and not plan.pads:  # keys read in place as rows of [N, R, H, D]
                 funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed"))
-                funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed_paged", paged=True))
+                funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed_paged", "gathered"))
+                funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed_pages", "pages"))
     text = text.rstrip()
     assert text.endswith("}"), "unexpected exported module text"
     return text[:-1] + "\n".join(funcs) + "\n}\n"
@@ -381,7 +382,10 @@ def entry_points(spec: KernelSpec) -> dict:
                                       "the keys are the rows of k / v one sequence after the other)"),
                     ("fwd_packed_paged", ("NU", "PG"), "the sequences' keys gathered as pages of PG rows in "
                                                         "sequence order (a paged cache, runs with gaps), then as "
-                                                        "fwd_packed")):
+                                                        "fwd_packed"),
+                    ("fwd_packed_pages", ("NU", "PG"), "a paged cache's pages (PG a multiple of 64 keys) read in "
+                                                        "place as the pieces, each sequence's last page copied with "
+                                                        "the rows it does not own zeroed")):
                 args = dict(out["fwd_ragged"]["args"])
                 args.update({n: [[], "i64 scalar"] for n in PACKED_SCALARS + extra})
                 out[name] = {"args": args, "results": {"out": out["fwd_ragged"]["results"]["out"],

@@ -262,9 +262,10 @@ def test_frame_keys_round_up_in_few_steps():
 
 @pytest.fixture
 def packed_calls(monkeypatch):
-    """The pieces every ``run_frame`` of the test chose (``frames.packed_pieces`` / ``gathered_pieces``)."""
+    """The pieces every ``run_frame`` of the test chose (``frames.packed_pieces`` / ``page_pieces`` /
+    ``gathered_pieces``)."""
     seen = []
-    for name in ("packed_pieces", "gathered_pieces"):
+    for name in ("packed_pieces", "page_pieces", "gathered_pieces"):
         def spy(*a, real=getattr(frames, name), **kw):
             seen.append(real(*a, **kw))
             return seen[-1]
@@ -330,12 +331,14 @@ def test_packed_pieces_refuse_what_the_path_cannot_read():
     assert not frames.packed_pieces(frame([1, 1], [30, 20], [0, 30]), 50, 4).on  # fewer rows than a piece
 
 
-@pytest.mark.parametrize("page", [16, 64])
-def test_paged_decode_gathers_pages_for_the_packed_path(module, packed_calls, page):
-    """A paged decode goes through ``fwd_packed_paged``: its pages gathered in sequence order, the
-    unused end of each last page (NaN here, as are the free pages) zeroed, never read."""
+@pytest.mark.parametrize("page", [16, 64, 128])
+def test_paged_decode_reads_pages_as_pieces(module, packed_calls, page):
+    """A paged decode whose page is a multiple of 64 keys goes through ``fwd_packed_pages`` (the
+    cache's pages read in place, each sequence's last page copied), smaller pages through
+    ``fwd_packed_paged`` (its pages gathered in sequence order); either way the unused end of
+    each last page (NaN here, as are the free pages) is zeroed, never read."""
     mod = module()
-    lq, lk = [1, 1, 1, 1, 1], [40, 1, 17, 130, 0]
+    lq, lk = [1, 2, 1, 1, 1, 1], [40, 1, 17, 130, 0, 128]
     q, kc, vc, bt = _paged_case(seed_of("packed-paged", page), lq, [max(n, 1) for n in lk], page)
     own = np.zeros(kc.shape[:2], bool)
     for b, n in enumerate(lk):
@@ -350,4 +353,6 @@ def test_paged_decode_gathers_pages_for_the_packed_path(module, packed_calls, pa
         ref_out, ref_lse = _paged_reference(q, kc, vc, sq, bt, lk, mask)
         assert_close(out, ref_out, torch.float32, what=f"paged p{page} {mask} out")
         assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"paged p{page} {mask} lse")
-    assert packed_calls and all(p.on and p.pages is not None and p.page == page for p in packed_calls)
+    chosen = [p for p in packed_calls if p.on]
+    assert len(chosen) == 3 and all(p.pages is not None and p.in_place == (page % 64 == 0) for p in chosen)
+    assert all(p.page == (64 if p.in_place else page) for p in chosen)

@@ -17,6 +17,15 @@ and LSE, and the frame's last gathers put them in place (``ragged._Frame.leave``
 
 K and V are read once, in place: no copy and no padding to the longest sequence (the frame of a
 decode batch over KV lengths 256..8192 holds twice the keys its sequences have).
+
+Over a paged cache whose page is a multiple of ``PAGE_ROWS`` (``mode="pages"``), the pieces are
+the cache's own rows in sub-pages of ``PAGE_ROWS`` (``W``, one sequence each), read in place: the
+whole-piece op's K / V are an ``iree_linalg_ext.gather`` of the used sub-pages by number inside
+the op's dispatch (as fast as a slice: 0.215 against 0.218 ms over a B32 decode's 1873 pages,
+H200, 2026-12-02; with the rows a runtime value the gather's tile took the whole page into shared
+memory). Each sequence's last sub-page may hold rows it does not own, which may be NaN: it is
+copied with those rows zeroed into ``B`` tail pieces (``gather_pages``), and the merge reads a
+sequence's last piece from there; the whole-piece op's result for it is never read.
 """
 
 from __future__ import annotations
@@ -30,9 +39,10 @@ from .ir import Fn, tensor_type
 from .operands import Ctx
 from .state import fresh_outs, new_state
 
-__all__ = ["PACKED_SCALARS", "MASK3", "Packed", "packed_host", "packed_work", "gather_pages"]
+__all__ = ["PACKED_SCALARS", "PAGE_ROWS", "MASK3", "Packed", "packed_host", "packed_work", "gather_pages"]
 
 PACKED_SCALARS = ("W", "NPc", "P0", "S")
+PAGE_ROWS = 64  # mode "pages": pieces are sub-pages of this many rows (a cache page a multiple of it)
 MASK3 = tensor_type(["?", "?", "?"], "i1")
 _FMIN = "-3.40282347E+38"
 
@@ -58,13 +68,18 @@ class Packed:
     on: str  # i1: the host asked for this path and its rows can be read
     k_src: str = "%k"  # the K / V the pieces are rows of: the arguments, or a paged cache's pages gathered
     v_src: str = "%v"
+    nt: str = ""  # tail pieces: 1 (the last W rows), or B (pages: each sequence's last page)
+    pid: str = ""  # pages: offset in %idx of the used pages' page numbers [NU] (whole pieces read in place)
 
 
-def packed_host(c: Ctx, s: dict, at: dict, k_rows: str, paged: bool = False) -> Packed:
+def packed_host(c: Ctx, s: dict, at: dict, k_rows: str, mode: str = "rows") -> Packed:
     """The path's host values from the scalars ``s`` and the table offsets ``at``; ``k_rows`` the
-    rows per leading index of ``%k``. ``paged``: the pieces are rows of the cache's pages gathered
-    one after the other (``gather_pages``), each sequence's first at ``at["starts"]``."""
+    rows per leading index of ``%k``. ``mode``: ``rows`` (K / V's own rows), ``gathered`` (the
+    rows of the pages gathered one after the other by ``gather_pages``) or ``pages`` (the same
+    rows, each page read in place); in the last two each sequence's first row is at
+    ``at["starts"]``."""
     fn, p = c.fn, c.p
+    paged = mode != "rows"
     tier = p.short or p.main
     w = fn.assume_div(fn.bounded(s["W"]), p.cols)
     rows = fn.mul(c.sq, p.group)
@@ -77,14 +92,17 @@ def packed_host(c: Ctx, s: dict, at: dict, k_rows: str, paged: bool = False) -> 
     tail_lo = fn.mul(fn.add(s["P0"], npc), w)
     whole = fn.cmp("eq", fn.arith(f"arith.remsi {s['W']}, {fn.c(p.cols)} : index", "pw"), 0)
     on = fn.andi(fn.andi(fn.andi(fn.cmp("sgt", s["S"], 0), whole), fn.cmp("sge", nr, w)), fn.cmp("sle", tail_lo, nr))
+    nt = c.b if mode == "pages" else fn.opaque(1)
+    if mode == "pages":
+        on = fn.andi(on, fn.cmp("eq", s["W"], PAGE_ROWS))
     return Packed(w, npc, s["P0"], s["S"], at["first"], at["starts" if paged else "k"], at["desc"], at["q"], rows, m,
-                  fn.add(npc, 1), nr, tail_lo, fn.opaque(1), on)
+                  fn.add(npc, nt), nr, tail_lo, fn.opaque(1), on, nt=nt, pid=at["pid"] if mode == "pages" else "")
 
 
-def gather_pages(c: Ctx, h: Packed, at: dict, which: str) -> str:
-    """``[1, NU * PG, Hk, D]``: pages of ``PG`` rows of ``%k`` / ``%v`` (read as rows) one after
-    the other, page ``u`` from row ``at["pb"][u]`` on, its rows past ``at["pv"][u]`` zero (the
-    unused end of a sequence's last page)."""
+def gather_pages(c: Ctx, h: Packed, at: dict, which: str, pages: str | None = None) -> str:
+    """``[1, n * PG, Hk, D]``: ``n`` pages (``pages``, default ``h.nr / PG``) of ``PG`` rows of
+    ``%k`` / ``%v`` (read as rows) one after the other, page ``u`` from row ``at["pb"][u]`` on, its
+    rows past ``at["pv"][u]`` zero (the unused end of a sequence's last page)."""
     fn, p = c.fn, c.p
     d = p.dq if which == "k" else p.dv
     ty = tensor_type(["?", "?", "?", d], p.dtype)
@@ -105,7 +123,8 @@ def gather_pages(c: Ctx, h: Packed, at: dict, which: str) -> str:
     # a copy's tiles (32 rows x D per workgroup, 8 elements per thread): without them IREE's own
     # config took 0.58 ms per gather of a B32 decode's 0.24 GB (H200, 2026-12-02)
     attrs = copy_attrs(p.main.lowering, rank=4, row_dim=1, inner=d)
-    return _generic(fn, ty, [h.one, h.nr, c.hk], 4, element, attrs)
+    rows = h.nr if pages is None else fn.mul(pages, page)
+    return _generic(fn, ty, [h.one, rows, c.hk], 4, element, attrs)
 
 
 def _read(fn: Fn, at: str, i: str) -> str:
@@ -151,21 +170,43 @@ def _generic(fn: Fn, ty: str, sizes: list[str], rank: int, body, attrs: str = ""
 
 
 def _q_pieces(c: Ctx, h: Packed, q_rows: str) -> str:
-    """``[Pn, Hk, M, Dq]``: each piece's slots' query rows (zeros where none)."""
+    """``[Pn, Hk, M, Dq]``: each piece's slots' query rows (zeros where none); with pages
+    (``h.pid``) ``[B, Hk, M, Dq]``, each sequence's rows once (its pieces gather them)."""
     fn, p = c.fn, c.p
     ty = tensor_type(["?", "?", "?", p.dq], p.dtype)
 
     def element(ix):
         pi, hh, m, d = ix
-        ok, b, i, g = _slot(c, h, pi, m)
+        if h.pid:
+            b, i, g = pi, fn.floordiv(m, p.group), fn.arith(f"arith.remsi {m}, {fn.c(p.group)} : index", "pr")
+            ok = fn.cmp("slt", m, h.rows)
+        else:
+            ok, b, i, g = _slot(c, h, pi, m)
         ok = fn.andi(ok, fn.cmp("slt", i, _read(fn, h.desc_at, b)))
-        row = _read(fn, h.q_at, fn.add(fn.mul(b, c.sq), i))
+        row = _read(fn, h.q_at, fn.add(fn.mul(b, c.sq), fn.min(i, fn.sub(c.sq, 1))))
         ok = fn.andi(ok, fn.cmp("sge", row, 0))
         safe = fn.max(row, 0)
         n, r = fn.floordiv(safe, q_rows), fn.arith(f"arith.remsi {safe}, {q_rows} : index", "pr")
         val = fn.let(f"tensor.extract %q[{n}, {r}, {fn.add(fn.mul(hh, p.group), g)}, {d}] : {ty}", "pv")
         zero = fn.let(f"arith.constant 0.0 : {p.dtype}", "pz")
         return fn.let(f"arith.select {ok}, {val}, {zero} : {p.dtype}", "pv")
+
+    size = [c.b if h.pid else h.pn, c.hk, h.m]
+    return _generic(fn, ty, size, 4, element, copy_attrs(p.main.lowering, rank=4, row_dim=2, inner=p.dq))
+
+
+def _q_from_sequences(c: Ctx, h: Packed, qs: str) -> str:
+    """``[Pn, Hk, M, Dq]``: piece ``p``'s rows are its sequence's (``first[p]``) rows of ``qs``
+    ``[B, Hk, M, Dq]`` (pages: one sequence per piece). Reading the sequences' rows once and
+    copying them per piece is one dependent index read per element (a gather of them inside the
+    op's dispatch was slow and wrong on the H200, docs/tried.md)."""
+    fn, p = c.fn, c.p
+    ty = tensor_type(["?", "?", "?", p.dq], p.dtype)
+
+    def element(ix):
+        pi, hh, m, d = ix
+        b = fn.min(_read(fn, h.first, pi), fn.sub(c.b, 1))
+        return fn.let(f"tensor.extract {qs}[{b}, {hh}, {m}, {d}] : {ty}", "pv")
 
     return _generic(fn, ty, [h.pn, c.hk, h.m], 4, element, copy_attrs(p.main.lowering, rank=4, row_dim=2, inner=p.dq))
 
@@ -178,9 +219,14 @@ def _mask(c: Ctx, h: Packed) -> str:
         pi, m, j = ix
         ok, b, i, _ = _slot(c, h, pi, m)
         whole = fn.cmp("slt", pi, h.npc)
-        r = fn.select(whole, fn.add(fn.mul(fn.add(h.p0, pi), h.w), j), fn.add(fn.sub(h.nr, h.w), j))
-        ok = fn.andi(ok, _ori(fn, whole, fn.cmp("sge", r, h.tail_lo)))
         ql, kl, y, x = (_read(fn, h.desc_at, fn.add(fn.mul(k, c.b), b)) for k in range(4))
+        at_whole = fn.add(fn.mul(fn.add(h.p0, pi), h.w), j)
+        if h.pid:  # a tail piece is its sequence's last page
+            last = fn.mul(fn.floordiv(fn.max(fn.sub(kl, 1), 0), h.w), h.w)
+            r = fn.select(whole, at_whole, fn.add(fn.add(_read(fn, h.k_at, b), last), j))
+        else:  # the tail piece: the last W rows, less those of a whole piece
+            r = fn.select(whole, at_whole, fn.add(fn.sub(h.nr, h.w), j))
+            ok = fn.andi(ok, _ori(fn, whole, fn.cmp("sge", r, h.tail_lo)))
         key = fn.sub(r, _read(fn, h.k_at, b))  # k_base [B, 1]: the sequence's first row
         hi = fn.min(kl, row_hi(fn, i, x, c.sk))
         ok = fn.andi(fn.andi(ok, fn.cmp("slt", i, ql)), fn.andi(fn.cmp("sge", key, row_lo(fn, i, y, c.sk)),
@@ -193,19 +239,32 @@ def _mask(c: Ctx, h: Packed) -> str:
 def _op(c: Ctx, tier, h: Packed, qp: str, mask: str, st, tail: bool):
     """The op over the whole pieces, or over the tail piece; returns the state's new names."""
     fn, p = c.fn, c.p
-    n = h.one if tail else h.npc
+    n = h.nt if tail else h.npc
     at = h.npc if tail else "0"
     lead = [n, c.hk, "1", h.m]
 
     def kv(which: str, d: int) -> Operand:
         src = h.k_src if which == "k" else h.v_src
         t4, t3 = tensor_type(["?", "?", "?", d], p.dtype), tensor_type(["?", "?", d], p.dtype)
+        dims = ("b0", "k2", "b1", "k1" if which == "k" else "n")
+        if h.pid and not tail:  # the cache's sub-pages of PAGE_ROWS rows by number, read inside this dispatch
+            i32 = tensor_type(["?"], "i32")
+            ts = tensor_type(["?", PAGE_ROWS, "?", d], p.dtype)  # static rows: the gather's tile stays one step
+            ids = fn.let(f"tensor.extract_slice %idx[{h.pid}] [{n}] [1] : {i32} to {i32}", "pk")
+            flat = fn.let(f"tensor.collapse_shape %{which} [[0, 1], [2], [3]] : {t4} into {t3}", "pk")
+            n_pages = fn.floordiv(fn.mul(fn.dim(f"%{which}", t4, 0), fn.dim(f"%{which}", t4, 1)), PAGE_ROWS)
+            cache = fn.let(f"tensor.expand_shape {flat} [[0, 1], [2], [3]] output_shape [{n_pages}, {PAGE_ROWS}, {c.hk}, "
+                           f"{d}] : {t3} into {ts}", "pk")
+            empty = fn.let(f"tensor.empty({n}, {c.hk}) : {ts}", "pk")
+            g = fn.let(f"iree_linalg_ext.gather dimension_map = [0] ins({cache}, {ids} : {ts}, {i32}) "
+                       f"outs({empty} : {ts}) -> {ts}", "pk")
+            return Operand(g, ts, dims)
         flat = fn.let(f"tensor.collapse_shape {src} [[0, 1], [2], [3]] : {t4} into {t3}", "pk")
-        lo = fn.sub(h.nr, h.w) if tail else fn.mul(h.p0, h.w)
+        lo = "0" if h.pid else fn.sub(h.nr, h.w) if tail else fn.mul(h.p0, h.w)
         sl = fn.let(f"tensor.extract_slice {flat}[{lo}, 0, 0] [{fn.mul(n, h.w)}, {c.hk}, {d}] [1, 1, 1] : {t3} to {t3}", "pk")
         ex = fn.let(f"tensor.expand_shape {sl} [[0, 1], [2], [3]] output_shape [{n}, {h.w}, {c.hk}, {d}] : {t3} into {t4}",
                     "pk")
-        return Operand(ex, t4, ("b0", "k2", "b1", "k1" if which == "k" else "n"))
+        return Operand(ex, t4, dims)
 
     def region():
         q_ty = tensor_type(["?", "?", "?", p.dq], p.dtype)
@@ -234,36 +293,39 @@ def _combine(c: Ctx, h: Packed, st, b: str, i: str, hq: str, d: str | None):
     fmin, zero = fn.const(_FMIN, "f32", "fmin"), fn.const("0.0", "f32", "zero")
 
     def at(pi):
+        if h.pid:  # pages: the last page's state is its tail piece's (rows it does not own zeroed)
+            pi = fn.select(fn.cmp("eq", pi, fn.sub(hi, 1)), fn.add(h.npc, b), pi)
         t = fn.sub(b, _read(fn, h.first, pi))
         ok = fn.andi(fn.cmp("sge", t, 0), fn.cmp("slt", t, h.s))
         m = fn.add(fn.mul(fn.clamp(t, 0, fn.max(fn.sub(h.s, 1), 0)), h.rows), fn.add(fn.mul(i, G), g))
-        return ok, m
+        return ok, m, pi
 
-    pi, mv, mstar = fn.fresh("pi"), fn.fresh("pm"), fn.fresh("mstar")
-    fn.emit(f"{mstar} = scf.for {pi} = {lo} to {hi} step {fn.c(1)} iter_args({mv} = {fmin}) -> (f32) {{")
-    ok, m = at(pi)
-    x = fn.let(f"tensor.extract {st.mx}[{pi}, {hh}, {fn.c(0)}, {m}] : {st.mx_type}", "px")
-    x = fn.let(f"arith.select {ok}, {x}, {fmin} : f32", "px")
-    fn.emit(f"  scf.yield {fn.let(f'arith.maximumf {mv}, {x} : f32', 'px')} : f32")
-    fn.emit("}")
-    pj, lv, av, res = fn.fresh("pj"), fn.fresh("lv"), fn.fresh("av"), fn.fresh("comb")
-    carried = f"{lv} = {zero}" + (f", {av} = {zero}" if d else "")
-    fn.emit(f"{res}:{2 if d else 1} = scf.for {pj} = {lo} to {hi} step {fn.c(1)} iter_args({carried}) -> "
-            f"({'f32, f32' if d else 'f32'}) {{")
-    ok, m = at(pj)
-    mi = fn.let(f"tensor.extract {st.mx}[{pj}, {hh}, {fn.c(0)}, {m}] : {st.mx_type}", "px")
-    li = fn.let(f"tensor.extract {st.sm}[{pj}, {hh}, {fn.c(0)}, {m}, {fn.c(0)}] : {st.sm_type}", "px")
-    w = fn.let(f"math.exp2 {fn.let(f'arith.subf {mi}, {mstar} : f32', 'px')} : f32", "px")
-    w = fn.let(f"arith.select {ok}, {w}, {zero} : f32", "px")
-    ln = fn.let(f"arith.addf {lv}, {fn.let(f'arith.mulf {li}, {w} : f32', 'px')} : f32", "px")
+    # one pass, rescaling as the max grows: a sequence spans up to ~130 pieces of 64 rows, and two
+    # dependent passes doubled the merge's latency
+    pi, mv, lv, av, res = fn.fresh("pi"), fn.fresh("pm"), fn.fresh("lv"), fn.fresh("av"), fn.fresh("comb")
+    carried = f"{mv} = {fmin}, {lv} = {zero}" + (f", {av} = {zero}" if d else "")
+    types = "f32, f32, f32" if d else "f32, f32"
+    fn.emit(f"{res}:{3 if d else 2} = scf.for {pi} = {lo} to {hi} step {fn.c(1)} iter_args({carried}) -> ({types}) {{")
+    ok, m, px = at(pi)
+    mi = fn.let(f"tensor.extract {st.mx}[{px}, {hh}, {fn.c(0)}, {m}] : {st.mx_type}", "px")
+    mi = fn.let(f"arith.select {ok}, {mi}, {fmin} : f32", "px")
+    li = fn.let(f"tensor.extract {st.sm}[{px}, {hh}, {fn.c(0)}, {m}, {fn.c(0)}] : {st.sm_type}", "px")
+    li = fn.let(f"arith.select {ok}, {li}, {zero} : f32", "px")
+    mn = fn.let(f"arith.maximumf {mv}, {mi} : f32", "px")
+    wa = fn.let(f"math.exp2 {fn.let(f'arith.subf {mv}, {mn} : f32', 'px')} : f32", "px")
+    wb = fn.let(f"math.exp2 {fn.let(f'arith.subf {mi}, {mn} : f32', 'px')} : f32", "px")
+    ln = fn.let(f"arith.addf {fn.let(f'arith.mulf {lv}, {wa} : f32', 'px')}, "
+                f"{fn.let(f'arith.mulf {li}, {wb} : f32', 'px')} : f32", "px")
     if d:
-        ai = fn.let(f"tensor.extract {st.acc}[{pj}, {hh}, {fn.c(0)}, {m}, {d}] : {st.acc_type}", "px")
-        an = fn.let(f"arith.addf {av}, {fn.let(f'arith.mulf {ai}, {w} : f32', 'px')} : f32", "px")
-        fn.emit(f"  scf.yield {ln}, {an} : f32, f32")
+        ai = fn.let(f"tensor.extract {st.acc}[{px}, {hh}, {fn.c(0)}, {m}, {d}] : {st.acc_type}", "px")
+        ai = fn.let(f"arith.select {ok}, {ai}, {zero} : f32", "px")
+        an = fn.let(f"arith.addf {fn.let(f'arith.mulf {av}, {wa} : f32', 'px')}, "
+                    f"{fn.let(f'arith.mulf {ai}, {wb} : f32', 'px')} : f32", "px")
+        fn.emit(f"  scf.yield {mn}, {ln}, {an} : {types}")
     else:
-        fn.emit(f"  scf.yield {ln} : f32")
+        fn.emit(f"  scf.yield {mn}, {ln} : {types}")
     fn.emit("}")
-    return mstar, f"{res}#0", (f"{res}#1" if d else None)
+    return f"{res}#0", f"{res}#1", (f"{res}#2" if d else None)
 
 
 def _merge(c: Ctx, h: Packed, st) -> tuple[str, str]:
@@ -293,13 +355,16 @@ def _merge(c: Ctx, h: Packed, st) -> tuple[str, str]:
 
 
 def packed_work(c: Ctx, h: Packed, q_rows: str) -> list[str]:
-    """The work: the frame's out and LSE, then the scratch (Q pieces, mask, state)."""
+    """The work: the frame's out and LSE, then the scratch (with pages each sequence's Q rows, then
+    the Q pieces, mask, state: returned, not transients, as ``ragged._Frame.types`` says)."""
     fn, p = c.fn, c.p
     tier = p.short or p.main
-    qp = _q_pieces(c, h, q_rows)
+    qs = qp = _q_pieces(c, h, q_rows)
+    if h.pid:
+        qp = _q_from_sequences(c, h, qs)
     mask = _mask(c, h)
     st = new_state(fn, [h.pn, c.hk, h.one, h.m], p.dv)
     st = _op(c, tier, h, qp, mask, st, tail=False)
     st = _op(c, tier, h, qp, mask, st, tail=True)
     out, lse = _merge(c, h, st)
-    return [out, lse, qp, mask, *st.names()]
+    return [out, lse, *([qs] if h.pid else []), qp, mask, *st.names()]

@@ -123,17 +123,21 @@ def render_ragged(plan: Plan, func_name: str = "fwd_ragged") -> str:
     return _function(fn, p, func_name, RAGGED_SCALARS, results)
 
 
-def render_packed(plan: Plan, func_name: str = "fwd_packed", paged: bool = False) -> str:
+def render_packed(plan: Plan, func_name: str = "fwd_packed", mode: str = "rows") -> str:
     """``fwd_ragged``'s arguments plus ``kernels.packed``'s scalars (and its table after the
     frame's): the frame's problem with K / V read in place, for the problems the host found
-    packed (``frames.packed_pieces``). With ``paged`` (scalars ``NU``, ``PG``, and after the
+    packed (``frames.packed_pieces``). ``mode="gathered"`` (scalars ``NU``, ``PG``, and after the
     pieces' table each page's first row ``pb [NU]``, its rows in use ``pv [NU]`` and each
-    sequence's first row ``starts [B]`` in the gathered pages), the sequences' keys are first
+    sequence's first row ``starts [B]`` in the gathered pages): the sequences' keys are first
     gathered as pages of ``PG`` rows one after the other, the unused end of each sequence's last
-    page zeroed (``frames.gathered_pieces``: a paged cache's pages, or runs with gaps). A
-    function of its own: as a path of ``fwd_ragged``'s ``scf.if`` chain it sent IREE 3.13's
-    stream canonicalization into an endless rewrite."""
+    page zeroed (``frames.gathered_pieces``: a paged cache's pages, or runs with gaps).
+    ``mode="pages"`` (the same scalars; the table: the used pages' numbers ``pid [NU]``, each
+    sequence's last page's first row ``pb [B]`` and rows in use ``pv [B]``, ``starts [B]``): a
+    paged cache's pages read in place, only each sequence's last page copied
+    (``frames.page_pieces``). Functions of their own: as a path of ``fwd_ragged``'s ``scf.if``
+    chain the pieces sent IREE 3.13's stream canonicalization into an endless rewrite."""
     fn, p = Fn(), plan
+    paged = mode != "rows"
     scalars = RAGGED_SCALARS + PACKED_SCALARS + (("NU", "PG") if paged else ())
     s, at, frame = _prologue(fn, p, scalars)
     hq, hk = frame.heads
@@ -144,16 +148,21 @@ def render_packed(plan: Plan, func_name: str = "fwd_packed", paged: bool = False
     kv = []
     if paged:
         s["NU"], s["PG"] = fn.bounded(s["NU"]), fn.bounded(s["PG"])
-        at["pb"] = fn.add(at["first"], fn.add(s["NPc"], 1))
-        at["pv"] = fn.add(at["pb"], s["NU"])
-        at["starts"] = fn.add(at["pv"], s["NU"])
-    h = packed_host(c, s, at, frame.src_rows[1], paged)
+        tails = s["B"] if mode == "pages" else fn.c(1)
+        at["pid"] = at["pb"] = fn.add(at["first"], fn.add(s["NPc"], tails))
+        if mode == "pages":
+            at["pb"] = fn.add(at["pid"], s["NU"])
+        at["pv"] = fn.add(at["pb"], s["NU"] if mode == "gathered" else s["B"])
+        at["starts"] = fn.add(at["pv"], s["NU"] if mode == "gathered" else s["B"])
+    h = packed_host(c, s, at, frame.src_rows[1], mode)
     if paged:
-        kv = [gather_pages(c, h, at, "k"), gather_pages(c, h, at, "v")]
+        n = s["B"] if mode == "pages" else None
+        kv = [gather_pages(c, h, at, "k", n), gather_pages(c, h, at, "v", n)]
         h = dataclasses.replace(h, k_src=kv[0], v_src=kv[1])
     names = frame.leave(c, kv, packed_work(c, h, frame.src_rows[0]))
     f_ty = [tensor_type(["?", "?", "?", p.arg_dims[1]], p.dtype), tensor_type(["?", "?", "?"], "f32")]
     st = State("", "", "", ("", "", "", ""), p.dv)
-    types = [*f_ty, *([ty_q, ty_v] if paged else []), *f_ty, tensor_type(["?", "?", "?", p.dq], p.dtype), MASK3,
+    q_ty = tensor_type(["?", "?", "?", p.dq], p.dtype)
+    types = [*f_ty, *([ty_q, ty_v] if paged else []), *f_ty, *([q_ty] if mode == "pages" else []), q_ty, MASK3,
              *st.types()]
     return _function(fn, p, func_name, scalars, list(zip(names, types)))
