@@ -68,8 +68,8 @@ class Packed:
     on: str  # i1: the host asked for this path and its rows can be read
     k_src: str = "%k"  # the K / V the pieces are rows of: the arguments, or a paged cache's pages gathered
     v_src: str = "%v"
-    nt: str = ""  # tail pieces: 1 (the last W rows), or B (pages: each sequence's last page)
-    pid: str = ""  # pages: offset in %idx of the used pages' page numbers [NU] (whole pieces read in place)
+    nt: str = ""  # tail pieces: 1 (the last W rows), or B (pages: each sequence's last sub-page)
+    pid: str = ""  # pages: offset in %idx of the used sub-pages' numbers [NU] (whole pieces read in place)
 
 
 def packed_host(c: Ctx, s: dict, at: dict, k_rows: str, mode: str = "rows") -> Packed:
@@ -171,7 +171,8 @@ def _generic(fn: Fn, ty: str, sizes: list[str], rank: int, body, attrs: str = ""
 
 def _q_pieces(c: Ctx, h: Packed, q_rows: str) -> str:
     """``[Pn, Hk, M, Dq]``: each piece's slots' query rows (zeros where none); with pages
-    (``h.pid``) ``[B, Hk, M, Dq]``, each sequence's rows once (its pieces gather them)."""
+    (``h.pid``) ``[B, Hk, M, Dq]``, each sequence's rows once (``_q_from_sequences`` copies them
+    per piece)."""
     fn, p = c.fn, c.p
     ty = tensor_type(["?", "?", "?", p.dq], p.dtype)
 
@@ -221,7 +222,7 @@ def _mask(c: Ctx, h: Packed) -> str:
         whole = fn.cmp("slt", pi, h.npc)
         ql, kl, y, x = (_read(fn, h.desc_at, fn.add(fn.mul(k, c.b), b)) for k in range(4))
         at_whole = fn.add(fn.mul(fn.add(h.p0, pi), h.w), j)
-        if h.pid:  # a tail piece is its sequence's last page
+        if h.pid:  # a tail piece is its sequence's last sub-page
             last = fn.mul(fn.floordiv(fn.max(fn.sub(kl, 1), 0), h.w), h.w)
             r = fn.select(whole, at_whole, fn.add(fn.add(_read(fn, h.k_at, b), last), j))
         else:  # the tail piece: the last W rows, less those of a whole piece
