@@ -16,7 +16,6 @@ import dataclasses
 
 import numpy as np
 
-from .kernels.packed import PAGE_ROWS
 from .plan import runs
 
 __all__ = ["Frame", "Pieces", "OFF", "packed_pieces", "gathered_pieces", "page_pieces", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
@@ -91,6 +90,8 @@ def page_pieces(frame: "Frame", group: int) -> Pieces:
     one tail piece per sequence (its last sub-page, copied with the rows it does not own
     zeroed); ``OFF`` where the page is not a multiple of ``PAGE_ROWS`` or a sequence has more
     query rows than a piece holds."""
+    from .kernels.packed import PAGE_ROWS  # here: importing the kernels' renderers costs every process ~30 ms
+
     page, sub = frame.page, PAGE_ROWS
     kl = frame.desc[:, 1].astype(np.int64)
     if not frame.paged or page % sub or frame.q_idx.shape[1] * group > PIECE_ROWS or not (kl > 0).any():
