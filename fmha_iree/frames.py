@@ -16,6 +16,7 @@ import dataclasses
 
 import numpy as np
 
+from .kernels.bounds import PREFIX_STEPS
 from .plan import runs
 
 __all__ = ["Frame", "Pieces", "OFF", "packed_pieces", "gathered_pieces", "page_pieces", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
@@ -41,6 +42,36 @@ class Frame:
 
     def coords(self) -> tuple[int, ...]:
         return ragged_coords(self.desc, self.q_idx.shape[1], self.sk_f)
+
+    def by_length(self) -> "Frame":
+        """The same problem with its batch entries ordered by query count, longest first (ties
+        in order), so that the entries with a query row at or past any row form a prefix of the
+        batch (``prefix``). The index arrays move with their entries; the output and LSE rows
+        name the entries' new frame rows."""
+        order = np.argsort(-self.desc[:, 0].astype(np.int64), kind="stable")
+        if (order == np.arange(len(order))).all():
+            return self
+        sq_f = self.q_idx.shape[1]
+        new_at = np.empty_like(order)
+        new_at[order] = np.arange(len(order))
+
+        def moved(idx):  # frame row b * sq_f + i -> new_at[b] * sq_f + i
+            idx = idx.astype(np.int64)
+            return np.where(idx < 0, -1, new_at[np.maximum(idx, 0) // sq_f] * sq_f + idx % sq_f).astype(np.int32)
+
+        return dataclasses.replace(self, q_idx=self.q_idx[order], k_base=self.k_base[order], desc=self.desc[order],
+                                   out_idx=moved(self.out_idx), lse_idx=moved(self.lse_idx))
+
+    def prefix(self) -> tuple[int, ...]:
+        """``fwd_ragged``'s ``(U, nb0 .. nb15)``: ``nb_i`` counts the leading batch entries that
+        hold every entry with a query row at or past row ``i * U`` (all of them in a frame ordered
+        by ``by_length``); a group of rows starting at row ``a`` computes only the first
+        ``nb_(a // U)`` entries (``kernels.ragged``). ``U = ceil(Sq_f / 16)``."""
+        ql = self.desc[:, 0].astype(np.int64)
+        unit = max(1, -(-self.q_idx.shape[1] // PREFIX_STEPS))
+        at = np.arange(PREFIX_STEPS) * unit
+        last = np.array([np.flatnonzero(ql > a).max(initial=-1) for a in at])  # the last entry with such a row
+        return (unit, *(int(n) for n in last + 1))
 
     def table(self, pieces: "Pieces") -> tuple[np.ndarray, tuple[int, ...]]:
         """``fwd_ragged``'s index table (ending with ``pieces``' table) and its size scalars
@@ -294,8 +325,11 @@ def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, keep: 
                 pieces = packed_pieces(frame, int(k.shape[0]) * int(k.shape[1]), group)
             if not pieces.on:  # small pages, or runs with gaps: the keys gathered first
                 pieces = gathered_pieces(frame, group)
+    if not pieces.on:  # fwd_ragged: a group of rows computes only the entries with rows in it
+        frame = frame.by_length()
     idx, sizes = frame.table(pieces)
-    scalars = (float(scale), *sizes, *frame.coords(), *pieces.call_scalars())
+    extra = pieces.call_scalars() if pieces.on else frame.prefix()
+    scalars = (float(scale), *sizes, *frame.coords(), *extra)
     out, lse = module.call(pieces.function, [(q, dtype), (k, dtype), (v, dtype)], staged=[idx], scalars=scalars,
                            results=[dtype, "f32"], keep_on_device=keep)
     return out, lse

@@ -109,6 +109,42 @@ def test_group_mode_many_sequences(module):
         _group(module(), mask, lq, lk, what="many")
 
 
+@pytest.mark.parametrize("mask", ["b", "t:3,40", "0", "b:50,0"])
+def test_group_mode_prefill_in_groups_of_rows(module, mask):
+    """Long sequences in no order of length: the frame runs in several groups of rows, each
+    computing only the leading entries of the frame ordered longest first (``Frame.by_length``,
+    ``Frame.prefix``); the shortest, empty and longest sequences sit anywhere in the call."""
+    lq = [130, 600, 5, 300, 0, 451, 64, 599, 1]
+    lk = [130, 600, 40, 350, 9, 451, 64, 700, 300]
+    _group(module(), mask, lq, lk, what="groups")
+
+
+def test_frame_prefix_holds_every_entry_with_rows_past_it():
+    """For every row ``a`` of a frame, the leading ``nb[a // U]`` entries include each entry with
+    a query row at or past ``a`` (brute force over the rows), and ordering the frame by length
+    moves every output row with its entry."""
+    rng = np.random.default_rng(11)
+    m = Mask.from_str("b")
+    for _ in range(30):
+        n = int(rng.integers(1, 40))
+        lq = rng.integers(0, 300, n)
+        lq[int(rng.integers(0, n))] = int(rng.integers(1, 300))
+        st = _starts(lq)
+        fr = frames.group_frame(m, (st[:-1], lq, st[:-1], lq, st[:-1], int(st[-1])), int(st[-1]))
+        ordered = fr.by_length()
+        ql = ordered.desc[:, 0]
+        assert (np.diff(ql.astype(np.int64)) <= 0).all()
+        unit, *nb = ordered.prefix()
+        assert len(nb) == 16 and unit * 16 >= ordered.q_idx.shape[1]
+        for a in range(ordered.q_idx.shape[1]):
+            has_rows = np.flatnonzero(ql > a)
+            assert (has_rows < nb[min(a // unit, 15)]).all()
+        for f in (fr, ordered):  # each output row's frame row holds that row's source
+            src = f.q_idx.ravel()[f.out_idx.ravel()]
+            assert np.array_equal(src, np.arange(int(st[-1])))
+            assert np.array_equal(f.q_idx.ravel()[f.lse_idx.ravel()], np.arange(int(st[-1])))
+
+
 def test_group_mode_seqlen_k_and_padded_starts(module):
     lq, lk = [7, 0, 90, 33], [50, 20, 140, 33]
     used = np.array([50, 3, 100, 0], np.int32)

@@ -33,7 +33,11 @@ import dataclasses
 
 from .ir import Fn
 
-__all__ = ["Bounds", "Coords", "group_bounds", "row_lo", "row_hi", "edge_window"]
+__all__ = ["Bounds", "Coords", "group_bounds", "row_lo", "row_hi", "edge_window", "PREFIX_STEPS", "prefix_entries"]
+
+# a ragged frame's entries ordered longest first: how many of them have rows at or past row
+# i * U, for i < PREFIX_STEPS (fwd_ragged's scalars nb0 ..; frames.Frame.prefix)
+PREFIX_STEPS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,3 +100,13 @@ def edge_window(fn: Fn, lo, hi, limit, unit: int) -> tuple[str, str]:
     unit)`` keys from ``max(0, min(lo, limit - width))`` (valid when ``width <= limit``)."""
     width = fn.round_up(fn.sub(hi, lo), unit)
     return fn.max(fn.min(lo, fn.sub(limit, width)), 0), width
+
+
+def prefix_entries(fn: Fn, row, unit: str, counts: list[str], b: str) -> str:
+    """The leading batch entries a group whose first row is ``row`` computes: ``counts[row //
+    unit]`` (the last count past the table), at least 1 (so no op is empty) and at most ``b``."""
+    i = fn.floordiv(row, unit)
+    n = counts[0]
+    for j, count in enumerate(counts[1:], 1):
+        n = fn.select(fn.cmp("sge", i, j), count, n)
+    return fn.bounded(fn.clamp(n, 1, b))

@@ -182,16 +182,18 @@ def _prefill(c: Ctx, tier: Tier, h: _Groups, qp: str, cr: _Carry, left: bool) ->
     fn, p = c.fn, c.p
     for g, (bd, k2) in enumerate(zip(h.bounds, h.k2)):
         row0 = fn.bounded(fn.mul(fn.opaque(g), h.m))
-        at = (["0", "0", "0", row0], [c.b, c.hk, "1", h.m])
+        # a ragged frame ordered longest first: only its leading entries have rows in this group
+        cg = c if c.frame is None else dataclasses.replace(c, b=c.frame.entries(c, bd.first))
+        at = (["0", "0", "0", row0], [cg.b, c.hk, "1", h.m])
 
-        def interior(bd=bd, k2=k2, row0=row0, cr=cr, at=at):
-            res = _attend(c, tier, _q_rows(c, qp, row0, h.m), kv_operand(c, "k", bd.int_lo, k2),
-                          kv_operand(c, "v", bd.int_lo, k2), fresh_outs(fn, [c.b, c.hk, h.m], ("b0", "b1", "m"), p.dv), 2)
+        def interior(bd=bd, k2=k2, row0=row0, cr=cr, at=at, cg=cg):
+            res = _attend(cg, tier, _q_rows(cg, qp, row0, h.m), kv_operand(cg, "k", bd.int_lo, k2),
+                          kv_operand(cg, "v", bd.int_lo, k2), fresh_outs(fn, [cg.b, c.hk, h.m], ("b0", "b1", "m"), p.dv), 2)
             return cr.state.insert(fn, res, *at)
 
         cr = cr.with_state(fn.dispatch(cr.results(), interior))
         for e, (lo, w) in enumerate(h.windows[g][:2 if left else 1]):
-            cr = cr.with_names(_masked(c, tier, cr, qp=qp, lo=lo, w=w, m=h.m, row0=row0,
+            cr = cr.with_names(_masked(cg, tier, cr, qp=qp, lo=lo, w=w, m=h.m, row0=row0,
                                        where=("groups", fn.opaque(g), e), outs_at=(*at, True)))
     return cr
 

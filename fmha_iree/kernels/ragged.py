@@ -4,7 +4,7 @@ as a padded frame whose batch entries each carry their own lengths and CK mask.
 Signature (``layout`` of the module; ``bshd`` shown)::
 
     fwd_ragged(q [Nq, Rq, Hq, Dq], k [Nk, Rk, Hk, Dq], v [Nk, Rk, Hk, Dv], idx: i32 [L], scale: f32,
-               B, Sq, Sk, NP, P, No, Ro, Nl, Rl, y, x, yu, xu, khi, khiu: i64)
+               B, Sq, Sk, NP, P, No, Ro, Nl, Rl, y, x, yu, xu, khi, khiu, U, nb0 .. nb15: i64)
         -> (out [No, Ro, Hq, Dv], lse [Nl, Hq, Rl] f32, scratch...)
 
 ``q`` / ``k`` / ``v`` are read as rows (``n * R + r``): group mode's packed ``[1, T, H, D]``, a
@@ -15,7 +15,9 @@ paged cache's block table times its page size ``P``, or a contiguous sequence's 
 ``P = Sk``; ``frames.PagedRows``), the descriptor ``[4, B]`` (rows qlen, klen, y, x: each sequence's lengths and CK
 coordinates), the frame row of each output row ``[No, Ro]`` and of each LSE column ``[Nl, Rl]``
 (-1: zeros / -inf). The scalars are those sizes and the frame's interior and union coordinates
-(``bounds.Coords``). The work: three gathers into the frame (``frames.gather_rows``), ``fwd``'s
+(``bounds.Coords``), then the prefix table (``PREFIX_SCALARS``: entries ordered longest first,
+``frames.Frame.by_length``, so that a group of rows computes only the entries with rows in it).
+The work: three gathers into the frame (``frames.gather_rows``), ``fwd``'s
 cut of it (``general.fwd_body``: the interior shared by every sequence, edges masked per
 sequence), two gathers out. The frames come back among the scratch results, which the caller
 drops (``general``: allocated like outputs, freed without a host wait).
@@ -26,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from .attention import Operand
-from .bounds import Coords
+from .bounds import PREFIX_STEPS, Coords, prefix_entries
 from .frames import ExplicitRows, PagedRows, gather_lse, gather_rows, rows_dims
 from .general import fwd_body
 from .ir import Fn, tensor_type
@@ -34,9 +36,12 @@ from .operands import Ctx, Plan
 from .packed import MASK3, PACKED_SCALARS, gather_pages, packed_host, packed_work
 from .state import State
 
-__all__ = ["render_ragged", "render_packed", "RAGGED_SCALARS", "PACKED_SCALARS"]
+__all__ = ["render_ragged", "render_packed", "RAGGED_SCALARS", "PREFIX_SCALARS", "PACKED_SCALARS"]
 
 RAGGED_SCALARS = ("B", "Sq", "Sk", "NP", "P", "No", "Ro", "Nl", "Rl", "y", "x", "yu", "xu", "khi", "khiu")
+# fwd_ragged's own: the frame's entries with rows at or past row i * U lead its batch
+# (frames.Frame.prefix); a group of rows computes only those
+PREFIX_SCALARS = ("U", *(f"nb{i}" for i in range(PREFIX_STEPS)))
 _SIZES = RAGGED_SCALARS[:9]
 
 
@@ -66,6 +71,13 @@ class _Frame:
         lay = c.p.layout
         return gather_rows(c.fn, src=src, src_layout=lay, src_rows=src_rows, rows=rows, size=size, heads=heads,
                            out_layout=lay, dtype=c.p.dtype, d=d, d_src=d_src, lowering=c.p.main.lowering)
+
+    def entries(self, c: Ctx, row: str) -> str:
+        """The leading batch entries that hold every entry with a query row at or past ``row``
+        (all ``B`` where the function has no ``PREFIX_SCALARS``)."""
+        if "U" not in self.s:
+            return c.b
+        return prefix_entries(c.fn, row, self.s["U"], [self.s[f"nb{i}"] for i in range(PREFIX_STEPS)], c.b)
 
     def enter(self, c: Ctx):
         s, (hq, hk), at = self.s, self.heads, self.at
@@ -115,12 +127,13 @@ def _function(fn: Fn, p: Plan, func_name: str, scalars: tuple[str, ...], results
 def render_ragged(plan: Plan, func_name: str = "fwd_ragged") -> str:
     """The MLIR text of ``util.func public @func_name`` (see the module docstring)."""
     fn, p = Fn(), plan
-    s, at, frame = _prologue(fn, p, RAGGED_SCALARS)
+    scalars = RAGGED_SCALARS + PREFIX_SCALARS
+    s, at, frame = _prologue(fn, p, scalars)
     hq, hk = frame.heads
     co = lambda: Coords(s["y"], s["x"], s["yu"], s["xu"], s["khi"], s["khiu"])  # noqa: E731
     results = fwd_body(fn, p, "%q", "%k", "%v", co, desc=("%idx", at["desc"]), sizes=(s["B"], s["Sq"], hq, s["Sk"], hk),
                        frame=frame)
-    return _function(fn, p, func_name, RAGGED_SCALARS, results)
+    return _function(fn, p, func_name, scalars, results)
 
 
 def render_packed(plan: Plan, func_name: str = "fwd_packed", mode: str = "rows") -> str:
