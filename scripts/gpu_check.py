@@ -8,6 +8,9 @@ For every module: shapes that take the plan (odd lengths, windows) and shapes th
 dense / causal entry points (lengths multiples of the module's alignment), with host arrays, with
 DeviceTensors and with torch CUDA tensors (non-contiguous views; the results must come back as
 torch CUDA tensors), against a float64 reference computed from the inputs with the CK mask rule.
+A ``bshd`` module also runs group mode (``varlen``): prefill frames of several groups of rows with
+sequences in no order of length, empty ones, Sq != Sk, and a decode batch, from host arrays and
+DeviceTensors, against the same reference per sequence.
 """
 
 from __future__ import annotations
@@ -77,7 +80,51 @@ def main():
                 worst = max(worst, err)
                 print(f"  {pr['dtype']} d{d} g{g} B={B} Sq={sq} Sk={sk} mask={mask:<8} path={path_kind:<12} {src:<6}: "
                       f"max|out-ref|={err:.2e} max|lse-ref|={lerr:.2e}", flush=True)
+        if pr["layout"] == "bshd":
+            worst = max(worst, _check_varlen(f, pr, dt, args.device))
     print(f"worst max|out-ref| {worst:.2e}")
+
+
+# group-mode compositions: (query lengths, key lengths); the first two are prefill frames of many
+# groups of rows (their sequences in no order of length), the last a decode batch
+VARLEN = [([1500, 130, 0, 2047, 700, 1, 2500, 333], [1500, 200, 9, 2047, 900, 64, 2500, 333]),
+          ([64, 1024, 1023, 5, 257], [64, 1024, 3000, 5, 257]),
+          ([1] * 12, [300, 4100, 1, 64, 65, 2000, 777, 8192, 17, 256, 1000, 5000])]
+
+
+def _check_varlen(f, pr, dt, device: str) -> float:
+    """Group mode on a bshd module against a float64 reference per sequence; the worst error."""
+    import torch
+
+    import fmha_iree
+    from fmha_iree import Mask
+
+    d, g = pr["hdim"], pr["group"]
+    hq = pr.get("heads") or 16
+    hk, worst = hq // g, 0.0
+    for (lq, lk) in VARLEN:
+        sq, sk = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lq, lk))
+        q = torch.randn(int(sq[-1]), hq, d, dtype=dt)
+        k, v = (torch.randn(int(sk[-1]), hk, d, dtype=dt) for _ in range(2))
+        for mask in ("b", "t", "0", "b:64,0", "t:20,5"):
+            ref = torch.zeros(q.shape, dtype=torch.float64)
+            for b in range(len(lq)):
+                qs, ks, vs = (x[a:z].double().transpose(0, 1) for x, a, z in
+                              ((q, sq[b], sq[b + 1]), (k, sk[b], sk[b + 1]), (v, sk[b], sk[b + 1])))
+                if not lq[b]:
+                    continue
+                s = (qs @ ks.repeat_interleave(g, 0).transpose(-1, -2)) / np.sqrt(d)
+                s = s.masked_fill(~torch.from_numpy(Mask.from_str(mask).materialize(lq[b], lk[b])), float("-inf"))
+                ref[sq[b]:sq[b + 1]] = (torch.softmax(s, -1).nan_to_num(0) @ vs.repeat_interleave(g, 0)).transpose(0, 1)
+            for src in ("host", "device"):
+                ins = (q, k, v) if src == "host" else tuple(fmha_iree.to_device(x, device) for x in (q, k, v))
+                out = f.varlen(*ins, sq, sk, mask=mask)
+                out = out.to_torch() if src == "device" else torch.as_tensor(np.asarray(out))
+                err = (out.double() - ref).abs().max().item()
+                worst = max(worst, err)
+                print(f"  varlen {pr['dtype']} d{d} g{g} Tq={int(sq[-1])} Tk={int(sk[-1])} ({len(lq)} sequences) "
+                      f"mask={mask:<7} {src:<6}: max|out-ref|={err:.2e}", flush=True)
+    return worst
 
 
 def _inputs(src: str, xs: tuple, device: str) -> tuple:
