@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from .dispatch import PreparedCalls, Route, device_call_key, prepare, route, run_batch, run_paged, run_varlen
+from .kernels.bounds import PREFIX_STEPS
 from .paged import check_paged
 from .runtime import FmhaModule
 from .spec import check_batch, check_varlen
@@ -132,6 +133,10 @@ def load(path, device: str = "local-task") -> DeployedFmha:
     want = manifest.get("sha256")
     if want is not None and hashlib.sha256(vmfb).hexdigest() != want:
         raise ValueError(f"{path} does not match its manifest's sha256 (damaged, or another module's file)")
+    ragged = (manifest.get("entry_points") or {}).get("fwd_ragged")
+    if isinstance(ragged, dict) and f"nb{PREFIX_STEPS - 1}" not in ragged.get("args", {}):
+        raise ValueError(f"{path} was compiled by an earlier fmha_iree: its fwd_ragged takes no prefix table "
+                         "(fwd_ragged's U, nb0 ..); compile it again")
     uri, _ = resolve_device(device)
     mod = FmhaModule(vmfb, uri, manifest["module"], dense=manifest.get("dense"),
                      typed_bf16=manifest["target"]["backend"] != "llvm-cpu", layout=manifest["problem"]["layout"])

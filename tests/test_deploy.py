@@ -294,6 +294,22 @@ def test_damaged_module_files_are_refused(bshd_module, tmp_path):
     assert "FmhaModule" not in runtime_module.__all__ and "FmhaModule" not in fmha_iree.__all__
 
 
+def test_module_of_an_earlier_ragged_signature_is_refused(tmp_path):
+    """A manifest whose ``fwd_ragged`` lacks the prefix table (a module compiled before it) is
+    refused with a ``ValueError`` naming the file before the runtime sees the bytes."""
+    import hashlib
+
+    blob = b"not a module"
+    path = tmp_path / "old.vmfb"
+    path.write_bytes(blob)
+    args = {n: [[], "i64 scalar"] for n in ("B", "Sq", "y", "x", "khi", "khiu")}
+    manifest = {"format": "fmha_iree.module/1", "sha256": hashlib.sha256(blob).hexdigest(),
+                "entry_points": {"fwd_ragged": {"args": args}}}
+    path.with_suffix(".json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="old.vmfb.*earlier fmha_iree.*compile it again"):
+        fmha_iree.load(path)
+
+
 def test_deployed_module_reads_a_paged_cache(bshd_module):
     """``DeployedFmha.varlen`` takes the paged-cache arguments of ``fmha_fwd_varlen``."""
     from test_paged import _cache, _reference, _table
