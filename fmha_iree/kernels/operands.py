@@ -11,7 +11,7 @@ from .bounds import Coords
 from .elementwise import copy_attrs
 from .ir import Fn, tensor_type
 
-__all__ = ["Tier", "Plan", "Ctx", "kv_operand", "kv_padded", "q_padded"]
+__all__ = ["Tier", "Plan", "Ctx", "kv_operand", "kv_padded", "q_padded", "generated"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +84,9 @@ class Ctx:
         return self.held if self.held[0] else self.p.arg_dims
 
     def q_held(self) -> int:
-        """Head dim of ``q``: a frame's is the plan's, an argument's its own (``q_padded`` pads it)."""
-        return self.p.dq if self.frame is not None else self.p.arg_dims[0]
+        """Head dim of ``q``: the argument's (``q_padded`` pads it; a ragged frame gathers its
+        padded Q itself)."""
+        return self.p.arg_dims[0]
 
 
 _PAR4 = ", ".join(['"parallel"'] * 4)
@@ -122,7 +123,7 @@ def kv_operand(c: Ctx, which: str, lo: str, keys, pieces: str | None = None) -> 
     return Operand(ex, ty5, ("b0", "b2", "k2", "b1", kdim))
 
 
-def _generated(c: Ctx, ty: str, sizes: list, attrs: str, fill: str, element) -> str:
+def generated(c: Ctx, ty: str, sizes: list, attrs: str, fill: str, element) -> str:
     """One dispatch making ``ty`` (dynamic ``sizes``; rank 4): a generic over the result whose
     element at indices ``i`` is ``element(i)`` = (valid i1, value) where valid, else ``fill``.
     Reading each element where it is (``tensor.extract``) keeps a padded copy one dispatch: a copy
@@ -145,7 +146,7 @@ def _generated(c: Ctx, ty: str, sizes: list, attrs: str, fill: str, element) -> 
 
 
 def kv_padded(c: Ctx, which: str) -> Operand:
-    """K or V copied into ``c.limit`` keys and the plan's head dim (``_generated``). Past Sk, V
+    """K or V copied into ``c.limit`` keys and the plan's head dim (``generated``). Past Sk, V
     holds zeros (a masked key's weight is 0, and 0 * V must be 0) and K ones (any finite value);
     past the argument's head dim K's ones meet Q's zeros (``q_padded``) and V's columns are
     dropped."""
@@ -166,7 +167,7 @@ def kv_padded(c: Ctx, which: str) -> Operand:
         return ok, fn.let(f"tensor.extract {src.name}[{', '.join(at)}] : {src_ty}", "kv")
 
     attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=s_dim, inner=d)
-    return Operand(_generated(c, ty, full, attrs, "1.0" if which == "k" else "0.0", element), ty, src.dims)
+    return Operand(generated(c, ty, full, attrs, "1.0" if which == "k" else "0.0", element), ty, src.dims)
 
 
 def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
@@ -175,6 +176,8 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
     which is dropped); columns past the argument's head dim are zeros (``Plan.pads``,
     ``_q_gathered``). One explicit dispatch: a copy generic stored into the rows it fills (IREE
     lowers an unstructured copy into a slice to a one-workgroup ``slow_memcpy``)."""
+    if c.frame is not None:  # a ragged frame's rows, gathered straight into this layout
+        return c.frame.q_padded(c, m_pad)
     fn, G, D, T = c.fn, c.p.group, c.p.dq, c.p.dtype
     S = c.q_held()  # the source's head dim
     if S != D:
@@ -210,7 +213,7 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
 
 
 def _q_gathered(c: Ctx, q_arg: str, m_pad: str, d_src: int) -> str:
-    """``q_padded`` for a Q narrower than the plan's head dim (``_generated``): element
+    """``q_padded`` for a Q narrower than the plan's head dim (``generated``): element
     ``(b, h, s * G + g, d)`` of ``[B, Hk, m_pad, Dq]`` is the argument's, zeros past its head dim
     and past ``Sq * G`` rows."""
     fn, G, D, T = c.fn, c.p.group, c.p.dq, c.p.dtype
@@ -226,4 +229,4 @@ def _q_gathered(c: Ctx, q_arg: str, m_pad: str, d_src: int) -> str:
         return ok, fn.let(f"tensor.extract {q_arg}[{', '.join(at)}, {fn.min(dd, d_src - 1)}] : {a_ty}", "qv")
 
     attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=2, inner=D)
-    return _generated(c, q_ty, [c.b, c.hk, m_pad], attrs, "0.0", element)
+    return generated(c, q_ty, [c.b, c.hk, m_pad], attrs, "0.0", element)
