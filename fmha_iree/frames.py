@@ -3,11 +3,13 @@ KV caches, each as one padded frame on the device.
 
 A frame is a batch ``[B, Sq_f, H, D]`` (the module's layout) with one row of sequences per batch
 entry: ``Sq_f`` / ``Sk_f`` the longest query and key counts, each sequence left-aligned, its rows
-and keys past its own lengths zero. Three gathers build and read it (``kernels.frames``): the
-index arrays below say which source row lands in each frame row (for a paged cache the block table
+and keys past its own lengths zero. Gathers build and read it (``kernels.frames``): the index
+arrays below say which source row lands in each frame row (for a paged cache the block table
 does), so a new batch composition changes data, never the module. ``fwd_ragged`` then runs every
 sequence with its own lengths and mask (``kernels.bounds``: the interior shared by all, edges
-masked per sequence), and the last gathers put its rows where the caller expects them.
+masked per sequence), each group of rows over the entries that have rows in it (the frame
+ordered longest first, ``Frame.by_length`` / ``Frame.prefix``), and the last gathers put its rows
+where the caller expects them.
 """
 
 from __future__ import annotations

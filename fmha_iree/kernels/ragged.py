@@ -17,8 +17,8 @@ coordinates), the frame row of each output row ``[No, Ro]`` and of each LSE colu
 (-1: zeros / -inf). The scalars are those sizes and the frame's interior and union coordinates
 (``bounds.Coords``), then the prefix table (``PREFIX_SCALARS``: entries ordered longest first,
 ``frames.Frame.by_length``, so that a group of rows computes only the entries with rows in it).
-The work: three gathers into the frame (``frames.gather_rows``), ``fwd``'s
-cut of it (``general.fwd_body``: the interior shared by every sequence, edges masked per
+The work: K and V gathered into the frame (``frames.gather_rows``), Q gathered straight into
+the padded rows the ops read (``_Frame.q_padded``), ``fwd``'s cut of it (``general.fwd_body``: the interior shared by every sequence, edges masked per
 sequence), two gathers out. The frames come back among the scratch results, which the caller
 drops (``general``: allocated like outputs, freed without a host wait).
 """
