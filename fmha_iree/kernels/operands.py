@@ -11,7 +11,7 @@ from .bounds import Coords
 from .elementwise import copy_attrs
 from .ir import Fn, tensor_type
 
-__all__ = ["Tier", "Plan", "Ctx", "kv_operand", "kv_padded", "q_padded", "generated"]
+__all__ = ["Tier", "Plan", "Ctx", "kv_operand", "kv_padded", "q_padded", "padded_q_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +82,6 @@ class Ctx:
     def dims_held(self) -> tuple[int, int]:
         """Head dims of ``k`` / ``v`` as they are now (copies or frames: the plan's)."""
         return self.held if self.held[0] else self.p.arg_dims
-
-    def q_held(self) -> int:
-        """Head dim of ``q``: the argument's (``q_padded`` pads it; a ragged frame gathers its
-        padded Q itself)."""
-        return self.p.arg_dims[0]
 
 
 _PAR4 = ", ".join(['"parallel"'] * 4)
@@ -179,7 +174,7 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
     if c.frame is not None:  # a ragged frame's rows, gathered straight into this layout
         return c.frame.q_padded(c, m_pad)
     fn, G, D, T = c.fn, c.p.group, c.p.dq, c.p.dtype
-    S = c.q_held()  # the source's head dim
+    S = c.p.arg_dims[0]  # the argument's head dim
     if S != D:
         return _q_gathered(c, q_arg, m_pad, S)
     q_ty, a_ty = _ty(["?", "?", "?", D], T), _ty(["?", "?", "?", S], T)
@@ -213,11 +208,22 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
 
 
 def _q_gathered(c: Ctx, q_arg: str, m_pad: str, d_src: int) -> str:
-    """``q_padded`` for a Q narrower than the plan's head dim (``generated``): element
-    ``(b, h, s * G + g, d)`` of ``[B, Hk, m_pad, Dq]`` is the argument's, zeros past its head dim
-    and past ``Sq * G`` rows."""
-    fn, G, D, T = c.fn, c.p.group, c.p.dq, c.p.dtype
-    q_ty, a_ty = _ty(["?", "?", "?", D], T), _ty(["?", "?", "?", d_src], T)
+    """``q_padded`` for a Q narrower than the plan's head dim (``padded_q_rows`` over the
+    argument's own rows)."""
+    a_ty = _ty(["?", "?", "?", d_src], c.p.dtype)
+
+    def read(b, s, head, dd):
+        at = [b, head, s] if c.p.layout == "bhsd" else [b, s, head]
+        return None, c.fn.let(f"tensor.extract {q_arg}[{', '.join(at)}, {dd}] : {a_ty}", "qv")
+
+    return padded_q_rows(c, m_pad, d_src, read)
+
+
+def padded_q_rows(c: Ctx, m_pad: str, d_src: int, read) -> str:
+    """``[B, Hk, m_pad, Dq]`` in one dispatch (``generated``): element ``(b, h, s * G + g, d)`` is
+    ``read(b, s, h * G + g, d)`` = (valid i1 or None for always, value) for ``s < Sq`` and ``d <
+    d_src`` (``s`` and ``d`` clamped into range before the read), zeros elsewhere."""
+    fn, G, D = c.fn, c.p.group, c.p.dq
 
     def element(at):
         b, h, r, dd = at
@@ -225,8 +231,8 @@ def _q_gathered(c: Ctx, q_arg: str, m_pad: str, d_src: int) -> str:
         ok = fn.andi(fn.cmp("slt", r, rows), fn.cmp("slt", dd, d_src))
         r = fn.min(r, fn.sub(rows, 1))
         s, head = fn.floordiv(r, G), fn.add(fn.mul(h, G), fn.arith(f"arith.remsi {r}, {fn.c(G)} : index", "qx"))
-        at = [b, head, s] if c.p.layout == "bhsd" else [b, s, head]
-        return ok, fn.let(f"tensor.extract {q_arg}[{', '.join(at)}, {fn.min(dd, d_src - 1)}] : {a_ty}", "qv")
+        valid, val = read(b, s, head, fn.min(dd, d_src - 1))
+        return (ok if valid is None else fn.andi(ok, valid)), val
 
     attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=2, inner=D)
-    return generated(c, q_ty, [c.b, c.hk, m_pad], attrs, "0.0", element)
+    return generated(c, _ty(["?", "?", "?", D], c.p.dtype), [c.b, c.hk, m_pad], attrs, "0.0", element)

@@ -32,8 +32,7 @@ from .bounds import PREFIX_STEPS, Coords, prefix_entries
 from .frames import ExplicitRows, PagedRows, gather_lse, gather_rows, rows_dims
 from .general import fwd_body
 from .ir import Fn, tensor_type
-from .elementwise import copy_attrs
-from .operands import Ctx, Plan, generated
+from .operands import Ctx, Plan, padded_q_rows
 from .packed import MASK3, PACKED_SCALARS, gather_pages, packed_host, packed_work
 from .state import State
 
@@ -91,31 +90,23 @@ class _Frame:
         return c, (kf, vf)
 
     def q_padded(self, c: Ctx, m_pad: str) -> str:
-        """``operands.q_padded`` of the frame: ``[B, Hk, m_pad, Dq]`` whose row ``s * G + g`` of
-        entry ``b`` and KV head ``h`` is head ``h * G + g`` of Q's source row ``idx[b, s]`` (zeros
-        for -1, past ``Sq`` and past Q's head dim), gathered from ``%q`` in one dispatch (as a
+        """``operands.q_padded`` of the frame (``padded_q_rows``): row ``s`` of entry ``b`` is
+        Q's source row ``idx[b, s]`` (zeros for -1), gathered from ``%q`` in one dispatch (as a
         frame of its own and then a padded copy, the 16-sequence prefill's Q took 0.184 + 0.168 ms
         on the H200, 2026-12-03)."""
         fn, p, s = c.fn, c.p, self.s
-        G, d_src = p.group, p.arg_dims[0]
-        src_ty = tensor_type(["?", "?", "?", d_src], p.dtype)
+        src_ty = tensor_type(["?", "?", "?", p.arg_dims[0]], p.dtype)
         idx_ty, rows = tensor_type(["?"], "i32"), self.src_rows[0]
 
-        def element(ix):
-            b, h, r, dd = ix
-            sr = fn.floordiv(r, G)
-            ok = fn.andi(fn.cmp("slt", sr, s["Sq"]), fn.cmp("slt", dd, d_src))
-            at = fn.add(self.at["q"], fn.add(fn.mul(b, s["Sq"]), fn.min(sr, fn.sub(s["Sq"], 1))))
+        def read(b, sr, head, dd):
+            at = fn.add(self.at["q"], fn.add(fn.mul(b, s["Sq"]), sr))
             row = fn.let(f"arith.index_cast {fn.let(f'tensor.extract %idx[{at}] : {idx_ty}', 'qi')} : i32 to index", "qr")
-            ok = fn.andi(ok, fn.cmp("sge", row, 0))
             safe = fn.max(row, 0)
             n, rr = fn.floordiv(safe, rows), fn.arith(f"arith.remsi {safe}, {rows} : index", "qr")
-            head = fn.add(fn.mul(h, G), fn.arith(f"arith.remsi {r}, {fn.c(G)} : index", "qx"))
             src = [n, rr, head] if p.layout == "bshd" else [n, head, rr]
-            return ok, fn.let(f"tensor.extract %q[{', '.join(src)}, {fn.min(dd, d_src - 1)}] : {src_ty}", "qv")
+            return fn.cmp("sge", row, 0), fn.let(f"tensor.extract %q[{', '.join(src)}, {dd}] : {src_ty}", "qv")
 
-        attrs = copy_attrs(p.main.lowering, rank=4, row_dim=2, inner=p.dq)
-        return generated(c, tensor_type(["?", "?", "?", p.dq], p.dtype), [c.b, c.hk, m_pad], attrs, "0.0", element)
+        return padded_q_rows(c, m_pad, p.arg_dims[0], read)
 
     def leave(self, c: Ctx, entered, results: list[str]) -> list[str]:
         s, hq = self.s, self.heads[0]
