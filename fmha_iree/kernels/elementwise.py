@@ -1,16 +1,91 @@
-"""Lowering of the elementwise dispatches around the attention ops (Q copy, normalize).
+"""Lowering of the elementwise dispatches around the attention ops (Q copy, gathers, masks,
+normalize).
 
 With dynamic sizes IREE 3.13 gives such an op one 128-element row per 32-thread workgroup (a
 ``[1, .., 1, 128]`` tile): the Q copy and the normalize of a B4 H16 S4096 call then moved 0.8-1.2
 TB/s on the H200 (0.16 ms each, 2026-12-01, torch.profiler; the normalize 0.06 ms with 8 rows of
 8 elements per thread). ``copy_attrs`` tiles rows of the op's innermost (static) dim per
-workgroup; on the CPU (and where IREE chooses the attention lowering) it returns "" and IREE
-keeps its own.
+workgroup; ``block_attrs`` gives a generator (the edge masks) one static block per workgroup and
+16 consecutive elements per thread. On the CPU (and where IREE chooses the attention lowering)
+both return "" and IREE keeps its own.
+
+IREE 3.13 proves no binding of these dispatches aligned beyond its element size, so NVPTX splits a
+thread's vector of f16 into 2-byte accesses. Copies therefore move 64-bit words (``as_words`` /
+``from_words``: the same buffers seen as i64 along the head dim). H200, 2026-12-03, B4 H16 S4096
+causal: the Q copy 0.121 -> 0.042 ms, the edge masks 0.081 -> 0.026 (blocks); the 16-sequence
+group-mode prefill 3.06 -> 2.39 ms per call (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
-__all__ = ["copy_attrs"]
+from .ir import tensor_type
+
+__all__ = ["copy_attrs", "block_attrs", "WORD", "word_elems", "as_words", "from_words"]
+
+WORD = "i64"  # copies move 64-bit words
+_BITS = {"f16": 16, "bf16": 16, "f32": 32}
+
+
+def word_elems(dtype: str, *dims: int) -> int:
+    """Elements of ``dtype`` per 64-bit word where each of ``dims`` (head dims) is a whole number
+    of words, else 0. A copy over words reads and writes 8 bytes per element: IREE 3.13 cannot
+    prove a dynamically offset binding aligned beyond its element size, so NVPTX splits a vector of
+    f16 into 2-byte accesses (the Q copy of a B4 H16 S4096 call moved 1.1 TB/s on the H200)."""
+    n = 64 // _BITS.get(dtype, 64)
+    return n if n > 1 and all(d % n == 0 for d in dims) else 0
+
+
+def as_words(fn, value: str, ty_shape: list, dyn: list[str], dtype: str, word: str = WORD) -> tuple[str, str]:
+    """``value`` (a tensor of ``ty_shape``, last dim static, dynamic sizes ``dyn``) as ``word``
+    integers along its last dim (``flow.tensor.bitcast``: the same buffer). Returns (value, type)."""
+    src, dst = tensor_type(ty_shape, dtype), _word_type(ty_shape, dtype, word)
+    sizes = ", ".join(dyn)
+    return fn.let(f"flow.tensor.bitcast {value} : {src}{{{sizes}}} -> {dst}{{{sizes}}}", "w"), dst
+
+
+def from_words(fn, value: str, ty_shape: list, dyn: list[str], dtype: str, word: str = WORD) -> str:
+    """The inverse of ``as_words``: ``value`` (words) as the ``dtype`` tensor of ``ty_shape``."""
+    src, dst = _word_type(ty_shape, dtype, word), tensor_type(ty_shape, dtype)
+    sizes = ", ".join(dyn)
+    return fn.let(f"flow.tensor.bitcast {value} : {src}{{{sizes}}} -> {dst}{{{sizes}}}", "w")
+
+
+def _word_type(ty_shape: list, dtype: str, word: str) -> str:
+    n = int(word[1:]) // _BITS[dtype]
+    if n < 1 or int(ty_shape[-1]) % n:
+        raise ValueError(f"{ty_shape} of {dtype} is not a whole number of {word} words")
+    return tensor_type([*ty_shape[:-1], int(ty_shape[-1]) // n], word)
+
+
+def _compilation_info(wg: list[int], th: list[int], threads: int, sg: int) -> str:
+    lst = lambda xs: "[" + ", ".join(str(x) for x in xs) + "]"  # noqa: E731
+    return (f" attrs = {{compilation_info = #iree_codegen.compilation_info<"
+            f"lowering_config = #iree_gpu.lowering_config<{{workgroup = {lst(wg)}, thread = {lst(th)}}}>, "
+            f"translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<TileAndFuse> "
+            f"workgroup_size = [{threads}, 1, 1] subgroup_size = {sg}>>}}")
+
+
+def _gpu(lowering) -> bool:
+    return bool(lowering) and not isinstance(lowering, str) and lowering.get("backend") != "cpu"
+
+
+def block_attrs(lowering, *, rank: int, block: tuple[int, ...], vec: int) -> str:
+    """``attrs`` for a generator over ``rank`` parallel loops whose last ``len(block)`` loops are
+    tiled by ``block`` (e.g. a mask's 16 rows, one 64-key column, 64 keys): one block per
+    workgroup, ``vec`` consecutive elements of the last loop per thread, so each thread derives
+    its indices once per ``vec`` elements (IREE 3.13's own config: one element per thread and
+    step, with 64-bit divisions for each). "" off the GPU."""
+    if not _gpu(lowering) or block[-1] % vec:
+        return ""
+    sg = int(lowering.get("subgroup_size", 64))
+    threads = 1
+    for b in block:
+        threads *= b
+    threads //= vec
+    if threads % sg:
+        return ""
+    lead = [1] * (rank - len(block))
+    return _compilation_info(lead + list(block), [1] * (rank - 1) + [vec], threads, sg)
 
 
 def copy_attrs(lowering, *, rank: int, row_dim: int, inner: int, rows: int = 32, vec: int = 8,
@@ -19,9 +94,7 @@ def copy_attrs(lowering, *, rank: int, row_dim: int, inner: int, rows: int = 32,
     loops: ``inner`` iterations of the last loop (its size, or a tile of a size proven a multiple
     of it) and ``rows`` of loop ``row_dim`` per workgroup, ``thread_rows`` x ``vec`` elements per
     thread; "" when ``lowering`` is None or a CPU lowering."""
-    if not lowering or isinstance(lowering, str) or lowering.get("backend") == "cpu":
-        return ""
-    if inner % vec:
+    if not _gpu(lowering) or inner % vec:
         return ""
     sg = int(lowering.get("subgroup_size", 64))
     wg, th = [1] * rank, [1] * rank
@@ -29,8 +102,4 @@ def copy_attrs(lowering, *, rank: int, row_dim: int, inner: int, rows: int = 32,
     threads = rows * inner // (vec * thread_rows)
     if threads % sg:
         return ""
-    lst = lambda xs: "[" + ", ".join(str(x) for x in xs) + "]"  # noqa: E731
-    return (f" attrs = {{compilation_info = #iree_codegen.compilation_info<"
-            f"lowering_config = #iree_gpu.lowering_config<{{workgroup = {lst(wg)}, thread = {lst(th)}}}>, "
-            f"translation_info = #iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<TileAndFuse> "
-            f"workgroup_size = [{threads}, 1, 1] subgroup_size = {sg}>>}}")
+    return _compilation_info(wg, th, threads, sg)

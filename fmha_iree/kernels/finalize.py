@@ -8,7 +8,7 @@ and ``lse = (max + log2 sum) * ln 2``; rows whose sum is 0 (they see no key) get
 
 from __future__ import annotations
 
-from .elementwise import copy_attrs
+from .elementwise import as_words, copy_attrs, from_words
 from .ir import Fn, tensor_type
 from .state import State
 
@@ -127,6 +127,33 @@ def _out_layout(layout: str, G: int, dv: int, dtype: str, b: str, hk: str, sq: s
             "[[0], [1], [2, 3], [4]]")
 
 
+def _one_body(dtype: str) -> str:
+    cast = f"    %n1_y = arith.truncf %n1_v : f32 to {dtype}\n" if dtype != "f32" else "    %n1_y = arith.addf %n1_v, %n1_z : f32\n"
+    return ("    %n1_z = arith.constant 0.0 : f32\n    %n1_q = arith.divf %n1_a, %n1_l : f32\n"
+            "    %n1_p = arith.cmpf ogt, %n1_l, %n1_z : f32\n    %n1_v = arith.select %n1_p, %n1_q, %n1_z : f32\n"
+            f"{cast}    linalg.yield %n1_y : {dtype}\n")
+
+
+def _pair_body(dtype: str, word: str) -> str:
+    """Two columns per element: ``%n1_a`` (i64: two f32 of acc, low first) over ``%n1_l``, packed
+    into one ``word`` of two ``dtype`` values (low first); 0 where the sum is 0."""
+    half = int(word[1:]) // 2
+    lines = ["    %n1_z = arith.constant 0.0 : f32", "    %n1_p = arith.cmpf ogt, %n1_l, %n1_z : f32",
+             "    %n1_32 = arith.constant 32 : i64", f"    %n1_sh = arith.constant {half} : {word}",
+             "    %n1_hi = arith.shrui %n1_a, %n1_32 : i64"]
+    for i, src in enumerate(("%n1_a", "%n1_hi")):
+        lines += [f"    %n1_i{i} = arith.trunci {src} : i64 to i32", f"    %n1_f{i} = arith.bitcast %n1_i{i} : i32 to f32",
+                  f"    %n1_q{i} = arith.divf %n1_f{i}, %n1_l : f32", f"    %n1_v{i} = arith.select %n1_p, %n1_q{i}, %n1_z : f32"]
+        if dtype == "f32":
+            lines += [f"    %n1_b{i} = arith.bitcast %n1_v{i} : f32 to i32", f"    %n1_e{i} = arith.extui %n1_b{i} : i32 to i64"]
+        else:
+            lines += [f"    %n1_t{i} = arith.truncf %n1_v{i} : f32 to {dtype}", f"    %n1_b{i} = arith.bitcast %n1_t{i} : {dtype} to i16",
+                      f"    %n1_e{i} = arith.extui %n1_b{i} : i16 to {word}"]
+    lines += [f"    %n1_s = arith.shli %n1_e1, %n1_sh : {word}", f"    %n1_w = arith.ori %n1_e0, %n1_s : {word}",
+              f"    linalg.yield %n1_w : {word}"]
+    return "\n".join(lines) + "\n"
+
+
 def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout: str,
                   lowering=None, dv_out: int | None = None) -> tuple[str, str, str, str]:
     """A one-slot state to ``out`` / ``lse``: plain elementwise ops on slot 0 (tiled by
@@ -136,18 +163,20 @@ def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout:
     # the whole state viewed as rows (s, g) first, then sliced: a slice of the first Sq * G rows
     # expanded afterwards is a copy IREE runs as one-workgroup `slow_memcpy` dispatches
     per = fn.floordiv(st.lead[3], G)
-    a6 = tensor_type(["?", "?", "?", "?", G, full], "f32")
     m5, s6 = tensor_type(["?", "?", "?", "?", G], "f32"), tensor_type(["?", "?", "?", "?", G, 1], "f32")
     a5, m4 = tensor_type(["?", "?", "?", G, dv], "f32"), tensor_type(["?", "?", "?", G], "f32")
 
-    def views():
-        acc6 = fn.let(f"tensor.expand_shape {st.acc} [[0], [1], [2], [3, 4], [5]] output_shape [{b}, {hk}, {st.lead[2]}, {per}, {G}, {full}] "
-                      f": {st.acc_type} into {a6}", "ex")
+    def views(acc=st.acc, acc_cols=full, cols=dv, elt="f32"):
+        """acc (``acc``: ``acc_cols`` columns of ``elt``; its first ``cols``), max, sum: slot 0,
+        rows (s, g)."""
+        a6, a5 = (tensor_type(["?", "?", "?", "?", G, acc_cols], elt), tensor_type(["?", "?", "?", G, cols], elt))
+        acc6 = fn.let(f"tensor.expand_shape {acc} [[0], [1], [2], [3, 4], [5]] output_shape [{b}, {hk}, {st.lead[2]}, {per}, {G}, {acc_cols}] "
+                      f": {tensor_type(['?'] * 4 + [acc_cols], elt)} into {a6}", "ex")
         mx5 = fn.let(f"tensor.expand_shape {st.mx} [[0], [1], [2], [3, 4]] output_shape [{b}, {hk}, {st.lead[2]}, {per}, {G}] "
                      f": {st.mx_type} into {m5}", "ex")
         sm6 = fn.let(f"tensor.expand_shape {st.sm} [[0], [1], [2], [3, 4], [5]] output_shape [{b}, {hk}, {st.lead[2]}, {per}, {G}, 1] "
                      f": {st.sm_type} into {s6}", "ex")
-        return (fn.let(f"tensor.extract_slice {acc6}[0, 0, 0, 0, 0, 0] [{b}, {hk}, 1, {sq}, {G}, {dv}] [1, 1, 1, 1, 1, 1] : {a6} to {a5}", "sl"),
+        return (fn.let(f"tensor.extract_slice {acc6}[0, 0, 0, 0, 0, 0] [{b}, {hk}, 1, {sq}, {G}, {cols}] [1, 1, 1, 1, 1, 1] : {a6} to {a5}", "sl"),
                 fn.let(f"tensor.extract_slice {mx5}[0, 0, 0, 0, 0] [{b}, {hk}, 1, {sq}, {G}] [1, 1, 1, 1, 1] : {m5} to {m4}", "sl"),
                 fn.let(f"tensor.extract_slice {sm6}[0, 0, 0, 0, 0, 0] [{b}, {hk}, 1, {sq}, {G}, 1] [1, 1, 1, 1, 1, 1] : {s6} to {m4}", "sl"))
 
@@ -155,21 +184,32 @@ def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout:
     d5 = "d0, d1, d2, d3, d4"
     st_map, ml_map = ", ".join(sdims), ", ".join(sdims[:4])
     par = lambda n: ", ".join(['"parallel"'] * n)  # noqa: E731
-    attrs = copy_attrs(lowering, rank=5, row_dim=3 if layout == "bhsd" else 1, inner=dv)
-    cast = (f"    %n1_y = arith.truncf %n1_v : f32 to {dtype}\n" if dtype != "f32" else "    %n1_y = arith.addf %n1_v, %n1_z : f32\n")
+    # pairs of columns per element: acc read as 64-bit words, out written as 2-element words
+    # (IREE 3.13 does not prove the buffers aligned, and NVPTX splits vectors of f32 / f16 into
+    # element-sized accesses; elementwise.word_elems)
+    paired = dv % 2 == 0 and full % 2 == 0
+    o_word = {"f32": "i64"}.get(dtype, "i32")
+    acc_w = as_words(fn, st.acc, ["?"] * 4 + [full], list(st.lead), "f32")[0] if paired else None
+    o5w_ty = _out_layout(layout, G, dv // 2, o_word, b, hk, sq)[0] if paired else o5_ty
+    attrs = (copy_attrs(lowering, rank=5, row_dim=3 if layout == "bhsd" else 1, inner=dv // 2, vec=2 if o_word == "i64" else 4)
+             if paired else copy_attrs(lowering, rank=5, row_dim=3 if layout == "bhsd" else 1, inner=dv))
 
     def out_region():
         # an explicit dispatch, so that IREE keeps the op's rank and its lowering (``attrs``)
-        acc5, _, sm4 = views()
-        o_e = fn.let(f"tensor.empty({', '.join(sizes)}) : {o5_ty}", "e")
+        acc5, _, sm4 = views(acc_w, full // 2, dv // 2, "i64") if paired else views()
+        o_e = fn.let(f"tensor.empty({', '.join(sizes)}) : {o5w_ty}", "e")
+        a_ty = tensor_type(["?", "?", "?", G, dv // 2], "i64") if paired else a5
+        o_elt = o_word if paired else dtype
         return [fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({st_map})>, affine_map<({d5}) -> ({ml_map})>, "
-                       f"affine_map<({d5}) -> ({d5})>], iterator_types = [{par(5)}]}} ins({acc5}, {sm4} : {a5}, {m4}) "
-                       f"outs({o_e} : {o5_ty}){attrs} {{\n  ^bb0(%n1_a: f32, %n1_l: f32, %n1_o: {dtype}):\n"
-                       "    %n1_z = arith.constant 0.0 : f32\n    %n1_q = arith.divf %n1_a, %n1_l : f32\n"
-                       "    %n1_p = arith.cmpf ogt, %n1_l, %n1_z : f32\n    %n1_v = arith.select %n1_p, %n1_q, %n1_z : f32\n"
-                       f"{cast}    linalg.yield %n1_y : {dtype}\n  }} -> {o5_ty}", "n1")]
+                       f"affine_map<({d5}) -> ({d5})>], iterator_types = [{par(5)}]}} ins({acc5}, {sm4} : {a_ty}, {m4}) "
+                       f"outs({o_e} : {o5w_ty}){attrs} {{\n  ^bb0(%n1_a: {'i64' if paired else 'f32'}, %n1_l: f32, %n1_o: {o_elt}):\n"
+                       + (_pair_body(dtype, o_word) if paired else _one_body(dtype))
+                       + f"  }} -> {o5w_ty}", "n1")]
 
-    o5 = fn.dispatch([(o5_ty, sizes)], out_region)[0]
+    o5 = fn.dispatch([(o5w_ty, sizes)], out_region)[0]
+    if paired:
+        shape = ["?", "?", G, "?", dv] if layout == "bhsd" else ["?", "?", "?", G, dv]
+        o5 = from_words(fn, o5, shape, sizes, dtype, o_word)
     _, mx4, sm4 = views()
     o_ty = tensor_type(["?", "?", "?", dv], dtype)
     out = fn.let(f"tensor.collapse_shape {o5} {reassoc} : {o5_ty} into {o_ty}", "out")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .elementwise import copy_attrs
+from .elementwise import WORD, as_words, copy_attrs, from_words, word_elems
 from .ir import Fn, tensor_type
 
 __all__ = ["ExplicitRows", "PagedRows", "gather_rows", "gather_lse", "rows_dims"]
@@ -84,11 +84,17 @@ def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, rows, size:
     source row, ``size`` = (A, R), ``src_rows`` the source's row count per leading index, ``heads``
     the head count (host values); the result's head dim ``d`` >= the source's ``d_src`` (zeros
     past it). Returns the result."""
-    ty, src_ty = tensor_type(["?", "?", "?", d], dtype), tensor_type(["?", "?", "?", d_src], dtype)
     r_out, h_out = rows_dims(out_layout)
     a, r = size
     shape = [a, r, heads] if out_layout == "bshd" else [a, heads, r]
-    attrs = copy_attrs(lowering, rank=4, row_dim=r_out, inner=d)
+    n_w = word_elems(dtype, d, d_src)  # moved as 64-bit words where the head dims allow
+    if n_w:
+        src_ty0 = tensor_type(["?", "?", "?", d_src], dtype)  # sizes read where src is (it may be made in a path)
+        src_dyn = [fn.let(f"tensor.dim {src}, {fn.c(i)} : {src_ty0}", "gd") for i in range(3)]
+        src, _ = as_words(fn, src, ["?", "?", "?", d_src], src_dyn, dtype)
+    elt, dw, dw_src = (WORD, d // n_w, d_src // n_w) if n_w else (dtype, d, d_src)
+    ty, src_ty = tensor_type(["?", "?", "?", dw], elt), tensor_type(["?", "?", "?", dw_src], elt)
+    attrs = copy_attrs(lowering, rank=4, row_dim=r_out, inner=dw, vec=2 if n_w else 8)
     d4, par = "d0, d1, d2, d3", ", ".join(['"parallel"'] * 4)
 
     def region():
@@ -101,22 +107,23 @@ def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, rows, size:
                 f"outs({empty} : {ty}){attrs} {{")
         args = [f"%gi{i}" for i in range(len(ins))]
         head = ", ".join(f"{x}: i32" for x in args)
-        with fn.region(f"^bb0({head}, %go: {dtype}):", f"}} -> {ty}"), fn.local():
+        with fn.region(f"^bb0({head}, %go: {elt}):", f"}} -> {ty}"), fn.local():
             row = rows.row(fn, args, r_out, extra)
             ok = fn.cmp("sge", row, 0)
             safe = fn.max(row, 0)
             n, rr = fn.floordiv(safe, src_rows), fn.arith(f"arith.remsi {safe}, {src_rows} : index", "gr")
             h, dd = fn.let(f"linalg.index {h_out} : index", "gx"), fn.let("linalg.index 3 : index", "gx")
-            if d_src < d:
-                ok = fn.andi(ok, fn.cmp("slt", dd, d_src))
-                dd = fn.min(dd, d_src - 1)
+            if dw_src < dw:
+                ok = fn.andi(ok, fn.cmp("slt", dd, dw_src))
+                dd = fn.min(dd, dw_src - 1)
             at = [n, rr, h, dd] if src_layout == "bshd" else [n, h, rr, dd]
             val = fn.let(f"tensor.extract {src}[{', '.join(at)}] : {src_ty}", "gv")
-            zero = fn.let(f"arith.constant 0.0 : {dtype}", "gz")
-            fn.emit(f"linalg.yield {fn.let(f'arith.select {ok}, {val}, {zero} : {dtype}', 'gv')} : {dtype}")
+            zero = fn.let(f"arith.constant 0{'' if n_w else '.0'} : {elt}", "gz")
+            fn.emit(f"linalg.yield {fn.let(f'arith.select {ok}, {val}, {zero} : {elt}', 'gv')} : {elt}")
         return [out]
 
-    return fn.dispatch([(ty, shape)], region)[0]
+    out = fn.dispatch([(ty, shape)], region)[0]
+    return from_words(fn, out, ["?", "?", "?", d], shape, dtype) if n_w else out
 
 
 def gather_lse(fn: Fn, *, lse: str, idx: tuple[str, str], size: tuple[str, str], heads: str, rows: str) -> str:

@@ -125,7 +125,7 @@ def _groups_host(c: Ctx, tier: Tier, n: int) -> _Groups:
         any_left = fn.arith(f"arith.ori {any_left}, {fn.cmp('sgt', wl[1], 0)} : i1", "p")
     fits = fn.cmp("sle", width, c.limit)  # the widest window, so every one
     width = fn.assume_div(width, p.cols)
-    return _Groups(rows, fn.c(n), m, fn.assume_div(fn.mul(m, n), tier.tile_rows), width, bounds, k2, windows, any_left, fits)
+    return _Groups(rows, fn.opaque(n), m, fn.assume_div(fn.mul(m, n), tier.tile_rows), width, bounds, k2, windows, any_left, fits)
 
 
 def _pieces_host(c: Ctx, tier: Tier) -> _Pieces:
@@ -342,7 +342,7 @@ def _groups_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
 
 def _groups_work(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     fn, p = c.fn, c.p
-    mask = edge_masks(c, groups=h.groups, rows=h.rows, m_rows=h.m, width=h.width)
+    mask = edge_masks(c, groups=h.groups, rows=h.rows, m_rows=h.m, width=h.width, row_unit=tier.tile_rows)
     qp = q_padded(c, c.q, h.m_pad)
     cr = _prefill(c, tier, h, qp, _Carry(new_state(fn, [c.b, c.hk, fn.opaque(1), h.m_pad], p.dv), mask), left)
     out, _, lse, _ = normalize_one(fn, cr.state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout,
@@ -363,7 +363,7 @@ def _split_path(c: Ctx, tier: Tier, h: _Pieces, tag: str, rest: bool) -> list[st
     """The whole call as one group split over the keys (``_split``), slots combined at the end."""
     c, entered = _entered(c)
     fn, p = c.fn, c.p
-    mask = edge_masks(c, groups=fn.c(1), rows=c.sq, m_rows=h.m, width=h.width)
+    mask = edge_masks(c, groups=fn.opaque(1), rows=c.sq, m_rows=h.m, width=h.width, row_unit=tier.tile_rows)
     qp = q_padded(c, c.q, h.m_pad)
     cr = _split(c, tier, h, qp, _Carry(new_state(fn, [c.b, c.hk, h.n_slots, h.m_pad], p.dv), mask), tag, rest)
     out, _, lse, _ = normalize_slots(fn, cr.state, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout,

@@ -19,6 +19,7 @@ it does not use is dropped.
 from __future__ import annotations
 
 from .bounds import edge_window, group_bounds, row_hi, row_lo
+from .elementwise import block_attrs
 from .ir import tensor_type
 from .operands import Ctx
 
@@ -90,34 +91,26 @@ def _edge_rule(c: Ctx, m: str, j: str, tab: list[str]) -> tuple[str, str, str, s
     return fn.add(first, fn.floordiv(m, c.p.group)), fn.add(start, j), lo, hi
 
 
-def edge_masks(c: Ctx, *, groups: str, rows: str, m_rows: str, width: str) -> str:
+def edge_masks(c: Ctx, *, groups: str, rows: str, m_rows: str, width: str, row_unit: int) -> str:
     """Emit the generator of the ``[groups, 2, m_rows, width]`` mask (``[B, ...]`` ragged) for
-    groups of ``rows`` rows; ``width`` a proven multiple of ``cols`` (the edges' windows are)."""
+    groups of ``rows`` rows; ``m_rows`` a proven multiple of ``row_unit`` (the tier's tile rows),
+    ``width`` of ``cols`` (the edges' windows are)."""
     tables = _edge_table(c, groups, rows)
     if c.desc is not None:
-        return _ragged_masks(c, tables, groups=groups, m_rows=m_rows, width=width)
+        return _ragged_masks(c, tables, groups=groups, m_rows=m_rows, width=width, row_unit=row_unit)
     fn = c.fn
-    d4 = "d0, d1, d2, d3"
 
-    def region():
-        empty = fn.let(f"tensor.empty({groups}, {m_rows}, {width}) : {MASK_TYPE}", "me")
-        out = fn.fresh("mask")
-        fn.emit(f"{out} = linalg.generic {{indexing_maps = [" + f"affine_map<({d4}) -> (d0, d1)>, " * 4
-                + f'affine_map<({d4}) -> ({d4})>], iterator_types = ["parallel", "parallel", "parallel", "parallel"]}}')
-        with fn.region(f"    ins({', '.join(tables)} : {', '.join([_TABLE_TYPE] * 4)}) outs({empty} : {MASK_TYPE}) {{",
-                       f"}} -> {MASK_TYPE}"), fn.local():
-            fn.emit("^bb0(%t0: i32, %t1: i32, %t2: i32, %t3: i32, %mask_out: i1):")
-            m, j = (fn.let(f"linalg.index {i} : index", "ix") for i in (2, 3))
-            s, jj, lo, hi = _edge_rule(c, m, j, ["%t0", "%t1", "%t2", "%t3"])
-            ok = fn.andi(fn.andi(fn.cmp("slt", s, c.sq), fn.cmp("sge", jj, fn.max(lo, row_lo(fn, s, c.co.y, c.sk)))),
-                         fn.cmp("slt", jj, fn.min(hi, row_hi(fn, s, c.co.x, c.sk))))
-            fn.emit(f"linalg.yield {ok} : i1")
-        return [out]
+    def element(ix, t0, t1, t2, t3):
+        _, _, m, j = ix
+        s, jj, lo, hi = _edge_rule(c, m, j, [t0, t1, t2, t3])
+        return fn.andi(fn.andi(fn.cmp("slt", s, c.sq), fn.cmp("sge", jj, fn.max(lo, row_lo(fn, s, c.co.y, c.sk)))),
+                       fn.cmp("slt", jj, fn.min(hi, row_hi(fn, s, c.co.x, c.sk))))
 
-    return fn.dispatch([(MASK_TYPE, [groups, m_rows, width])], region)[0]
+    ins = [(t, _TABLE_TYPE, "(d0, d1)") for t in tables]
+    return _generator(c, MASK_TYPE, [groups, m_rows, width], 2, ins, element, row_unit)
 
 
-def _ragged_masks(c: Ctx, tables: list[str], *, groups: str, m_rows: str, width: str) -> str:
+def _ragged_masks(c: Ctx, tables: list[str], *, groups: str, m_rows: str, width: str, row_unit: int) -> str:
     def element(ql, kl, yb, xb, ix, *tab):
         _, _, m, j = ix
         s, jj, lo, hi = _edge_rule(c, m, j, list(tab))
@@ -125,11 +118,12 @@ def _ragged_masks(c: Ctx, tables: list[str], *, groups: str, m_rows: str, width:
         return c.fn.andi(c.fn.andi(c.fn.cmp("slt", s, ql), c.fn.cmp("sge", jj, c.fn.max(lo, row_lo(c.fn, s, yb, c.sk)))),
                          c.fn.cmp("slt", jj, hi))
 
-    return ragged_generator(c, [c.b, groups, m_rows, width], element, tables)
+    return ragged_generator(c, [c.b, groups, m_rows, width], element, row_unit, tables)
 
 
-def ragged_generator(c: Ctx, sizes: list[str], element, tables: list[str] = ()) -> str:
-    """One dispatch making a ``[B, ?, 2, ?, ?]`` i1 tensor of ``sizes`` (the dynamic ones) whose
+def ragged_generator(c: Ctx, sizes: list[str], element, row_unit: int, tables: list[str] = ()) -> str:
+    """One dispatch making a ``[B, ?, 2, ?, ?]`` i1 tensor of ``sizes`` (the dynamic ones; rows a
+    proven multiple of ``row_unit``, keys of ``Plan.cols``) whose
     element ``(b, i1..i4)`` is ``element(qlen, klen, y, x, (i1..i4), *t)`` with batch ``b``'s
     descriptor column (read through ``(d0)`` maps, which IREE treats as elementwise) and ``t``
     the ``(i1, i2)`` entries of the ``[?, 2]`` i32 ``tables``."""
@@ -137,25 +131,56 @@ def ragged_generator(c: Ctx, sizes: list[str], element, tables: list[str] = ()) 
     src, at = c.desc
     col_ty = tensor_type(["?"], "i32")
     starts = [fn.add(at, fn.mul(i, c.b)) for i in range(4)]
-    d5 = "d0, d1, d2, d3, d4"
-    par = ", ".join(['"parallel"'] * 5)
+
+    def column(o):  # made inside the region: one binding of the descriptor, read at four offsets
+        return lambda: fn.let(f"tensor.extract_slice {src}[{o}] [{c.b}] [1] : {col_ty} to {col_ty}", "dc")
+
+    def body(ix, *vals):
+        desc = [fn.let(f"arith.index_cast {v} : i32 to index", "rd") for v in vals[:4]]
+        return element(*desc, ix[1:], *vals[4:])
+
+    ins = [(column(o), col_ty, "(d0)") for o in starts] + [(t, _TABLE_TYPE, "(d1, d2)") for t in tables]
+    return _generator(c, RAGGED_MASK_TYPE, sizes, 3, ins, body, row_unit)
+
+
+_BLOCK_ROWS = 16  # rows of a mask block (a divisor of every tier's tile rows)
+
+
+def _generator(c: Ctx, ty: str, sizes: list[str], lead: int, ins: list, element, row_unit: int) -> str:
+    """One dispatch making the i1 tensor ``ty`` of dynamic ``sizes``, whose last two dims (rows,
+    a proven multiple of ``row_unit``; keys, of ``Plan.cols``) are split into static loops of
+    those units (as IREE would split them itself, dropping a lowering it was given) and generated
+    in blocks of 16 rows x ``cols`` keys (``elementwise.block_attrs``). ``ins``: (tensor, or a
+    function emitting one inside the region; type; map over the ``lead`` leading dims);
+    ``element(ix, *in_values)`` gives the i1 at index ``ix`` (one per dim of ``ty``)."""
+    fn, C = c.fn, c.p.cols
+    rank = lead + 4
+    dims = ", ".join(f"d{i}" for i in range(rank))
+    shape = ty[len("tensor<"):-len("xi1>")].split("x")
+    ex_ty = tensor_type([*shape[:lead], "?", row_unit, "?", C], "i1")
+    ex_sizes = [*sizes[:-2], fn.floordiv(sizes[-2], row_unit), fn.floordiv(sizes[-1], C)]
+    blocks = c.p.mask_blocks and row_unit % _BLOCK_ROWS == 0
+    attrs = block_attrs(c.p.main.lowering, rank=rank, block=(_BLOCK_ROWS, 1, C), vec=16) if blocks else ""
+    par = ", ".join(['"parallel"'] * rank)
 
     def region():
-        cols = [fn.let(f"tensor.extract_slice {src}[{o}] [{c.b}] [1] : {col_ty} to {col_ty}", "dc") for o in starts]
-        empty = fn.let(f"tensor.empty({', '.join(sizes)}) : {RAGGED_MASK_TYPE}", "me")
+        names = [v() if callable(v) else v for v, _, _ in ins]
+        empty = fn.let(f"tensor.empty({', '.join(ex_sizes)}) : {ex_ty}", "me")
         out = fn.fresh("mask")
-        maps = ", ".join([f"affine_map<({d5}) -> (d0)>"] * 4 + [f"affine_map<({d5}) -> (d1, d2)>"] * len(tables))
-        fn.emit(f"{out} = linalg.generic {{indexing_maps = [{maps}, affine_map<({d5}) -> ({d5})>], "
+        maps = "".join(f"affine_map<({dims}) -> {m}>, " for _, _, m in ins)
+        fn.emit(f"{out} = linalg.generic {{indexing_maps = [{maps}affine_map<({dims}) -> ({dims})>], "
                 f"iterator_types = [{par}]}}")
-        ins = ", ".join([*cols, *tables])
-        types = ", ".join([col_ty] * 4 + [_TABLE_TYPE] * len(tables))
-        with fn.region(f"    ins({ins} : {types}) outs({empty} : {RAGGED_MASK_TYPE}) {{",
-                       f"}} -> {RAGGED_MASK_TYPE}"), fn.local():
-            tab = [f"%rt{i}" for i in range(len(tables))]
-            fn.emit("^bb0(%rq: i32, %rk: i32, %ry: i32, %rx: i32, " + "".join(f"{t}: i32, " for t in tab) + "%mask_out: i1):")
-            desc = [fn.let(f"arith.index_cast {v} : i32 to index", "rd") for v in ("%rq", "%rk", "%ry", "%rx")]
-            ix = tuple(fn.let(f"linalg.index {i} : index", "ix") for i in range(1, 5))
-            fn.emit(f"linalg.yield {element(*desc, ix, *tab)} : i1")
-        return [out]
+        types = ", ".join(t for _, t, _ in ins)
+        with fn.region(f"    ins({', '.join(names)} : {types}) outs({empty} : {ex_ty}){attrs} {{",
+                       f"}} -> {ex_ty}"), fn.local():
+            vals = [f"%gi{i}" for i in range(len(ins))]
+            fn.emit("^bb0(" + "".join(f"{v}: {t.split('x')[-1][:-1]}, " for v, (_, t, _) in zip(vals, ins))
+                    + "%mask_out: i1):")
+            ix = [fn.let(f"linalg.index {i} : index", "ix") for i in range(rank)]
+            row = fn.add(fn.mul(ix[lead], row_unit), ix[lead + 1])
+            key = fn.add(fn.mul(ix[lead + 2], C), ix[lead + 3])
+            fn.emit(f"linalg.yield {element((*ix[:lead], row, key), *vals)} : i1")
+        groups = ", ".join(f"[{i}]" for i in range(lead)) + f", [{lead}, {lead + 1}], [{lead + 2}, {lead + 3}]"
+        return [fn.let(f"tensor.collapse_shape {out} [{groups}] : {ex_ty} into {ty}", "mc")]
 
-    return fn.dispatch([(RAGGED_MASK_TYPE, sizes)], region)[0]
+    return fn.dispatch([(ty, sizes)], region)[0]

@@ -8,7 +8,7 @@ import dataclasses
 
 from .attention import Operand
 from .bounds import Coords
-from .elementwise import copy_attrs
+from .elementwise import WORD, as_words, copy_attrs, from_words, word_elems
 from .ir import Fn, tensor_type
 
 __all__ = ["Tier", "Plan", "Ctx", "kv_operand", "kv_padded", "q_padded", "padded_q_rows"]
@@ -43,6 +43,9 @@ class Plan:
     split_target: int = 512  # workgroups split-KV aims for
     max_split: int = 64
     ragged: bool = False  # fwd_ragged: each batch its own lengths and mask (a descriptor per batch)
+    # edge masks made in blocks (elementwise.block_attrs); CUDA only: on gfx90a the block lowering
+    # spilled 2 SGPRs in the ragged generator (iree-compile 3.13, 2026-12-03)
+    mask_blocks: bool = False
     # the arguments' head dims where they are smaller than dq / dv (0: the same): the work runs at
     # dq / dv over copies zero-padded along the head dim, as CK's kK0max pads 96 to 128 in its tile
     dq_arg: int = 0
@@ -118,13 +121,13 @@ def kv_operand(c: Ctx, which: str, lo: str, keys, pieces: str | None = None) -> 
     return Operand(ex, ty5, ("b0", "b2", "k2", "b1", kdim))
 
 
-def generated(c: Ctx, ty: str, sizes: list, attrs: str, fill: str, element) -> str:
+def generated(c: Ctx, ty: str, sizes: list, attrs: str, fill: str, element, elt: str | None = None) -> str:
     """One dispatch making ``ty`` (dynamic ``sizes``; rank 4): a generic over the result whose
     element at indices ``i`` is ``element(i)`` = (valid i1, value) where valid, else ``fill``.
     Reading each element where it is (``tensor.extract``) keeps a padded copy one dispatch: a copy
     stored into a filled tensor became a one-workgroup ``slow_memcpy`` (0.63 ms for K and V at B4
-    H16 S4096 on the H200, 2026-12-02)."""
-    fn, T = c.fn, c.p.dtype
+    H16 S4096 on the H200, 2026-12-02). ``elt``: the element type (default the plan's dtype)."""
+    fn, T = c.fn, elt or c.p.dtype
 
     def region():
         e = fn.let(f"tensor.empty({', '.join(sizes)}) : {ty}", "e")
@@ -177,21 +180,25 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
     S = c.p.arg_dims[0]  # the argument's head dim
     if S != D:
         return _q_gathered(c, q_arg, m_pad, S)
-    q_ty, a_ty = _ty(["?", "?", "?", D], T), _ty(["?", "?", "?", S], T)
+    n_w = word_elems(T, D)  # moved as 64-bit words where the head dim allows
+    if n_w:
+        q_arg, _ = as_words(fn, q_arg, ["?", "?", "?", S], [c.b, c.hq, c.sq] if c.p.layout == "bhsd" else [c.b, c.sq, c.hq], T)
+    E, DW = (WORD, D // n_w) if n_w else (T, D)
+    q_ty, a_ty = _ty(["?", "?", "?", DW], E), _ty(["?", "?", "?", DW], E)
     # the loops run in the source's order (IREE turns a copy around that way itself, and the
     # tile of ``copy_attrs`` is given for it): (b, h, g, s, d) for bhsd, (b, s, h, g, d) for bshd
     if c.p.layout == "bhsd":  # q [B, Hk*G, Sq, D] as [B, Hk, G, Sq, D]
-        src_ty, dst_map, s_dim = _ty(["?", "?", G, "?", S], T), "d0, d1, d3, d2, d4", 3
-        src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1, 2], [3], [4]] output_shape [{c.b}, {c.hk}, {G}, {c.sq}, {S}] "
+        src_ty, dst_map, s_dim = _ty(["?", "?", G, "?", DW], E), "d0, d1, d3, d2, d4", 3
+        src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1, 2], [3], [4]] output_shape [{c.b}, {c.hk}, {G}, {c.sq}, {DW}] "
                      f": {a_ty} into {src_ty}", "q")
     else:  # q [B, Sq, Hk*G, D] as [B, Sq, Hk, G, D]
-        src_ty, dst_map, s_dim = _ty(["?", "?", "?", G, S], T), "d0, d2, d1, d3, d4", 1
-        src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1], [2, 3], [4]] output_shape [{c.b}, {c.sq}, {c.hk}, {G}, {S}] "
+        src_ty, dst_map, s_dim = _ty(["?", "?", "?", G, DW], E), "d0, d2, d1, d3, d4", 1
+        src = fn.let(f"tensor.expand_shape {q_arg} [[0], [1], [2, 3], [4]] output_shape [{c.b}, {c.sq}, {c.hk}, {G}, {DW}] "
                      f": {a_ty} into {src_ty}", "q")
     dest = fn.let(f"tensor.empty({c.b}, {c.hk}, {m_pad}) : {q_ty}", "qp")
     rows = fn.mul(c.sq, G)
-    t_ty = _ty(["?", "?", "?", G, S], T)
-    attrs = copy_attrs(c.p.main.lowering, rank=5, row_dim=s_dim, inner=S)
+    t_ty = _ty(["?", "?", "?", G, DW], E)
+    attrs = copy_attrs(c.p.main.lowering, rank=5, row_dim=s_dim, inner=DW, vec=2 if n_w else 8)
 
     def region():
         e = fn.let(f"tensor.empty({c.b}, {c.hk}, {c.sq}) : {t_ty}", "e")
@@ -199,40 +206,48 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
         par = ", ".join(['"parallel"'] * 5)
         cp = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({d5})>, affine_map<({d5}) -> ({dst_map})>], "
                     f"iterator_types = [{par}]}} ins({src} : {src_ty}) outs({e} : {t_ty}){attrs} {{\n"
-                    f"  ^bb0(%qc_in: {T}, %qc_out: {T}):\n    linalg.yield %qc_in : {T}\n  }} -> {t_ty}", "qc")
+                    f"  ^bb0(%qc_in: {E}, %qc_out: {E}):\n    linalg.yield %qc_in : {E}\n  }} -> {t_ty}", "qc")
         flat = fn.let(f"tensor.collapse_shape {cp} [[0], [1], [2, 3], [4]] : {t_ty} into {a_ty}", "qc")
-        return [fn.let(f"tensor.insert_slice {flat} into {dest}[0, 0, 0, 0] [{c.b}, {c.hk}, {rows}, {S}] [1, 1, 1, 1] "
+        return [fn.let(f"tensor.insert_slice {flat} into {dest}[0, 0, 0, 0] [{c.b}, {c.hk}, {rows}, {DW}] [1, 1, 1, 1] "
                        f": {a_ty} into {q_ty}", "ins")]
 
-    return fn.dispatch([(q_ty, [c.b, c.hk, m_pad])], region)[0]
+    out = fn.dispatch([(q_ty, [c.b, c.hk, m_pad])], region)[0]
+    return from_words(fn, out, ["?", "?", "?", D], [c.b, c.hk, m_pad], T) if n_w else out
 
 
 def _q_gathered(c: Ctx, q_arg: str, m_pad: str, d_src: int) -> str:
     """``q_padded`` for a Q narrower than the plan's head dim (``padded_q_rows`` over the
     argument's own rows)."""
-    a_ty = _ty(["?", "?", "?", d_src], c.p.dtype)
+    dyn = [c.b, c.hq, c.sq] if c.p.layout == "bhsd" else [c.b, c.sq, c.hq]
 
-    def read(b, s, head, dd):
+    def read(b, s, head, dd, q, q_ty):
         at = [b, head, s] if c.p.layout == "bhsd" else [b, s, head]
-        return None, c.fn.let(f"tensor.extract {q_arg}[{', '.join(at)}, {dd}] : {a_ty}", "qv")
+        return None, c.fn.let(f"tensor.extract {q}[{', '.join(at)}, {dd}] : {q_ty}", "qv")
 
-    return padded_q_rows(c, m_pad, d_src, read)
+    return padded_q_rows(c, m_pad, d_src, read, (q_arg, dyn))
 
 
-def padded_q_rows(c: Ctx, m_pad: str, d_src: int, read) -> str:
+def padded_q_rows(c: Ctx, m_pad: str, d_src: int, read, q: tuple[str, list[str]]) -> str:
     """``[B, Hk, m_pad, Dq]`` in one dispatch (``generated``): element ``(b, h, s * G + g, d)`` is
-    ``read(b, s, h * G + g, d)`` = (valid i1 or None for always, value) for ``s < Sq`` and ``d <
-    d_src`` (``s`` and ``d`` clamped into range before the read), zeros elsewhere."""
-    fn, G, D = c.fn, c.p.group, c.p.dq
+    ``read(b, s, h * G + g, d, q, q_ty)`` = (valid i1 or None for always, value) for ``s < Sq``
+    and ``d < d_src`` (``s`` and ``d`` clamped into range before the read), zeros elsewhere.
+    ``q`` = (the rank-4 source, its three dynamic sizes); ``read`` reads that source as it is
+    given (``q``, ``q_ty``): as 64-bit words along the head dim where the head dims allow
+    (``elementwise.word_elems``; ``d`` is then a word index)."""
+    fn, G, D, T = c.fn, c.p.group, c.p.dq, c.p.dtype
+    n_w = word_elems(T, D, d_src)
+    q_val, q_ty = as_words(fn, q[0], ["?", "?", "?", d_src], q[1], T) if n_w else (q[0], _ty(["?", "?", "?", d_src], T))
+    elt, dw, dw_src = (WORD, D // n_w, d_src // n_w) if n_w else (T, D, d_src)
 
     def element(at):
         b, h, r, dd = at
         rows = fn.mul(c.sq, G)
-        ok = fn.andi(fn.cmp("slt", r, rows), fn.cmp("slt", dd, d_src))
+        ok = fn.andi(fn.cmp("slt", r, rows), fn.cmp("slt", dd, dw_src))
         r = fn.min(r, fn.sub(rows, 1))
         s, head = fn.floordiv(r, G), fn.add(fn.mul(h, G), fn.arith(f"arith.remsi {r}, {fn.c(G)} : index", "qx"))
-        valid, val = read(b, s, head, fn.min(dd, d_src - 1))
+        valid, val = read(b, s, head, fn.min(dd, dw_src - 1), q_val, q_ty)
         return (ok if valid is None else fn.andi(ok, valid)), val
 
-    attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=2, inner=D)
-    return generated(c, _ty(["?", "?", "?", D], c.p.dtype), [c.b, c.hk, m_pad], attrs, "0.0", element)
+    attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=2, inner=dw, vec=2 if n_w else 8)
+    out = generated(c, _ty(["?", "?", "?", dw], elt), [c.b, c.hk, m_pad], attrs, "0" if n_w else "0.0", element, elt)
+    return from_words(fn, out, ["?", "?", "?", D], [c.b, c.hk, m_pad], T) if n_w else out

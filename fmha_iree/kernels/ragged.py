@@ -67,6 +67,12 @@ class _Frame:
     def _ty(self, d: int) -> str:
         return tensor_type(["?", "?", "?", d], self.plan.dtype)
 
+    @staticmethod
+    def q_dims(c: Ctx) -> list[str]:
+        """The three dynamic sizes of ``%q``."""
+        ty = tensor_type(["?", "?", "?", c.p.arg_dims[0]], c.p.dtype)
+        return [c.fn.dim("%q", ty, i) for i in range(3)]
+
     def _gather(self, c: Ctx, src: str, src_rows: str, rows, size, heads: str, d: int, d_src: int) -> str:
         lay = c.p.layout
         return gather_rows(c.fn, src=src, src_layout=lay, src_rows=src_rows, rows=rows, size=size, heads=heads,
@@ -95,18 +101,17 @@ class _Frame:
         frame of its own and then a padded copy, the 16-sequence prefill's Q took 0.184 + 0.168 ms
         on the H200, 2026-12-03)."""
         fn, p, s = c.fn, c.p, self.s
-        src_ty = tensor_type(["?", "?", "?", p.arg_dims[0]], p.dtype)
         idx_ty, rows = tensor_type(["?"], "i32"), self.src_rows[0]
 
-        def read(b, sr, head, dd):
+        def read(b, sr, head, dd, q, q_ty):
             at = fn.add(self.at["q"], fn.add(fn.mul(b, s["Sq"]), sr))
             row = fn.let(f"arith.index_cast {fn.let(f'tensor.extract %idx[{at}] : {idx_ty}', 'qi')} : i32 to index", "qr")
             safe = fn.max(row, 0)
             n, rr = fn.floordiv(safe, rows), fn.arith(f"arith.remsi {safe}, {rows} : index", "qr")
             src = [n, rr, head] if p.layout == "bshd" else [n, head, rr]
-            return fn.cmp("sge", row, 0), fn.let(f"tensor.extract %q[{', '.join(src)}, {dd}] : {src_ty}", "qv")
+            return fn.cmp("sge", row, 0), fn.let(f"tensor.extract {q}[{', '.join(src)}, {dd}] : {q_ty}", "qv")
 
-        return padded_q_rows(c, m_pad, p.arg_dims[0], read)
+        return padded_q_rows(c, m_pad, p.arg_dims[0], read, ("%q", self.q_dims(c)))
 
     def leave(self, c: Ctx, entered, results: list[str]) -> list[str]:
         s, hq = self.s, self.heads[0]

@@ -43,6 +43,7 @@ class WindowPieces:
     per: str  # keys per piece, a multiple of Plan.cols
     start: str  # the first key of piece 0
     fits: str  # i1: the P * per keys from start can be read
+    row_unit: int  # m_pad is a proven multiple of it (the tier's tile rows)
 
 
 def window_pieces_host(c: Ctx, tier: Tier) -> WindowPieces:
@@ -60,7 +61,7 @@ def window_pieces_host(c: Ctx, tier: Tier) -> WindowPieces:
     per = fn.assume_div(fn.round_up(fn.ceildiv(width, pieces), L), L)
     total = fn.mul(pieces, per)
     start = fn.bounded(fn.max(fn.min(bd.left_lo, fn.sub(c.limit, total)), 0))
-    return WindowPieces(m_pad, half, pieces, per, start, fn.cmp("sle", total, c.limit))
+    return WindowPieces(m_pad, half, pieces, per, start, fn.cmp("sle", total, c.limit), tier.tile_rows)
 
 
 def _window_mask(c: Ctx, h: WindowPieces) -> str:
@@ -74,7 +75,7 @@ def _window_mask(c: Ctx, h: WindowPieces) -> str:
         hi = fn.min(row_hi(fn, s, xb, c.sk), kl)
         return fn.andi(fn.andi(fn.cmp("slt", s, ql), fn.cmp("sge", key, row_lo(fn, s, yb, c.sk))), fn.cmp("slt", key, hi))
 
-    return ragged_generator(c, [c.b, h.half, h.m_pad, h.per], element)
+    return ragged_generator(c, [c.b, h.half, h.m_pad, h.per], element, h.row_unit)
 
 
 def window_pieces_work(c: Ctx, tier: Tier, h: WindowPieces) -> list[str]:
