@@ -155,17 +155,31 @@ def kv_padded(c: Ctx, which: str) -> Operand:
     ty, src_ty = _ty(["?", "?", "?", d], T), _ty(["?", "?", "?", d_src], T)
     s_dim = 2 if c.p.layout == "bhsd" else 1
     full = [c.b, c.hk, c.limit] if s_dim == 2 else [c.b, c.limit, c.hk]
+    n_w = word_elems(T, d, d_src)  # moved as 64-bit words where the head dims allow
+    src_val, elt, dw, dw_src = src.name, T, d, d_src
+    if n_w:
+        dyn = [fn.let(f"tensor.dim {src.name}, {fn.c(i)} : {src_ty}", "kd") for i in range(3)]
+        src_val, src_ty = as_words(fn, src.name, ["?", "?", "?", d_src], dyn, T)
+        elt, dw, dw_src = WORD, d // n_w, d_src // n_w
 
     def element(at):
         ok = fn.cmp("slt", at[s_dim], c.sk)
         at[s_dim] = fn.min(at[s_dim], fn.sub(c.sk, 1))
-        if d_src < d:
-            ok = fn.andi(ok, fn.cmp("slt", at[3], d_src))
-            at[3] = fn.min(at[3], d_src - 1)
-        return ok, fn.let(f"tensor.extract {src.name}[{', '.join(at)}] : {src_ty}", "kv")
+        if dw_src < dw:
+            ok = fn.andi(ok, fn.cmp("slt", at[3], dw_src))
+            at[3] = fn.min(at[3], dw_src - 1)
+        return ok, fn.let(f"tensor.extract {src_val}[{', '.join(at)}] : {src_ty}", "kv")
 
-    attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=s_dim, inner=d)
-    return Operand(generated(c, ty, full, attrs, "1.0" if which == "k" else "0.0", element), ty, src.dims)
+    fill = ("1.0" if which == "k" else "0.0") if not n_w else (str(_ones_word(T)) if which == "k" else "0")
+    attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=s_dim, inner=dw, vec=2 if n_w else 8)
+    out = generated(c, _ty(["?", "?", "?", dw], elt), full, attrs, fill, element, elt)
+    return Operand(from_words(fn, out, ["?", "?", "?", d], full, T) if n_w else out, ty, src.dims)
+
+
+def _ones_word(dtype: str) -> int:
+    """A 64-bit word of ``dtype`` ones (K's fill past Sk, as words)."""
+    bits, one = {"f16": (16, 0x3C00), "bf16": (16, 0x3F80), "f32": (32, 0x3F800000)}[dtype]
+    return sum(one << (bits * i) for i in range(64 // bits))
 
 
 def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
