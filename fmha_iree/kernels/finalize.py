@@ -213,11 +213,19 @@ def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout:
     _, mx4, sm4 = views()
     o_ty = tensor_type(["?", "?", "?", dv], dtype)
     out = fn.let(f"tensor.collapse_shape {o5} {reassoc} : {o5_ty} into {o_ty}", "out")
+    lse, lse_ty = _lse_one(fn, mx4, sm4, m4, [b, hk, sq], G)
+    return out, o_ty, lse, lse_ty
+
+
+def _lse_one(fn: Fn, mx4: str, sm4: str, m4: str, sizes: list[str], G: int) -> tuple[str, str]:
+    """``lse [B, Hq, Sq]`` from one slot's max and sum (``m4`` views ``[B, Hk, Sq, G]``):
+    ``(max + log2 sum) * ln 2``, ``-inf`` where the sum is 0."""
     l4_ty = tensor_type(["?", "?", G, "?"], "f32")
     d4 = "d0, d1, d2, d3"
-    l_e = fn.let(f"tensor.empty({b}, {hk}, {sq}) : {l4_ty}", "e")
+    par4 = ", ".join(['"parallel"'] * 4)
+    l_e = fn.let(f"tensor.empty({', '.join(sizes)}) : {l4_ty}", "e")
     l4 = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d4}) -> (d0, d1, d3, d2)>, affine_map<({d4}) -> (d0, d1, d3, d2)>, "
-                f"affine_map<({d4}) -> ({d4})>], iterator_types = [{par(4)}]}} ins({mx4}, {sm4} : {m4}, {m4}) "
+                f"affine_map<({d4}) -> ({d4})>], iterator_types = [{par4}]}} ins({mx4}, {sm4} : {m4}, {m4}) "
                 f"outs({l_e} : {l4_ty}) {{\n  ^bb0(%n2_m: f32, %n2_l: f32, %n2_o: f32):\n"
                 "    %n2_z = arith.constant 0.0 : f32\n    %n2_ninf = arith.constant 0xFF800000 : f32\n"
                 "    %n2_ln2 = arith.constant 0.693147180559945309 : f32\n    %n2_g = math.log2 %n2_l : f32\n"
@@ -225,5 +233,4 @@ def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout:
                 "    %n2_p = arith.cmpf ogt, %n2_l, %n2_z : f32\n    %n2_r = arith.select %n2_p, %n2_e, %n2_ninf : f32\n"
                 f"    linalg.yield %n2_r : f32\n  }} -> {l4_ty}", "n2")
     lse_ty = tensor_type(["?", "?", "?"], "f32")
-    lse = fn.let(f"tensor.collapse_shape {l4} [[0], [1, 2], [3]] : {l4_ty} into {lse_ty}", "lse")
-    return out, o_ty, lse, lse_ty
+    return fn.let(f"tensor.collapse_shape {l4} [[0], [1, 2], [3]] : {l4_ty} into {lse_ty}", "lse"), lse_ty
