@@ -6,8 +6,8 @@ import threading
 
 from . import compile as _compile
 from .device import DeviceTensor, get_device
-from .dispatch import (PreparedCalls, Route, device_call_key, prepare, route as _route, run_batch, run_paged,
-                       run_varlen)
+from .dispatch import Route, prepare, route as _route, run_batch, run_paged, run_varlen
+from .prepared import PreparedCalls, varlen_call_key
 from .runtime import FmhaModule
 from .paged import check_paged
 from .source import dense_abi, dense_params, entry_points
@@ -164,12 +164,11 @@ def fmha_fwd(
                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=gpu.uri,
                        specialize=specialize)
         return exported(out, gpu)
-    key = None
-    if cu_seqlen_q is None and cu_seqlen_k is None:
-        key = device_call_key(q, k, v, mask, scale, return_lse, layout, tiles, device, specialize)
-        run = PREPARED.get(key)
-        if run is not None:
-            return run(q, k, v)
+    key = varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k), mask, scale, return_lse, layout, tiles, device,
+                          specialize)
+    run = PREPARED.get(key)
+    if run is not None:
+        return run(q, k, v)
     p = check_batch(q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
@@ -232,15 +231,19 @@ def fmha_fwd_varlen(
                               block_table=block_table, mask=mask, scale=scale, return_lse=return_lse, tiles=tiles,
                               device=gpu.uri)
         return exported(out, gpu)
+    key = varlen_call_key(q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table),
+                          "varlen", mask, scale, return_lse, tiles, device)
+    run = PREPARED.get(key)
+    if run is not None:
+        return run(q, k, v)
+    memo = PREPARED.memo(key)
     if block_table is not None:
         cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
         return run_paged(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, return_lse=return_lse,
-                         modules=lambda p: _compiled(p, tiles, device))
-    p, (q_start, q_len, k_start, k_len, lse_start, total_q) = check_varlen(
-        q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
-        seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale,
-    )
+                         modules=lambda p: _compiled(p, tiles, device), memo=memo)
+    p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
+                             seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale)
     tiles, get_module, family = _compiled(p, tiles, device)
-    return run_varlen(p, (q_start, q_len, k_start, k_len, lse_start, total_q), return_lse, tiles, get_module, family)
+    return run_varlen(p, starts, return_lse, tiles, get_module, family, memo=memo)
 
 

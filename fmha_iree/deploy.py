@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .dispatch import PreparedCalls, Route, device_call_key, prepare, route, run_batch, run_paged, run_varlen
+from .dispatch import Route, prepare, route, run_batch, run_paged, run_varlen
+from .prepared import PreparedCalls, varlen_call_key
 from .kernels.bounds import PREFIX_STEPS
 from .paged import check_paged
 from .runtime import FmhaModule
@@ -39,18 +40,17 @@ class DeployedFmha:
 
     def __call__(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None):
         """Batch mode, as :func:`fmha_iree.fmha_fwd`. A repeated call on DeviceTensors of the
-        same shapes replays its checked and routed form (``dispatch.PreparedCalls``). torch GPU
-        tensors on the module's GPU are shared with it both ways (``torch_gpu``)."""
+        same shapes (and cu_seqlen values) replays its checked and routed form
+        (``prepared.PreparedCalls``). torch GPU tensors on the module's GPU are shared with it
+        both ways (``torch_gpu``)."""
         gpu = torch_gpu({"q": q, "k": k, "v": v}, self._module.device_uri)
         if gpu is not None:
             return exported(self(*imported((q, k, v), gpu), mask=mask, scale=scale, return_lse=return_lse,
                                  cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k), gpu)
-        key = None
-        if cu_seqlen_q is None and cu_seqlen_k is None:
-            key = device_call_key(q, k, v, mask, scale, return_lse)
-            run = self._prepared.get(key)
-            if run is not None:
-                return run(q, k, v)
+        key = varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k), mask, scale, return_lse)
+        run = self._prepared.get(key)
+        if run is not None:
+            return run(q, k, v)
         p = self._batch(q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse)
         if key is not None:
             run = prepare(p, return_lse, self._module)
@@ -69,7 +69,9 @@ class DeployedFmha:
                seqstart_padded_k=None, block_table=None, mask=None, scale=None, return_lse=False):
         """Group mode, as :func:`fmha_iree.fmha_fwd_varlen` (``q`` ``[Tq, Hq, Dq]`` ...; a paged
         cache with ``block_table``): needs a module compiled with ``--layout bshd`` (packed tokens
-        are bshd rows of one sequence)."""
+        are bshd rows of one sequence). A call on DeviceTensors whose shapes and metadata values
+        (starts, lengths, block table) repeat an earlier one's replays its plan
+        (``prepared.varlen_call_key``)."""
         pr = self.manifest["problem"]
         if pr["layout"] != "bshd":
             raise ValueError(f"group mode needs a module compiled with --layout bshd; this one has layout {pr['layout']!r}")
@@ -80,17 +82,24 @@ class DeployedFmha:
                                         seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                                         block_table=block_table, mask=mask, scale=scale, return_lse=return_lse), gpu)
 
+        key = varlen_call_key(q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k,
+                                        block_table), "varlen", mask, scale, return_lse)
+        run = self._prepared.get(key)
+        if run is not None:
+            return run(q, k, v)
+
         def modules(p):
             self._check(p, return_lse)
             return self.tiles, lambda: self._module, self.manifest["target"]["family"]
 
+        memo = self._prepared.memo(key)
         if block_table is not None:
             cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
             return run_paged(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, return_lse=return_lse,
-                             modules=modules)
+                             modules=modules, memo=memo)
         p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
                                  seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale)
-        return run_varlen(p, starts, return_lse, *modules(p))
+        return run_varlen(p, starts, return_lse, *modules(p), memo=memo)
 
     def _batch(self, q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse):
         """A batch-mode call checked against the arguments' rules and the manifest."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 
 import numpy as np
@@ -156,6 +157,7 @@ class DeviceTensor:
         # ready now). Reading it (to_numpy, or as the input of another call) waits for it first.
         self.ready = ready
         self._views: dict = {}
+        self._reshaped: dict = {}  # views by shape (reshape)
         self._owner = None  # the tensor whose memory a DLPack import shares (kept alive with it)
 
     @classmethod
@@ -228,10 +230,18 @@ class DeviceTensor:
         return len(self.shape)
 
     def reshape(self, shape) -> "DeviceTensor":
+        """The same memory with ``shape`` (made once per shape: a call repeated on this tensor
+        reuses the view and its buffer view)."""
         shape = tuple(int(x) for x in shape)
-        if int(np.prod(shape)) != int(np.prod(self.shape)):
-            raise ValueError(f"cannot reshape {list(self.shape)} to {list(shape)}")
-        return DeviceTensor(self.device_uri, self._buffer, shape, self.dtype, self.ready)
+        view = self._reshaped.get(shape)
+        if view is None:
+            if math.prod(shape) != math.prod(self.shape):
+                raise ValueError(f"cannot reshape {list(self.shape)} to {list(shape)}")
+            view = DeviceTensor(self.device_uri, self._buffer, shape, self.dtype, self.ready)
+            view._owner = self._owner
+            if len(self._reshaped) < 8:
+                self._reshaped[shape] = view
+        return view
 
     def buffer_view(self, typed_bf16: bool = True):
         """The tensor as a HalBufferView (made once per element typing)."""

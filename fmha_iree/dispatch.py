@@ -11,9 +11,8 @@ the module has it, else ``rows`` and the plan. :func:`route` says which and why.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import threading
+import math
 
 import numpy as np
 
@@ -25,9 +24,7 @@ from .runtime import dense_entry
 from .paged import PagedCache
 from .spec import BatchProblem, Operand, check_varlen
 
-__all__ = ["Route", "route", "dense_kind", "uses_fwd", "run_batch", "run_varlen", "run_paged", "prepare", "device_call_key",
-           "has_ragged",
-           "PreparedCalls"]
+__all__ = ["Route", "route", "dense_kind", "uses_fwd", "run_batch", "run_varlen", "run_paged", "prepare", "has_ragged"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,17 +174,17 @@ def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str)
     return _returned(p, out, lse, return_lse)
 
 
-def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, family: str):
+def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, family: str, memo=None):
     """A checked group-mode problem (``check_varlen``'s two results) on a module, shared by
     ``fmha_fwd_varlen`` and deployed modules: one ``fwd_ragged`` call where the module has it
     (``bshd``); on a CPU module with host inputs, sequences of short queries in ``rows`` calls
     (:func:`short_sequences`, each call a batch of them padded to its longest), the others in the
-    tile plan."""
+    tile plan. ``memo``: given the replay of a one-call path (``prepared.PreparedCalls.memo``;
+    the caller's tensors in, its result out), where there is one."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     module = get_module() if p.sq and p.sk else None
     if has_ragged(module, "bshd"):
-        out, lse = _varlen_frame(p, starts, module)
-        return _returned(p, out, lse, return_lse)
+        return _frame_path(p, starts, module, None, return_lse, memo)
     if p.q.on_device:
         module = None
     short = short_sequences(p, q_len, k_len) if getattr(module, "has_rows", False) else []
@@ -202,11 +199,11 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
     return _returned(p, out, lse, return_lse)
 
 
-def run_paged(q, cache: PagedCache, seqstart_q, seqstart_padded_q, *, mask, scale, return_lse: bool, modules):
+def run_paged(q, cache: PagedCache, seqstart_q, seqstart_padded_q, *, mask, scale, return_lse: bool, modules, memo=None):
     """Group mode over a paged cache (a checked :class:`paged.PagedCache`); ``modules(p)`` gives
     (tiles, module getter, family) for the problem. A module with ragged frames gathers each
     sequence's keys from its pages on the device; elsewhere they are gathered on the host into
-    packed K/V for :func:`run_varlen`."""
+    packed K/V for :func:`run_varlen`. ``memo`` as there."""
     batch = len(cache.lens)
     p, starts = check_varlen(q, cache.flat("k"), cache.flat("v"), seqstart_q, np.zeros(batch + 1, np.int64),
                              seqlen_k=None, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=None, mask=mask,
@@ -219,23 +216,38 @@ def run_paged(q, cache: PagedCache, seqstart_q, seqstart_padded_q, *, mask, scal
     if has_ragged(module, "bshd"):
         starts = (*starts[:3], cache.lens, *starts[4:])
         pages = (frames.paged_bases(cache.block_table, cache.page_size, cache.lens), cache.page_size)
-        out, lse = _varlen_frame(p, starts, module, pages)
-        return _returned(p, out, lse, return_lse)
+        return _frame_path(p, starts, module, pages, return_lse, memo)
     k, v, seqstart_k = cache.packed()
     p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=None, seqstart_padded_q=seqstart_padded_q,
                              seqstart_padded_k=None, mask=mask, scale=scale)
     return run_varlen(p, starts, return_lse, *modules(p))
 
 
-def _varlen_frame(p: BatchProblem, starts, module, pages=None):
+def _frame_path(p: BatchProblem, starts, module, pages, return_lse: bool, memo):
     """Group mode as one frame (:func:`frames.group_frame`; ``pages`` a paged cache's row bases
-    and page size): ``out [Tq, Hq, Dv]``, ``lse [Hq, total]``."""
+    and page size): the call's result, ``out [Tq, Hq, Dv]`` (and ``lse [Hq, total]``); its
+    replay on the caller's tensors handed to ``memo`` (DeviceTensor inputs only)."""
     frame = frames.group_frame(p.mask, starts, p.sq, pages)
+    shapes = (p.sq, p.hq, p.dv), (p.hq, starts[-1])
     if frame.empty:
-        return _empty_result(p, (p.sq, p.hq, p.dv), (p.hq, starts[-1]))
-    out, lse = frames.run_frame(module, frame, p.q.array, p.k.array, p.v.array, dtype=p.q.dtype, scale=p.scale,
-                                keep=p.q.on_device)
-    return out.reshape((p.sq, p.hq, p.dv)), lse.reshape((p.hq, starts[-1]))
+        def run(q, k, v):
+            return _returned(p, *_empty_result(p, *shapes), return_lse)
+    else:
+        call = frames.frame_call(module, frame, p.q.array.shape, p.k.array.shape, dtype=p.q.dtype, scale=p.scale)
+
+        def run(q, k, v):
+            out, lse = call.run(module, q, k, v, keep=p.q.on_device)
+            return _returned(p, out.reshape(shapes[0]), lse.reshape(shapes[1]), return_lse)
+    if memo is not None and p.q.on_device:
+        memo(lambda q, k, v: run(*(_as_tokens(x) for x in (q, k, v))))
+    return run(p.q.array, p.k.array, p.v.array)
+
+
+def _as_tokens(x: DeviceTensor) -> DeviceTensor:
+    """A group-mode tensor (``[T, H, D]``, or a paged cache ``[pages, page, H, D]``) as the
+    ``[1, T, H, D]`` batch its problem reads (``check_varlen``, ``PagedCache.flat``)."""
+    *lead, h, d = x.shape
+    return x.reshape((1, math.prod(lead), h, d))
 
 
 def short_sequences(p: BatchProblem, q_len: np.ndarray, k_len: np.ndarray) -> list[np.ndarray]:
@@ -301,60 +313,10 @@ def _runner(p: BatchProblem, r: Route, module, return_lse: bool, keep: bool):
             lse_shape = (p.batch, p.hq, p.sq)
             out_shape = (p.batch, p.hq, p.sq, p.dv) if layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
             return lambda q, k, v: _empty_result(p, out_shape, lse_shape)
-        return lambda q, k, v: frames.run_frame(module, frame, q, k, v, dtype=dtype, scale=scale, keep=keep)
+        call = frames.frame_call(module, frame, p.q.array.shape, p.k.array.shape, dtype=dtype, scale=scale)
+        return lambda q, k, v: call.run(module, q, k, v, keep=keep)
     if r.path == "rows":
         desc, padded = rows_desc(p), r.entry == "rows_kpad"
         return lambda q, k, v: module.run_rows(q, k, v, dtype, scale, desc, padded_keys=padded, keep_on_device=keep)
     return lambda q, k, v: module.run_dense(q, k, v, dtype, scale, layout, r.path == "causal", keep_on_device=keep,
                                             with_lse=return_lse, window=r.window)
-
-
-def device_call_key(q, k, v, *rest):
-    """A memo key for a call on DeviceTensors without padding: their shapes, dtypes and devices
-    and the other arguments ``rest`` with their types (so ``True`` and ``1`` differ); None for any
-    other call, or arguments that cannot be keyed."""
-    if not (type(q) is type(k) is type(v) is DeviceTensor):
-        return None
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device_uri, k.device_uri, v.device_uri,
-           *((type(x), x) for x in rest))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-class PreparedCalls:
-    """Calls on DeviceTensors already validated and routed, by :func:`device_call_key` (at most
-    ``size``, least recently used dropped): a repeated call skips validation, planning and
-    routing, so issuing it costs the host little more than IREE's own call."""
-
-    def __init__(self, size: int = 256):
-        self._size = size
-        self._runs: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._runs)
-
-    def get(self, key):
-        if key is None:
-            return None
-        with self._lock:
-            run = self._runs.get(key)
-            if run is not None:
-                self._runs.move_to_end(key)
-            return run
-
-    def put(self, key, run):
-        if key is None or run is None:
-            return
-        with self._lock:
-            self._runs[key] = run
-            while len(self._runs) > self._size:
-                self._runs.popitem(last=False)
-
-    def clear(self):
-        with self._lock:
-            self._runs.clear()

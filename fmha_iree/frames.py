@@ -22,6 +22,7 @@ from .kernels.bounds import PREFIX_STEPS
 from .plan import runs
 
 __all__ = ["Frame", "Pieces", "OFF", "packed_pieces", "gathered_pieces", "page_pieces", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
+           "FrameCall", "frame_call",
            "has_ragged"]
 
 @dataclasses.dataclass(frozen=True)
@@ -310,31 +311,54 @@ def group_frame(mask, starts, total_rows: int, pages: tuple[np.ndarray, int] | N
                  _out_rows(q_len, sq_f, q_start, total_rows), _out_rows(q_len, sq_f, lse_start, total_q), pages is not None)
 
 
-def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, keep: bool):
-    """``frame`` on ``module``'s ``fwd_packed`` where its keys are packed (``packed_pieces``),
-    ``fwd_packed_pages`` where a paged cache's pages can be read in place (``page_pieces``),
-    ``fwd_packed_paged`` where a decode's keys must be gathered first (``gathered_pieces``), else
-    its ``fwd_ragged`` (one call, ``kernels.ragged``) from ``q`` / ``k`` /
-    ``v`` (rank 4 in the module's layout; ABI arrays or DeviceTensors). Returns (out ``[N, R, Hq,
-    Dv]``, lse ``[N2, Hq, R2]``), numpy or DeviceTensors with ``keep``."""
+@dataclasses.dataclass(frozen=True)
+class FrameCall:
+    """One ragged call with everything but the tensors fixed: the entry point, its index table
+    and its scalars (``frame_call``)."""
+
+    function: str
+    idx: np.ndarray  # int32: the entry point's index table
+    scalars: tuple
+    dtype: str
+
+    def run(self, module, q, k, v, *, keep: bool):
+        """The call on ``q`` / ``k`` / ``v`` (rank 4 in the module's layout; ABI arrays or
+        DeviceTensors), its table staged through the module's upload ring (no host wait; the
+        ring's slots also bound the calls in flight). Returns (out ``[N, R, Hq, Dv]``, lse ``[N2,
+        Hq, R2]``), numpy or DeviceTensors with ``keep``."""
+        out, lse = module.call(self.function, [(q, self.dtype), (k, self.dtype), (v, self.dtype)], staged=[self.idx],
+                               scalars=self.scalars, results=[self.dtype, "f32"], keep_on_device=keep)
+        return out, lse
+
+
+def frame_call(module, frame: Frame, q_shape, k_shape, *, dtype: str, scale: float) -> FrameCall:
+    """``frame``'s call on ``module`` for tensors of these shapes (rank 4, the module's layout):
+    ``fwd_packed`` where its keys are packed (``packed_pieces``), ``fwd_packed_pages`` where a
+    paged cache's pages can be read in place (``page_pieces``), ``fwd_packed_paged`` where a
+    decode's keys must be gathered first (``gathered_pieces``), else ``fwd_ragged`` (one call,
+    ``kernels.ragged``)."""
     pieces = OFF
     if not module.lacks(["fwd_packed", "fwd_packed_paged"]):  # a bshd module: keys as rows n * R + r of [N, R, Hk, D]
-        group = int(q.shape[2]) // max(int(k.shape[2]), 1)
+        group = int(q_shape[2]) // max(int(k_shape[2]), 1)
         if frame.q_idx.shape[1] * group <= PIECE_ROWS:  # decode-shaped: prefill frames skip the key arithmetic
             if frame.paged:  # the cache's own pages where they can be pieces
                 pieces = OFF if module.lacks(["fwd_packed_pages"]) else page_pieces(frame, group)
             else:
-                pieces = packed_pieces(frame, int(k.shape[0]) * int(k.shape[1]), group)
+                pieces = packed_pieces(frame, int(k_shape[0]) * int(k_shape[1]), group)
             if not pieces.on:  # small pages, or runs with gaps: the keys gathered first
                 pieces = gathered_pieces(frame, group)
     if not pieces.on:  # fwd_ragged: a group of rows computes only the entries with rows in it
         frame = frame.by_length()
     idx, sizes = frame.table(pieces)
     extra = pieces.call_scalars() if pieces.on else frame.prefix()
-    scalars = (float(scale), *sizes, *frame.coords(), *extra)
-    out, lse = module.call(pieces.function, [(q, dtype), (k, dtype), (v, dtype)], staged=[idx], scalars=scalars,
-                           results=[dtype, "f32"], keep_on_device=keep)
-    return out, lse
+    return FrameCall(pieces.function, idx, (float(scale), *sizes, *frame.coords(), *extra), dtype)
+
+
+def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, keep: bool):
+    """``frame`` on ``module`` (``frame_call``) from ``q`` / ``k`` / ``v`` (rank 4 in the
+    module's layout; ABI arrays or DeviceTensors). Returns (out ``[N, R, Hq, Dv]``, lse ``[N2,
+    Hq, R2]``), numpy or DeviceTensors with ``keep``."""
+    return frame_call(module, frame, q.shape, k.shape, dtype=dtype, scale=scale).run(module, q, k, v, keep=keep)
 
 
 def has_ragged(module, layout: str) -> bool:

@@ -57,7 +57,10 @@ from _varlen_peers import _pad, _starts, _torch_peers, _unpad
 
 HBM_TB_PER_S = 4.3  # the H200's HBM copy rate, the reference of the decode rows' GB/s
 PAGE = 64
-GROW = 64  # the growing decode row's calls per cycle (key lengths from the row's minus 63 up to them)
+# the growing decode row's calls per cycle (key lengths from the row's minus 255 up to them, at least 1):
+# more than the row makes, so that no composition repeats within it and none replays a prepared call
+# (fmha_iree.prepared); a model's later layers in one decode step would
+GROW = 256
 
 
 def _case(label, q_lens, k_lens, hq, hk, d, dtype, *, mask="b", paged=0, ref=None, mode="varlen"):
@@ -260,7 +263,7 @@ class Ours:
 
         def fn(back=None):
             back = next(steps) if back is None else back
-            return self.varlen(c, q, k, v, sq, sk, seqlen_k=full - back, mask=c["mask"])
+            return self.varlen(c, q, k, v, sq, sk, seqlen_k=np.maximum(full - back, 1), mask=c["mask"])
         return fn
 
 

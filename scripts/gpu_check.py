@@ -10,7 +10,8 @@ DeviceTensors and with torch CUDA tensors (non-contiguous views; the results mus
 torch CUDA tensors), against a float64 reference computed from the inputs with the CK mask rule.
 A ``bshd`` module also runs group mode (``varlen``): prefill frames of several groups of rows with
 sequences in no order of length, empty ones, Sq != Sk, and a decode batch, from host arrays and
-DeviceTensors, against the same reference per sequence.
+DeviceTensors (a first call, and a call that replays the plan of one on other tensors), against the
+same reference per sequence.
 """
 
 from __future__ import annotations
@@ -116,10 +117,12 @@ def _check_varlen(f, pr, dt, device: str) -> float:
                 s = (qs @ ks.repeat_interleave(g, 0).transpose(-1, -2)) / np.sqrt(d)
                 s = s.masked_fill(~torch.from_numpy(Mask.from_str(mask).materialize(lq[b], lk[b])), float("-inf"))
                 ref[sq[b]:sq[b + 1]] = (torch.softmax(s, -1).nan_to_num(0) @ vs.repeat_interleave(g, 0)).transpose(0, 1)
-            for src in ("host", "device"):
+            for src in ("host", "device", "replay"):
                 ins = (q, k, v) if src == "host" else tuple(fmha_iree.to_device(x, device) for x in (q, k, v))
+                if src == "replay":  # the same metadata on other tensors first: this call replays its plan
+                    f.varlen(*(fmha_iree.to_device(torch.zeros_like(x), device) for x in (q, k, v)), sq, sk, mask=mask)
                 out = f.varlen(*ins, sq, sk, mask=mask)
-                out = out.to_torch() if src == "device" else torch.as_tensor(np.asarray(out))
+                out = out.to_torch() if src != "host" else torch.as_tensor(np.asarray(out))
                 err = (out.double() - ref).abs().max().item()
                 worst = max(worst, err)
                 print(f"  varlen {pr['dtype']} d{d} g{g} Tq={int(sq[-1])} Tk={int(sk[-1])} ({len(lq)} sequences) "

@@ -16,6 +16,36 @@ from reference import assert_close, attention_ref
 # The workhorse kernel key: f32 (tightest tolerance), Hq == Hk, d64, bhsd, default tiles.
 MAIN = dict(dtype=torch.float32, Dq=64, Dv=64, layout="bhsd")
 
+# Tiles of the GPU kernels' formulation built for llvm-cpu (``ragged_modules``)
+RAGGED_TILES = fmha_iree.TileConfig(m0=32, n0=32, k0=16, n1=64, k1=16, kv_chunk=64)
+
+
+def ragged_modules():
+    """``get(dtype, layout, group, dq, dv)``: the GPU modules' formulation (``fwd``,
+    ``fwd_ragged``, ``fwd_packed*``) built for llvm-cpu with CUDA's unfused bindings (the frames
+    are packed results, read in place), each key compiled once."""
+    import iree.compiler.tools as ict
+
+    from fmha_iree.compile import ASYNC_FLAGS, CUDA_FLAGS, compile_flags
+    from fmha_iree.runtime import FmhaModule
+    from fmha_iree.source import fwd_plan, source_mlir
+    from fmha_iree.spec import KernelSpec
+    from fmha_iree.targets import Target
+
+    mods = {}
+
+    def get(dtype="f32", layout="bshd", group=2, dq=64, dv=None):
+        key = (dtype, layout, group, dq, dv)
+        if key not in mods:
+            spec = KernelSpec(dtype, layout, group, dq, dv or dq, RAGGED_TILES, Target.from_name("host"))
+            assert fwd_plan(spec, fused_step=True) is not None
+            vmfb = ict.compile_str(source_mlir(spec, fused_step=True),
+                                   extra_args=compile_flags(spec) + ASYNC_FLAGS + CUDA_FLAGS)
+            mods[key] = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True, layout=layout)
+        return mods[key]
+
+    return get
+
 
 def ids(values, fmt=str):
     return [fmt(v) for v in values]

@@ -1,6 +1,17 @@
-"""pytest configuration: report how many modules this test process compiled."""
+"""pytest configuration: report how many modules this test process compiled; fixtures shared by
+several test files."""
 
 import sys
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ragged_module():
+    """``common.ragged_modules``' getter, shared by the session (each key compiles once)."""
+    from common import ragged_modules
+
+    return ragged_modules()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -14,43 +14,24 @@ import numpy as np
 import pytest
 import torch
 
-import fmha_iree
 from fmha_iree import frames
-from fmha_iree.compile import ASYNC_FLAGS, CUDA_FLAGS, compile_flags
 from fmha_iree.device import DeviceTensor
 from fmha_iree.dispatch import has_ragged, route, run_batch, run_paged, run_varlen
 from fmha_iree.mask import Mask
 from fmha_iree.paged import check_paged
-from fmha_iree.runtime import FmhaModule
-from fmha_iree.source import fwd_plan, source_mlir
-from fmha_iree.spec import KernelSpec, check_batch, check_varlen
-from fmha_iree.targets import Target
+from fmha_iree.spec import check_batch, check_varlen
 
+from common import RAGGED_TILES
 from reference import assert_close, attention_ref, seed_of, varlen_ref
 
-TILES = fmha_iree.TileConfig(m0=32, n0=32, k0=16, n1=64, k1=16, kv_chunk=64)
+TILES = RAGGED_TILES
 MASKS = ["0", "b", "t", "b:20,0", "t:3,40", "b:0,0", "xb:9", "t:-1,5"]
 TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 @pytest.fixture(scope="module")
-def module():
-    import iree.compiler.tools as ict
-
-    mods = {}
-
-    def get(dtype="f32", layout="bshd", group=2, dq=64, dv=None):
-        key = (dtype, layout, group, dq, dv)
-        if key not in mods:
-            spec = KernelSpec(dtype, layout, group, dq, dv or dq, TILES, Target.from_name("host"))
-            assert fwd_plan(spec, fused_step=True) is not None
-            # CUDA's unfused bindings (CUDA_FLAGS): the frames are packed results, read in place
-            flags = compile_flags(spec) + ASYNC_FLAGS + CUDA_FLAGS
-            vmfb = ict.compile_str(source_mlir(spec, fused_step=True), extra_args=flags)
-            mods[key] = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True, layout=layout)
-        return mods[key]
-
-    return get
+def module(ragged_module):
+    return ragged_module
 
 
 def _modules(mod):
