@@ -18,9 +18,11 @@ group-mode prefill 3.06 -> 2.39 ms per call (docs/BENCHMARKS.md).
 
 from __future__ import annotations
 
+import dataclasses
+
 from .ir import tensor_type
 
-__all__ = ["copy_attrs", "block_attrs", "WORD", "word_elems", "as_words", "from_words"]
+__all__ = ["copy_attrs", "block_attrs", "WORD", "word_elems", "as_words", "from_words", "Words"]
 
 WORD = "i64"  # copies move 64-bit words
 _BITS = {"f16": 16, "bf16": 16, "f32": 32}
@@ -48,6 +50,58 @@ def from_words(fn, value: str, ty_shape: list, dyn: list[str], dtype: str, word:
     src, dst = _word_type(ty_shape, dtype, word), tensor_type(ty_shape, dtype)
     sizes = ", ".join(dyn)
     return fn.let(f"flow.tensor.bitcast {value} : {src}{{{sizes}}} -> {dst}{{{sizes}}}", "w")
+
+
+@dataclasses.dataclass(frozen=True)
+class Words:
+    """A copy of rank-4 ``dtype`` tensors from head dim ``d_src`` to ``d`` (zeros past ``d_src``),
+    moved as 64-bit words where both head dims are whole words (``word_elems``), else as
+    elements: ``source`` / ``result`` convert its input and output, ``elt`` / ``dw`` / ``dw_src``
+    are the element type and head dims its op sees, ``vec`` its elements per thread
+    (``copy_attrs``), ``zero`` the literal of a zero element."""
+
+    dtype: str
+    d: int
+    d_src: int
+
+    @property
+    def n(self) -> int:
+        """Elements per word (0: moved as elements)."""
+        return word_elems(self.dtype, self.d, self.d_src)
+
+    @property
+    def elt(self) -> str:
+        return WORD if self.n else self.dtype
+
+    @property
+    def dw(self) -> int:
+        return self.d // self.n if self.n else self.d
+
+    @property
+    def dw_src(self) -> int:
+        return self.d_src // self.n if self.n else self.d_src
+
+    @property
+    def vec(self) -> int:
+        return 2 if self.n else 8
+
+    @property
+    def zero(self) -> str:
+        return "0" if self.n else "0.0"
+
+    def source(self, fn, value: str, dyn: list[str] | None = None, tag: str = "wd") -> tuple[str, str]:
+        """(value, type) of the copy's input ``value`` (head dim ``d_src``) as its op reads it;
+        ``dyn`` its three dynamic sizes (None: read from it with ``tensor.dim``, named ``tag``)."""
+        ty = tensor_type(["?", "?", "?", self.d_src], self.dtype)
+        if not self.n:
+            return value, ty
+        if dyn is None:
+            dyn = [fn.let(f"tensor.dim {value}, {fn.c(i)} : {ty}", tag) for i in range(3)]
+        return as_words(fn, value, ["?", "?", "?", self.d_src], dyn, self.dtype)
+
+    def result(self, fn, value: str, dyn: list[str]) -> str:
+        """The op's result ``value`` (dynamic sizes ``dyn``) as ``dtype`` elements of head dim ``d``."""
+        return from_words(fn, value, ["?", "?", "?", self.d], dyn, self.dtype) if self.n else value
 
 
 def _word_type(ty_shape: list, dtype: str, word: str) -> str:

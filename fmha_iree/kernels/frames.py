@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .elementwise import WORD, as_words, copy_attrs, from_words, word_elems
+from .elementwise import Words, copy_attrs
 from .ir import Fn, tensor_type
 
 __all__ = ["ExplicitRows", "PagedRows", "gather_rows", "gather_lse", "rows_dims"]
@@ -87,14 +87,11 @@ def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, rows, size:
     r_out, h_out = rows_dims(out_layout)
     a, r = size
     shape = [a, r, heads] if out_layout == "bshd" else [a, heads, r]
-    n_w = word_elems(dtype, d, d_src)  # moved as 64-bit words where the head dims allow
-    if n_w:
-        src_ty0 = tensor_type(["?", "?", "?", d_src], dtype)  # sizes read where src is (it may be made in a path)
-        src_dyn = [fn.let(f"tensor.dim {src}, {fn.c(i)} : {src_ty0}", "gd") for i in range(3)]
-        src, _ = as_words(fn, src, ["?", "?", "?", d_src], src_dyn, dtype)
-    elt, dw, dw_src = (WORD, d // n_w, d_src // n_w) if n_w else (dtype, d, d_src)
-    ty, src_ty = tensor_type(["?", "?", "?", dw], elt), tensor_type(["?", "?", "?", dw_src], elt)
-    attrs = copy_attrs(lowering, rank=4, row_dim=r_out, inner=dw, vec=2 if n_w else 8)
+    w = Words(dtype, d, d_src)  # moved as 64-bit words where the head dims allow
+    src, src_ty = w.source(fn, src, tag="gd")  # sizes read where src is (it may be made in a path)
+    elt, dw, dw_src = w.elt, w.dw, w.dw_src
+    ty = tensor_type(["?", "?", "?", dw], elt)
+    attrs = copy_attrs(lowering, rank=4, row_dim=r_out, inner=dw, vec=w.vec)
     d4, par = "d0, d1, d2, d3", ", ".join(['"parallel"'] * 4)
 
     def region():
@@ -118,12 +115,12 @@ def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, rows, size:
                 dd = fn.min(dd, dw_src - 1)
             at = [n, rr, h, dd] if src_layout == "bshd" else [n, h, rr, dd]
             val = fn.let(f"tensor.extract {src}[{', '.join(at)}] : {src_ty}", "gv")
-            zero = fn.let(f"arith.constant 0{'' if n_w else '.0'} : {elt}", "gz")
+            zero = fn.let(f"arith.constant {w.zero} : {elt}", "gz")
             fn.emit(f"linalg.yield {fn.let(f'arith.select {ok}, {val}, {zero} : {elt}', 'gv')} : {elt}")
         return [out]
 
     out = fn.dispatch([(ty, shape)], region)[0]
-    return from_words(fn, out, ["?", "?", "?", d], shape, dtype) if n_w else out
+    return w.result(fn, out, shape)
 
 
 def gather_lse(fn: Fn, *, lse: str, idx: tuple[str, str], size: tuple[str, str], heads: str, rows: str) -> str:

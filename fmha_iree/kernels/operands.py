@@ -8,7 +8,7 @@ import dataclasses
 
 from .attention import Operand
 from .bounds import Coords
-from .elementwise import WORD, as_words, copy_attrs, from_words, word_elems
+from .elementwise import Words, copy_attrs
 from .ir import Fn, tensor_type
 
 __all__ = ["Tier", "Plan", "Ctx", "kv_operand", "kv_padded", "q_padded", "padded_q_rows"]
@@ -152,15 +152,12 @@ def kv_padded(c: Ctx, which: str) -> Operand:
     src = c.k if which == "k" else c.v
     d = c.p.dq if which == "k" else c.p.dv
     d_src = c.dims_held()[0 if which == "k" else 1]
-    ty, src_ty = _ty(["?", "?", "?", d], T), _ty(["?", "?", "?", d_src], T)
+    ty = _ty(["?", "?", "?", d], T)
     s_dim = 2 if c.p.layout == "bhsd" else 1
     full = [c.b, c.hk, c.limit] if s_dim == 2 else [c.b, c.limit, c.hk]
-    n_w = word_elems(T, d, d_src)  # moved as 64-bit words where the head dims allow
-    src_val, elt, dw, dw_src = src.name, T, d, d_src
-    if n_w:
-        dyn = [fn.let(f"tensor.dim {src.name}, {fn.c(i)} : {src_ty}", "kd") for i in range(3)]
-        src_val, src_ty = as_words(fn, src.name, ["?", "?", "?", d_src], dyn, T)
-        elt, dw, dw_src = WORD, d // n_w, d_src // n_w
+    w = Words(T, d, d_src)  # moved as 64-bit words where the head dims allow
+    src_val, src_ty = w.source(fn, src.name, tag="kd")
+    elt, dw, dw_src = w.elt, w.dw, w.dw_src
 
     def element(at):
         ok = fn.cmp("slt", at[s_dim], c.sk)
@@ -170,10 +167,10 @@ def kv_padded(c: Ctx, which: str) -> Operand:
             at[3] = fn.min(at[3], dw_src - 1)
         return ok, fn.let(f"tensor.extract {src_val}[{', '.join(at)}] : {src_ty}", "kv")
 
-    fill = ("1.0" if which == "k" else "0.0") if not n_w else (str(_ones_word(T)) if which == "k" else "0")
-    attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=s_dim, inner=dw, vec=2 if n_w else 8)
+    fill = (str(_ones_word(T)) if w.n else "1.0") if which == "k" else w.zero
+    attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=s_dim, inner=dw, vec=w.vec)
     out = generated(c, _ty(["?", "?", "?", dw], elt), full, attrs, fill, element, elt)
-    return Operand(from_words(fn, out, ["?", "?", "?", d], full, T) if n_w else out, ty, src.dims)
+    return Operand(w.result(fn, out, full), ty, src.dims)
 
 
 def _ones_word(dtype: str) -> int:
@@ -194,10 +191,9 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
     S = c.p.arg_dims[0]  # the argument's head dim
     if S != D:
         return _q_gathered(c, q_arg, m_pad, S)
-    n_w = word_elems(T, D)  # moved as 64-bit words where the head dim allows
-    if n_w:
-        q_arg, _ = as_words(fn, q_arg, ["?", "?", "?", S], [c.b, c.hq, c.sq] if c.p.layout == "bhsd" else [c.b, c.sq, c.hq], T)
-    E, DW = (WORD, D // n_w) if n_w else (T, D)
+    w = Words(T, D, D)  # moved as 64-bit words where the head dim allows
+    q_arg, _ = w.source(fn, q_arg, [c.b, c.hq, c.sq] if c.p.layout == "bhsd" else [c.b, c.sq, c.hq])
+    E, DW = w.elt, w.dw
     q_ty, a_ty = _ty(["?", "?", "?", DW], E), _ty(["?", "?", "?", DW], E)
     # the loops run in the source's order (IREE turns a copy around that way itself, and the
     # tile of ``copy_attrs`` is given for it): (b, h, g, s, d) for bhsd, (b, s, h, g, d) for bshd
@@ -212,7 +208,7 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
     dest = fn.let(f"tensor.empty({c.b}, {c.hk}, {m_pad}) : {q_ty}", "qp")
     rows = fn.mul(c.sq, G)
     t_ty = _ty(["?", "?", "?", G, DW], E)
-    attrs = copy_attrs(c.p.main.lowering, rank=5, row_dim=s_dim, inner=DW, vec=2 if n_w else 8)
+    attrs = copy_attrs(c.p.main.lowering, rank=5, row_dim=s_dim, inner=DW, vec=w.vec)
 
     def region():
         e = fn.let(f"tensor.empty({c.b}, {c.hk}, {c.sq}) : {t_ty}", "e")
@@ -226,7 +222,7 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
                        f": {a_ty} into {q_ty}", "ins")]
 
     out = fn.dispatch([(q_ty, [c.b, c.hk, m_pad])], region)[0]
-    return from_words(fn, out, ["?", "?", "?", D], [c.b, c.hk, m_pad], T) if n_w else out
+    return w.result(fn, out, [c.b, c.hk, m_pad])
 
 
 def _q_gathered(c: Ctx, q_arg: str, m_pad: str, d_src: int) -> str:
@@ -249,9 +245,9 @@ def padded_q_rows(c: Ctx, m_pad: str, d_src: int, read, q: tuple[str, list[str]]
     given (``q``, ``q_ty``): as 64-bit words along the head dim where the head dims allow
     (``elementwise.word_elems``; ``d`` is then a word index)."""
     fn, G, D, T = c.fn, c.p.group, c.p.dq, c.p.dtype
-    n_w = word_elems(T, D, d_src)
-    q_val, q_ty = as_words(fn, q[0], ["?", "?", "?", d_src], q[1], T) if n_w else (q[0], _ty(["?", "?", "?", d_src], T))
-    elt, dw, dw_src = (WORD, D // n_w, d_src // n_w) if n_w else (T, D, d_src)
+    w = Words(T, D, d_src)
+    q_val, q_ty = w.source(fn, q[0], q[1])
+    elt, dw, dw_src = w.elt, w.dw, w.dw_src
 
     def element(at):
         b, h, r, dd = at
@@ -262,6 +258,6 @@ def padded_q_rows(c: Ctx, m_pad: str, d_src: int, read, q: tuple[str, list[str]]
         valid, val = read(b, s, head, fn.min(dd, dw_src - 1), q_val, q_ty)
         return (ok if valid is None else fn.andi(ok, valid)), val
 
-    attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=2, inner=dw, vec=2 if n_w else 8)
-    out = generated(c, _ty(["?", "?", "?", dw], elt), [c.b, c.hk, m_pad], attrs, "0" if n_w else "0.0", element, elt)
-    return from_words(fn, out, ["?", "?", "?", D], [c.b, c.hk, m_pad], T) if n_w else out
+    attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=2, inner=dw, vec=w.vec)
+    out = generated(c, _ty(["?", "?", "?", dw], elt), [c.b, c.hk, m_pad], attrs, w.zero, element, elt)
+    return w.result(fn, out, [c.b, c.hk, m_pad])
