@@ -27,7 +27,7 @@ LAYERS = [
     ["compile"],  # iree-compile, caches
     ["staging"],  # per-call uploads without a host wait
     ["runtime", "frames"],  # a loaded module's entry points; ragged problems as padded frames
-    ["dispatch", "torch_gpu"],  # which entry point a call takes; torch GPU tensors in and out
+    ["dispatch", "torch_gpu", "prepared"],  # which entry point a call takes; torch GPU tensors in and out; replays
     ["api", "deploy"],  # public entry points
     ["cli", "demo", "torch_ops"],
     ["hf", "distributed", "__init__"],  # transformers integration, context parallelism (torch.distributed)
