@@ -184,14 +184,19 @@ def gathered_pieces(frame: "Frame", group: int) -> Pieces:
     page = frame.page if frame.paged else GATHER_PAGE
     n_pages = -(-kl // page)
     starts = (np.cumsum(n_pages) - n_pages) * page
-    pc = _pieces(starts[live], starts[live] + kl[live], live, int(n_pages.sum()) * page,
-                 frame.q_idx.shape[1] * group)
+    # spare zero pages after the last (rows no piece's sequence owns, masked out) round the
+    # gathered buffer and the pieces' state as the frame's keys are (frame_keys): a decode loop's
+    # calls then allocate the same sizes for many calls in a row
+    total = int(n_pages.sum())
+    spare = frame_keys(total) - total
+    pc = _pieces(starts[live], starts[live] + kl[live], live, (total + spare) * page, frame.q_idx.shape[1] * group)
     if not pc.on:
         return OFF
     b, j = runs(n_pages)
     pb = frame.k_base[b, j] if frame.paged else frame.k_base[b, 0] + j * page
     pv = np.minimum(page, kl[b] - j * page)
-    return dataclasses.replace(pc, pages=(pb.astype(np.int32), pv.astype(np.int32), starts.astype(np.int32)), page=page)
+    pb, pv = (np.concatenate([x.astype(np.int32), np.zeros(spare, np.int32)]) for x in (pb, pv))
+    return dataclasses.replace(pc, pages=(pb, pv, starts.astype(np.int32)), page=page)
 
 
 def _pieces(start: np.ndarray, end: np.ndarray, live: np.ndarray, k_rows: int, rows: int) -> Pieces:

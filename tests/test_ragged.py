@@ -319,6 +319,15 @@ def test_decode_with_gaps_gathers_its_keys(module, packed_calls, mask):
     assert packed_calls[-1].on and packed_calls[-1].pages is not None and packed_calls[-1].page == frames.GATHER_PAGE
 
 
+def test_gathered_pages_rounded_up(module, packed_calls):
+    """Over 64 gathered pages, spare zero pages round the gathered buffer up (``frames.frame_keys``'
+    rounding: a decode loop's sizes repeat); no piece reads them as keys."""
+    used = np.array([1500, 2050, 900, 1201], np.int32)  # 24 + 33 + 15 + 19 = 91 pages of 64 rows
+    _group(module(), "b", [1, 1, 2, 1], [1600, 2100, 901, 1300], seqlen_k=used, what="spare-pages", spare=3)
+    pb, pv, _ = packed_calls[-1].pages
+    assert len(pb) == frames.frame_keys(91) > 91 and not pv[91:].any()
+
+
 def test_decode_reads_keys_in_place_gqa_f16(module, packed_calls):
     mod = module("f16", "bshd", 4, 64, 32)
     for mask in ("b", "t:10,5"):
