@@ -226,21 +226,26 @@ def run_paged(q, cache: PagedCache, seqstart_q, seqstart_padded_q, *, mask, scal
 def _frame_path(p: BatchProblem, starts, module, pages, return_lse: bool, memo):
     """Group mode as one frame (:func:`frames.group_frame`; ``pages`` a paged cache's row bases
     and page size): the call's result, ``out [Tq, Hq, Dv]`` (and ``lse [Hq, total]``); its
-    replay on the caller's tensors handed to ``memo`` (DeviceTensor inputs only)."""
+    replay handed to ``memo`` (DeviceTensor inputs only, a composition with work)."""
     frame = frames.group_frame(p.mask, starts, p.sq, pages)
     shapes = (p.sq, p.hq, p.dv), (p.hq, starts[-1])
     if frame.empty:
-        def run(q, k, v):
-            return _returned(p, *_empty_result(p, *shapes), return_lse)
-    else:
-        call = frames.frame_call(module, frame, p.q.array.shape, p.k.array.shape, dtype=p.q.dtype, scale=p.scale)
-
-        def run(q, k, v):
-            out, lse = call.run(module, q, k, v, keep=p.q.on_device)
-            return _returned(p, out.reshape(shapes[0]), lse.reshape(shapes[1]), return_lse)
+        return _returned(p, *_empty_result(p, *shapes), return_lse)
+    call = frames.frame_call(module, frame, p.q.array.shape, p.k.array.shape, dtype=p.q.dtype, scale=p.scale)
     if memo is not None and p.q.on_device:
-        memo(lambda q, k, v: run(*(_as_tokens(x) for x in (q, k, v))))
-    return run(p.q.array, p.k.array, p.v.array)
+        memo(_replay(call, module, shapes, return_lse))
+    out, lse = call.run(module, p.q.array, p.k.array, p.v.array, keep=p.q.on_device)
+    return _returned(p, out.reshape(shapes[0]), lse.reshape(shapes[1]), return_lse)
+
+
+def _replay(call: frames.FrameCall, module, shapes, return_lse: bool):
+    """``call`` on the caller's DeviceTensors (group mode's own shapes), results left on the
+    device; it holds none of the first call's tensors."""
+    def run(q, k, v):
+        out, lse = call.run(module, *(_as_tokens(x) for x in (q, k, v)), keep=True)
+        out, lse = out.reshape(shapes[0]), lse.reshape(shapes[1])
+        return (out, lse) if return_lse else out
+    return run
 
 
 def _as_tokens(x: DeviceTensor) -> DeviceTensor:
