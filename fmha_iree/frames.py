@@ -21,7 +21,7 @@ import numpy as np
 from .kernels.bounds import PREFIX_STEPS
 from .plan import runs
 
-__all__ = ["Frame", "Pieces", "OFF", "packed_pieces", "gathered_pieces", "page_pieces", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases", "run_frame",
+__all__ = ["Frame", "Pieces", "OFF", "packed_pieces", "gathered_pieces", "page_pieces", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame", "group_frame", "paged_bases",
            "FrameCall", "frame_call",
            "has_ragged"]
 
@@ -357,13 +357,6 @@ def frame_call(module, frame: Frame, q_shape, k_shape, *, dtype: str, scale: flo
     idx, sizes = frame.table(pieces)
     extra = pieces.call_scalars() if pieces.on else frame.prefix()
     return FrameCall(pieces.function, idx, (float(scale), *sizes, *frame.coords(), *extra), dtype)
-
-
-def run_frame(module, frame: Frame, q, k, v, *, dtype: str, scale: float, keep: bool):
-    """``frame`` on ``module`` (``frame_call``) from ``q`` / ``k`` / ``v`` (rank 4 in the
-    module's layout; ABI arrays or DeviceTensors). Returns (out ``[N, R, Hq, Dv]``, lse ``[N2,
-    Hq, R2]``), numpy or DeviceTensors with ``keep``."""
-    return frame_call(module, frame, q.shape, k.shape, dtype=dtype, scale=scale).run(module, q, k, v, keep=keep)
 
 
 def has_ragged(module, layout: str) -> bool:

@@ -279,7 +279,7 @@ def test_frame_keys_round_up_in_few_steps():
 
 @pytest.fixture
 def packed_calls(monkeypatch):
-    """The pieces every ``run_frame`` of the test chose (``frames.packed_pieces`` / ``page_pieces`` /
+    """The pieces every ``frame_call`` of the test chose (``frames.packed_pieces`` / ``page_pieces`` /
     ``gathered_pieces``)."""
     seen = []
     for name in ("packed_pieces", "page_pieces", "gathered_pieces"):
