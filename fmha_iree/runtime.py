@@ -280,7 +280,7 @@ class FmhaModule:
 
     def lacks(self, names) -> list[str]:
         """Those of the function ``names`` the module does not export, sorted."""
-        return sorted(n for n in names if n not in self._fns)
+        return sorted({n for n in names if n not in self._fns})
 
     @property
     def has_fwd(self) -> bool:

@@ -9,7 +9,7 @@ and ``lse = (max + log2 sum) * ln 2``; rows whose sum is 0 (they see no key) get
 from __future__ import annotations
 
 from .elementwise import as_words, copy_attrs, from_words
-from .ir import Fn, tensor_type
+from .ir import Fn, parallel, tensor_type
 from .state import State
 
 __all__ = ["normalize_one", "normalize_slots"]
@@ -64,7 +64,6 @@ def normalize_slots(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layou
     Returns (out, out type, lse, lse type)."""
     G, dv = int(group), dv_out or st.dv
     b, hk = st.lead[0], st.lead[1]
-    par5 = ", ".join(['"parallel"'] * 5)
     if layout == "bhsd":  # out domain (b, h, g, s, n)
         o5_ty, sizes, names = tensor_type(["?", "?", G, "?", dv], dtype), f"{b}, {hk}, {sq}", ("b", "h", "g", "s", "n")
         o_reassoc = "[[0], [1, 2], [3], [4]]"
@@ -75,7 +74,7 @@ def normalize_slots(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layou
     d5 = "d0, d1, d2, d3, d4"
     o_e = fn.let(f"tensor.empty({sizes}) : {o5_ty}", "e")
     o5 = fn.fresh("nz")
-    fn.emit(f"{o5} = linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({d5})>], iterator_types = [{par5}]}} "
+    fn.emit(f"{o5} = linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({d5})>], iterator_types = [{parallel(5)}]}} "
             f"outs({o_e} : {o5_ty}) {{")
     with fn.region(f"^bb0(%nz_o: {dtype}):", f"}} -> {o5_ty}"), fn.local():
         ix = dict(zip(names, (fn.let(f"linalg.index {i} : index", "ix") for i in range(5))))
@@ -94,10 +93,9 @@ def normalize_slots(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layou
     out = fn.let(f"tensor.collapse_shape {o5} {o_reassoc} : {o5_ty} into {o_ty}", "out")
     lse4_ty = tensor_type(["?", "?", G, "?"], "f32")
     d4 = "d0, d1, d2, d3"
-    par4 = ", ".join(['"parallel"'] * 4)
     l_e = fn.let(f"tensor.empty({b}, {hk}, {sq}) : {lse4_ty}", "e")
     lse4 = fn.fresh("ls")
-    fn.emit(f"{lse4} = linalg.generic {{indexing_maps = [affine_map<({d4}) -> ({d4})>], iterator_types = [{par4}]}} "
+    fn.emit(f"{lse4} = linalg.generic {{indexing_maps = [affine_map<({d4}) -> ({d4})>], iterator_types = [{parallel(4)}]}} "
             f"outs({l_e} : {lse4_ty}) {{")
     with fn.region("^bb0(%ls_o: f32):", f"}} -> {lse4_ty}"), fn.local():
         bb, hh, gg, ss = (fn.let(f"linalg.index {i} : index", "ix") for i in range(4))
@@ -183,7 +181,6 @@ def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout:
     o5_ty, sizes, sdims, reassoc = _out_layout(layout, G, dv, dtype, b, hk, sq)
     d5 = "d0, d1, d2, d3, d4"
     st_map, ml_map = ", ".join(sdims), ", ".join(sdims[:4])
-    par = lambda n: ", ".join(['"parallel"'] * n)  # noqa: E731
     # pairs of columns per element: acc read as 64-bit words, out written as 2-element words
     # (IREE 3.13 does not prove the buffers aligned, and NVPTX splits vectors of f32 / f16 into
     # element-sized accesses; elementwise.word_elems)
@@ -201,7 +198,7 @@ def normalize_one(fn: Fn, st: State, *, sq: str, group: int, dtype: str, layout:
         a_ty = tensor_type(["?", "?", "?", G, dv // 2], "i64") if paired else a5
         o_elt = o_word if paired else dtype
         return [fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({st_map})>, affine_map<({d5}) -> ({ml_map})>, "
-                       f"affine_map<({d5}) -> ({d5})>], iterator_types = [{par(5)}]}} ins({acc5}, {sm4} : {a_ty}, {m4}) "
+                       f"affine_map<({d5}) -> ({d5})>], iterator_types = [{parallel(5)}]}} ins({acc5}, {sm4} : {a_ty}, {m4}) "
                        f"outs({o_e} : {o5w_ty}){attrs} {{\n  ^bb0(%n1_a: {'i64' if paired else 'f32'}, %n1_l: f32, %n1_o: {o_elt}):\n"
                        + (_pair_body(dtype, o_word) if paired else _one_body(dtype))
                        + f"  }} -> {o5w_ty}", "n1")]
@@ -222,10 +219,9 @@ def _lse_one(fn: Fn, mx4: str, sm4: str, m4: str, sizes: list[str], G: int) -> t
     ``(max + log2 sum) * ln 2``, ``-inf`` where the sum is 0."""
     l4_ty = tensor_type(["?", "?", G, "?"], "f32")
     d4 = "d0, d1, d2, d3"
-    par4 = ", ".join(['"parallel"'] * 4)
     l_e = fn.let(f"tensor.empty({', '.join(sizes)}) : {l4_ty}", "e")
     l4 = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d4}) -> (d0, d1, d3, d2)>, affine_map<({d4}) -> (d0, d1, d3, d2)>, "
-                f"affine_map<({d4}) -> ({d4})>], iterator_types = [{par4}]}} ins({mx4}, {sm4} : {m4}, {m4}) "
+                f"affine_map<({d4}) -> ({d4})>], iterator_types = [{parallel(4)}]}} ins({mx4}, {sm4} : {m4}, {m4}) "
                 f"outs({l_e} : {l4_ty}) {{\n  ^bb0(%n2_m: f32, %n2_l: f32, %n2_o: f32):\n"
                 "    %n2_z = arith.constant 0.0 : f32\n    %n2_ninf = arith.constant 0xFF800000 : f32\n"
                 "    %n2_ln2 = arith.constant 0.693147180559945309 : f32\n    %n2_g = math.log2 %n2_l : f32\n"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from .elementwise import Words, copy_attrs
-from .ir import Fn, tensor_type
+from .ir import Fn, parallel, tensor_type
 
 __all__ = ["ExplicitRows", "PagedRows", "gather_rows", "gather_lse", "rows_dims"]
 
@@ -92,7 +92,7 @@ def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, rows, size:
     elt, dw, dw_src = w.elt, w.dw, w.dw_src
     ty = tensor_type(["?", "?", "?", dw], elt)
     attrs = copy_attrs(lowering, rank=4, row_dim=r_out, inner=dw, vec=w.vec)
-    d4, par = "d0, d1, d2, d3", ", ".join(['"parallel"'] * 4)
+    d4 = "d0, d1, d2, d3"
 
     def region():
         ins, extra = rows.inputs(fn, a, r, r_out)
@@ -100,7 +100,7 @@ def gather_rows(fn: Fn, *, src: str, src_layout: str, src_rows: str, rows, size:
         out = fn.fresh("g")
         maps = "".join(f"affine_map<({d4}) -> ({m})>, " for _, _, m in ins)
         fn.emit(f"{out} = linalg.generic {{indexing_maps = [{maps}affine_map<({d4}) -> ({d4})>], "
-                f"iterator_types = [{par}]}} ins({', '.join(v for v, _, _ in ins)} : {', '.join(t for _, t, _ in ins)}) "
+                f"iterator_types = [{parallel(4)}]}} ins({', '.join(v for v, _, _ in ins)} : {', '.join(t for _, t, _ in ins)}) "
                 f"outs({empty} : {ty}){attrs} {{")
         args = [f"%gi{i}" for i in range(len(ins))]
         head = ", ".join(f"{x}: i32" for x in args)

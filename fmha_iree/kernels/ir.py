@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-__all__ = ["Fn", "tensor_type"]
+__all__ = ["Fn", "tensor_type", "parallel"]
 
 _I32_MAX = 2**31 - 1  # the bound of Fn.bounded / assume_div: sizes IREE passes as one 32-bit constant
 
@@ -20,6 +20,11 @@ def tensor_type(shape, elt: str) -> str:
     """``tensor<AxBx...xT>``; ``?`` or None marks a dynamic size."""
     dims = ["?" if d is None or d == "?" else str(int(d)) for d in shape]
     return "tensor<" + "x".join(dims + [elt]) + ">"
+
+
+def parallel(rank: int) -> str:
+    """The ``iterator_types`` entries of ``rank`` parallel loops."""
+    return ", ".join(['"parallel"'] * rank)
 
 
 class Fn:

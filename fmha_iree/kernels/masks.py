@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from .bounds import edge_window, group_bounds, row_hi, row_lo
 from .elementwise import block_attrs
-from .ir import tensor_type
+from .ir import parallel, tensor_type
 from .operands import Ctx
 
 __all__ = ["MASK_TYPE", "RAGGED_MASK_TYPE", "mask_type", "edge_masks", "ragged_generator"]
@@ -161,7 +161,6 @@ def _generator(c: Ctx, ty: str, sizes: list[str], lead: int, ins: list, element,
     ex_sizes = [*sizes[:-2], fn.floordiv(sizes[-2], row_unit), fn.floordiv(sizes[-1], C)]
     blocks = c.p.mask_blocks and row_unit % _BLOCK_ROWS == 0
     attrs = block_attrs(c.p.main.lowering, rank=rank, block=(_BLOCK_ROWS, 1, C), vec=16) if blocks else ""
-    par = ", ".join(['"parallel"'] * rank)
 
     def region():
         names = [v() if callable(v) else v for v, _, _ in ins]
@@ -169,7 +168,7 @@ def _generator(c: Ctx, ty: str, sizes: list[str], lead: int, ins: list, element,
         out = fn.fresh("mask")
         maps = "".join(f"affine_map<({dims}) -> {m}>, " for _, _, m in ins)
         fn.emit(f"{out} = linalg.generic {{indexing_maps = [{maps}affine_map<({dims}) -> ({dims})>], "
-                f"iterator_types = [{par}]}}")
+                f"iterator_types = [{parallel(rank)}]}}")
         types = ", ".join(t for _, t, _ in ins)
         with fn.region(f"    ins({', '.join(names)} : {types}) outs({empty} : {ex_ty}){attrs} {{",
                        f"}} -> {ex_ty}"), fn.local():

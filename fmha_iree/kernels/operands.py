@@ -9,7 +9,7 @@ import dataclasses
 from .attention import Operand
 from .bounds import Coords
 from .elementwise import Words, copy_attrs
-from .ir import Fn, tensor_type
+from .ir import Fn, parallel, tensor_type
 
 __all__ = ["Tier", "Plan", "Ctx", "kv_operand", "kv_padded", "q_padded", "padded_q_rows"]
 
@@ -87,9 +87,6 @@ class Ctx:
         return self.held if self.held[0] else self.p.arg_dims
 
 
-_PAR4 = ", ".join(['"parallel"'] * 4)
-
-
 def _ty(shape, elt):
     return tensor_type(shape, elt)
 
@@ -133,7 +130,7 @@ def generated(c: Ctx, ty: str, sizes: list, attrs: str, fill: str, element, elt:
         e = fn.let(f"tensor.empty({', '.join(sizes)}) : {ty}", "e")
         out = fn.fresh("gp")
         fn.emit(f"{out} = linalg.generic {{indexing_maps = [affine_map<(d0, d1, d2, d3) -> (d0, d1, d2, d3)>], "
-                f"iterator_types = [{_PAR4}]}} outs({e} : {ty}){attrs} {{")
+                f"iterator_types = [{parallel(4)}]}} outs({e} : {ty}){attrs} {{")
         with fn.region(f"^bb0(%gp_o: {T}):", f"}} -> {ty}"), fn.local():
             ok, val = element([fn.let(f"linalg.index {n} : index", "gi") for n in range(4)])
             z = fn.let(f"arith.constant {fill} : {T}", "gz")
@@ -213,9 +210,8 @@ def q_padded(c: Ctx, q_arg: str, m_pad: str) -> str:
     def region():
         e = fn.let(f"tensor.empty({c.b}, {c.hk}, {c.sq}) : {t_ty}", "e")
         d5 = "d0, d1, d2, d3, d4"
-        par = ", ".join(['"parallel"'] * 5)
         cp = fn.let(f"linalg.generic {{indexing_maps = [affine_map<({d5}) -> ({d5})>, affine_map<({d5}) -> ({dst_map})>], "
-                    f"iterator_types = [{par}]}} ins({src} : {src_ty}) outs({e} : {t_ty}){attrs} {{\n"
+                    f"iterator_types = [{parallel(5)}]}} ins({src} : {src_ty}) outs({e} : {t_ty}){attrs} {{\n"
                     f"  ^bb0(%qc_in: {E}, %qc_out: {E}):\n    linalg.yield %qc_in : {E}\n  }} -> {t_ty}", "qc")
         flat = fn.let(f"tensor.collapse_shape {cp} [[0], [1], [2, 3], [4]] : {t_ty} into {a_ty}", "qc")
         return [fn.let(f"tensor.insert_slice {flat} into {dest}[0, 0, 0, 0] [{c.b}, {c.hk}, {rows}, {DW}] [1, 1, 1, 1] "

@@ -35,7 +35,7 @@ import dataclasses
 from .attention import Operand, online_attention
 from .bounds import row_hi, row_lo
 from .elementwise import copy_attrs
-from .ir import Fn, tensor_type
+from .ir import Fn, parallel, tensor_type
 from .operands import Ctx
 from .state import fresh_outs, new_state
 
@@ -153,13 +153,12 @@ def _generic(fn: Fn, ty: str, sizes: list[str], rank: int, body, attrs: str = ""
     """One dispatch: a generic over a new ``ty`` of ``sizes`` whose element is ``body(indices)``
     (``attrs``: its lowering, ``elementwise.copy_attrs``)."""
     dd = ", ".join(f"d{i}" for i in range(rank))
-    par = ", ".join(['"parallel"'] * rank)
     elt = ty.rsplit("x", 1)[1].rstrip(">")
 
     def region():
         empty = fn.let(f"tensor.empty({', '.join(sizes)}) : {ty}", "pe")
         out = fn.fresh("pg")
-        fn.emit(f"{out} = linalg.generic {{indexing_maps = [affine_map<({dd}) -> ({dd})>], iterator_types = [{par}]}} "
+        fn.emit(f"{out} = linalg.generic {{indexing_maps = [affine_map<({dd}) -> ({dd})>], iterator_types = [{parallel(rank)}]}} "
                 f"outs({empty} : {ty}){attrs} {{")
         with fn.region(f"^bb0(%pg_o: {elt}):", f"}} -> {ty}"), fn.local():
             ix = [fn.let(f"linalg.index {i} : index", "px") for i in range(rank)]
