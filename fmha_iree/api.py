@@ -13,7 +13,7 @@ from .paged import check_paged
 from .source import dense_abi, dense_params, entry_points
 from .spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
 from .targets import resolve_device
-from .torch_gpu import exported, imported, torch_gpu
+from .torch_gpu import TorchCall, torch_gpu
 
 __all__ = ["fmha_fwd", "fmha_fwd_varlen", "route", "cache_stats", "clear_memory_caches", "to_device"]
 
@@ -160,10 +160,11 @@ def fmha_fwd(
     """
     gpu = torch_gpu({"q": q, "k": k, "v": v}, device)
     if gpu is not None:  # torch GPU tensors: shared with IREE both ways (torch_gpu)
-        out = fmha_fwd(*imported((q, k, v), gpu), mask=mask, scale=scale, return_lse=return_lse, layout=layout,
+        call = TorchCall(gpu)
+        out = fmha_fwd(*call.inputs((q, k, v)), mask=mask, scale=scale, return_lse=return_lse, layout=layout,
                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=gpu.uri,
                        specialize=specialize)
-        return exported(out, gpu)
+        return call.outputs(out)
     key = varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k), mask, scale, return_lse, layout, tiles, device,
                           specialize)
     run = PREPARED.get(key)
@@ -226,11 +227,12 @@ def fmha_fwd_varlen(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     gpu = torch_gpu({"q": q, "k": k, "v": v}, device)
     if gpu is not None:  # torch GPU tensors: shared with IREE both ways (torch_gpu)
-        out = fmha_fwd_varlen(*imported((q, k, v), gpu), seqstart_q, seqstart_k, seqlen_k=seqlen_k,
+        call = TorchCall(gpu)
+        out = fmha_fwd_varlen(*call.inputs((q, k, v)), seqstart_q, seqstart_k, seqlen_k=seqlen_k,
                               seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                               block_table=block_table, mask=mask, scale=scale, return_lse=return_lse, tiles=tiles,
                               device=gpu.uri)
-        return exported(out, gpu)
+        return call.outputs(out)
     key = varlen_call_key(q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table),
                           "varlen", mask, scale, return_lse, tiles, device)
     run = PREPARED.get(key)

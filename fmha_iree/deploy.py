@@ -18,7 +18,7 @@ from .runtime import FmhaModule
 from .spec import check_batch, check_varlen
 from .targets import resolve_device
 from .tiles import TileConfig
-from .torch_gpu import exported, imported, torch_gpu
+from .torch_gpu import TorchCall, torch_gpu
 
 __all__ = ["DeployedFmha", "load"]
 
@@ -45,8 +45,12 @@ class DeployedFmha:
         both ways (``torch_gpu``)."""
         gpu = torch_gpu({"q": q, "k": k, "v": v}, self._module.device_uri)
         if gpu is not None:
-            return exported(self(*imported((q, k, v), gpu), mask=mask, scale=scale, return_lse=return_lse,
-                                 cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k), gpu)
+            call = TorchCall(gpu)
+            return call.outputs(self._batch_call(*call.inputs((q, k, v)), mask, scale, return_lse, cu_seqlen_q,
+                                                 cu_seqlen_k))
+        return self._batch_call(q, k, v, mask, scale, return_lse, cu_seqlen_q, cu_seqlen_k)
+
+    def _batch_call(self, q, k, v, mask, scale, return_lse, cu_seqlen_q, cu_seqlen_k):
         key = varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k), mask, scale, return_lse)
         run = self._prepared.get(key)
         if run is not None:
@@ -78,9 +82,11 @@ class DeployedFmha:
         mask = pr.get("mask") if mask is None else mask
         gpu = torch_gpu({"q": q, "k": k, "v": v}, self._module.device_uri)
         if gpu is not None:
-            return exported(self.varlen(*imported((q, k, v), gpu), seqstart_q, seqstart_k, seqlen_k=seqlen_k,
-                                        seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
-                                        block_table=block_table, mask=mask, scale=scale, return_lse=return_lse), gpu)
+            call = TorchCall(gpu)
+            return call.outputs(self.varlen(*call.inputs((q, k, v)), seqstart_q, seqstart_k, seqlen_k=seqlen_k,
+                                            seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
+                                            block_table=block_table, mask=mask, scale=scale,
+                                            return_lse=return_lse))
 
         key = varlen_call_key(q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k,
                                         block_table), "varlen", mask, scale, return_lse)

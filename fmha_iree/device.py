@@ -118,8 +118,8 @@ def element_type(dtype: str, typed_bf16: bool = True):
 
 # DLPack device type codes (dlpack.h): CPU, CUDA, ROCm
 _DLPACK_CODES = {"local-task": 1, "local-sync": 1, "cuda": 2, "hip": 10}
-_DLPACK_DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32", "torch.int32": "i32",
-                  "float16": "f16", "float32": "f32", "int32": "i32"}  # torch and numpy spellings
+DLPACK_DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32", "torch.int32": "i32",
+                 "float16": "f16", "float32": "f32", "int32": "i32"}  # torch and numpy spellings
 
 
 def dlpack_device(uri: str) -> tuple[int, int]:
@@ -194,7 +194,7 @@ class DeviceTensor:
         of dtype float16, bfloat16, float32 or int32. Writes to ``x`` show through; ``x`` is kept
         alive while the DeviceTensor is. The caller orders ``x``'s pending writes before the call
         that reads it (e.g. ``torch.cuda.current_stream().synchronize()``)."""
-        dtype = _DLPACK_DTYPES.get(str(getattr(x, "dtype", None)))
+        dtype = DLPACK_DTYPES.get(str(getattr(x, "dtype", None)))
         if dtype is None:
             raise TypeError(f"x has dtype {getattr(x, 'dtype', type(x).__name__)}; DLPack import takes float16, "
                             "bfloat16, float32 or int32")
@@ -206,6 +206,19 @@ class DeviceTensor:
         bv = dev.from_dlpack_capsule(x.__dlpack__())
         t = cls(device_uri, bv.get_buffer(), tuple(x.shape), dtype)
         t._owner = x
+        return t
+
+    @classmethod
+    def from_capsule(cls, capsule, device_uri: str, shape, dtype: str, owner) -> "DeviceTensor":
+        """A DeviceTensor sharing the memory of the DLPack ``capsule`` of ``owner`` (kept alive
+        with it), whose device, dtype (``dtype``), shape and contiguity the caller has checked:
+        :meth:`from_dlpack` without the checks, for calls that import tensors on every call
+        (``torch_gpu``)."""
+        bv = get_device(device_uri).from_dlpack_capsule(capsule)
+        t = cls(device_uri, bv.get_buffer(), shape, dtype)
+        if bv.element_type == int(element_type(dtype)):
+            t._views[True] = bv
+        t._owner = owner
         return t
 
     def __dlpack_device__(self) -> tuple[int, int]:

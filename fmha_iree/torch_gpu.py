@@ -2,26 +2,28 @@
 
 A call given torch GPU tensors runs on the IREE device of the same GPU (``cuda://N``; ``hip://N``
 under a ROCm build of torch, which names its GPUs ``cuda`` too) unless ``device`` names it. The
-tensors are shared with IREE as they are (``DeviceTensor.from_dlpack``; a non-contiguous one is
-made contiguous by torch on the GPU first) and the results come back as torch tensors on that GPU
-viewing IREE's buffers (``torch.from_dlpack``).
+tensors are shared with IREE as they are (a non-contiguous one is made contiguous by torch on the
+GPU first) and the results come back as torch tensors on that GPU viewing IREE's buffers
+(``torch.from_dlpack``).
 
 Ordering: IREE 3.13 runs each device on a stream of its own and cannot wait on a CUDA event (its
 CUDA HAL leaves ``import_timepoint`` unimplemented), so the call first waits on the host for
 torch's current stream on that GPU (what torch queued before the call is then written), and the
 results are handed to torch once IREE has finished them (the export waits on the host for the
-call's fence): whatever torch queues after the call reads finished results. Where IREE cannot
-export a result (its stream-ordered pool allocations, ``FMHA_IREE_CUDA_CACHE_BYTES=0``), it is
-copied to the GPU through host memory.
+call's fence): whatever torch queues after the call reads finished results and may overwrite the
+inputs. Where IREE cannot export a result (its stream-ordered pool allocations,
+``FMHA_IREE_CUDA_CACHE_BYTES=0``), it is copied to the GPU through host memory. (Ordering the two
+streams on the device instead, through flags in device memory, was built and measured:
+``docs/tried.md``, "torch CUDA tensors ordered on the device".)
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from .device import DeviceTensor
+from .device import DLPACK_DTYPES, DeviceTensor
 
-__all__ = ["TorchGpu", "torch_gpu", "imported", "exported"]
+__all__ = ["TorchGpu", "torch_gpu", "TorchCall"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,32 +59,43 @@ def torch_gpu(named: dict, device) -> TorchGpu | None:
     uri = f"{driver}://{index}"
     if device is not None and (not isinstance(device, str) or device.strip() != uri):
         raise ValueError(f"{first} is on {x0.device} (IREE device {uri!r}) but device is {device!r}")
-    return TorchGpu(uri, x0.device)
+    return TorchGpu(uri, torch.device("cuda", index))
 
 
-def imported(values: tuple, gpu: TorchGpu) -> tuple:
-    """``values`` with each torch GPU tensor shared as a DeviceTensor (after torch's current
-    stream on that GPU has finished); anything else unchanged."""
-    import torch
+class TorchCall:
+    """One call's torch GPU tensors: :meth:`inputs` before the call, :meth:`outputs` after it."""
 
-    torch.cuda.current_stream(gpu.device).synchronize()
-    out = []
-    for x in values:
-        if _is_gpu_tensor(x):
-            x = DeviceTensor.from_dlpack(x.detach().contiguous(), gpu.uri)
-        out.append(x)
-    return tuple(out)
+    def __init__(self, gpu: TorchGpu):
+        self.gpu = gpu
 
+    def inputs(self, values: tuple) -> tuple:
+        """``values`` with each torch GPU tensor shared as a DeviceTensor (a non-contiguous one
+        copied by torch first), after torch's current stream on that GPU has finished; anything
+        else unchanged."""
+        import torch
 
-def exported(result, gpu: TorchGpu):
-    """A call's result (a DeviceTensor or a tuple of them) as torch tensors on ``gpu``."""
-    if isinstance(result, tuple):
-        return tuple(exported(r, gpu) for r in result)
-    if not isinstance(result, DeviceTensor):
-        return result
-    import torch
+        values = tuple(x.detach().contiguous() if _is_gpu_tensor(x) else x for x in values)
+        torch.cuda.current_stream(self.gpu.device).synchronize()
+        return tuple(self._share(x) if _is_gpu_tensor(x) else x for x in values)
 
-    try:
-        return torch.from_dlpack(result)
-    except TypeError:  # memory IREE cannot export: through the host
-        return result.to_torch().to(gpu.device)
+    def _share(self, x) -> DeviceTensor:
+        from torch.utils.dlpack import to_dlpack
+
+        dtype = DLPACK_DTYPES.get(str(x.dtype))
+        if dtype is None:  # refused by name, as a DLPack import refuses it
+            return DeviceTensor.from_dlpack(x, self.gpu.uri)
+        return DeviceTensor.from_capsule(to_dlpack(x), self.gpu.uri, x.shape, dtype, x)
+
+    def outputs(self, result):
+        """The call's result (a DeviceTensor or a tuple of them) as torch tensors on the GPU,
+        once IREE has written them."""
+        if isinstance(result, tuple):
+            return tuple(self.outputs(r) for r in result)
+        if not isinstance(result, DeviceTensor):
+            return result
+        import torch
+
+        try:
+            return torch.from_dlpack(result)  # DeviceTensor.__dlpack__ waits for the contents
+        except TypeError:  # memory IREE cannot export: through the host
+            return result.to_torch().to(self.gpu.device)

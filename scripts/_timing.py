@@ -59,6 +59,24 @@ def device_time(fn, reps: int, blocks: int = 3) -> float:
     return best
 
 
+def torch_device_time(fn, reps: int, blocks: int = 3) -> float:
+    """As :func:`device_time` for calls that return torch CUDA tensors (fmha_iree on torch
+    tensors: the call may return before the GPU is done), each block closed by
+    ``torch.cuda.synchronize()``."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
 def host_time(fn, reps: int) -> float:
     """Host seconds to issue one call of ``fn`` (the wait for the last result not counted)."""
     _wait_last(fn())

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _timing import cuda_time, device_time, host_time, median_time, write_rows
+from _timing import cuda_time, device_time, host_time, median_time, torch_device_time, write_rows
 
 
 def _row(B, Hq, Hk, Sq, D, mask="0", dtype="f16", Sk=None, label="", modules="any", flex=True):
@@ -244,15 +244,15 @@ def run(args):
 
 def _torch_inputs_time(f, q, k, v, mask, reps: int, want) -> float:
     """Seconds per call of ``f`` on torch CUDA tensors (shared with IREE through DLPack, results
-    returned as torch CUDA tensors; each call waits for torch's stream first and for its results
-    last, ``fmha_iree.torch_gpu``), back to back; the result must equal ``want``."""
+    returned as torch CUDA tensors, the two streams ordered as ``fmha_iree.torch_gpu`` says), back
+    to back, each block closed by ``torch.cuda.synchronize()``; the result must equal ``want``."""
     import torch
 
     qc, kc, vc = (x.cuda() for x in (q, k, v))
     out = f(qc, kc, vc, mask=mask)
     if not (isinstance(out, torch.Tensor) and out.is_cuda and torch.equal(out.cpu(), want)):
         raise RuntimeError("fmha_iree on torch CUDA tensors: the result is not the DeviceTensor call's")
-    return device_time(lambda: f(qc, kc, vc, mask=mask), reps)
+    return torch_device_time(lambda: f(qc, kc, vc, mask=mask), reps)
 
 
 def main():

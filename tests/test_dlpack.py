@@ -31,6 +31,27 @@ def test_import_shares_memory_and_export_views_results():
     assert torch.equal(o1, kept), "a result viewed through DLPack changed under a later call"
 
 
+def test_a_capsule_import_shares_memory_and_keeps_its_owner_alive():
+    """``DeviceTensor.from_capsule`` (the per-call import of torch GPU tensors, ``torch_gpu``):
+    the same memory as the tensor, which it keeps alive, typed as the tensor is."""
+    import gc
+
+    from torch.utils.dlpack import to_dlpack
+
+    q, k, v = make_qkv(seed_of("capsule"), B=1, Hq=2, Sq=17, Sk=40, Dq=64)
+    ref = attention_ref(q, k, v, mask="t")[0]
+    qd, kd, vd = (DeviceTensor.from_capsule(to_dlpack(x), "local-task", x.shape, "f32", x) for x in (q, k, v))
+    del q, k, v
+    gc.collect()  # the imports keep the tensors' memory
+    assert_close(torch.from_dlpack(fmha_iree.fmha_fwd(qd, kd, vd, mask="t")), ref, torch.float32, what="capsule")
+    for dt, name in ((torch.bfloat16, "bf16"), (torch.float16, "f16")):
+        x = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(dt)
+        t = DeviceTensor.from_capsule(to_dlpack(x), "local-task", x.shape, name, x)
+        x.add_(1)  # a write to the tensor shows through
+        got = torch.from_numpy(t.to_numpy())
+        assert torch.equal(got.view(dt) if name == "bf16" else got, x)
+
+
 def test_import_refuses_what_it_cannot_share():
     x = torch.randn(2, 3, 4, 5)
     with pytest.raises(ValueError, match="contiguous"):
