@@ -18,6 +18,7 @@ from fmha_iree.source import dense_abi, fwd_plan, source_mlir
 from fmha_iree.runtime import FmhaModule
 from fmha_iree.spec import KernelSpec, check_batch
 from fmha_iree.targets import Target
+from common import GPU_FORMULATION_CPU_FLAGS
 
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
@@ -35,7 +36,8 @@ def fwd_module():
         if key not in mods:
             spec = KernelSpec(dtype, layout, group, dq, dv or dq, TILES, Target.from_name("host"))
             assert fwd_plan(spec, fused_step=True) is not None
-            vmfb = ict.compile_str(source_mlir(spec, fused_step=True, with_ragged=False), extra_args=compile_flags(spec) + ASYNC_FLAGS)
+            vmfb = ict.compile_str(source_mlir(spec, fused_step=True, with_ragged=False),
+                                   extra_args=compile_flags(spec) + ASYNC_FLAGS + GPU_FORMULATION_CPU_FLAGS)
             mods[key] = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True,
                                    dense=dense_abi(spec, fused_step=True))
         return mods[key]
