@@ -202,11 +202,7 @@ class DeviceTensor:
             raise ValueError("x must be contiguous for a DLPack import (call .contiguous() first)")
         if hasattr(x, "__dlpack_device__") and tuple(x.__dlpack_device__())[0] != dlpack_device(device_uri)[0]:
             raise ValueError(f"x lives on DLPack device {tuple(x.__dlpack_device__())}, not on {device_uri!r}")
-        dev = get_device(device_uri)
-        bv = dev.from_dlpack_capsule(x.__dlpack__())
-        t = cls(device_uri, bv.get_buffer(), tuple(x.shape), dtype)
-        t._owner = x
-        return t
+        return cls.from_capsule(x.__dlpack__(), device_uri, tuple(x.shape), dtype, x)
 
     @classmethod
     def from_capsule(cls, capsule, device_uri: str, shape, dtype: str, owner) -> "DeviceTensor":
