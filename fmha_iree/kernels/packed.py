@@ -34,7 +34,7 @@ import dataclasses
 
 from .attention import Operand, online_attention
 from .bounds import row_hi, row_lo
-from .elementwise import copy_attrs
+from .elementwise import Words, copy_attrs
 from .ir import Fn, parallel, tensor_type
 from .operands import Ctx
 from .state import fresh_outs, new_state
@@ -168,12 +168,15 @@ def _generic(fn: Fn, ty: str, sizes: list[str], rank: int, body, attrs: str = ""
     return fn.dispatch([(ty, sizes)], region)[0]
 
 
-def _q_pieces(c: Ctx, h: Packed, q_rows: str) -> str:
+def _q_pieces(c: Ctx, h: Packed, q_rows: str) -> tuple[str, tuple]:
     """``[Pn, Hk, M, Dq]``: each piece's slots' query rows (zeros where none); with pages
     (``h.pid``) ``[B, Hk, M, Dq]``, each sequence's rows once (``_q_from_sequences`` copies them
-    per piece)."""
+    per piece). Moved as 64-bit words where the head dim allows (``elementwise.Words``); returns
+    (the copy, (its words, their type) for ``_q_from_sequences``)."""
     fn, p = c.fn, c.p
-    ty = tensor_type(["?", "?", "?", p.dq], p.dtype)
+    w = Words(p.dtype, p.dq, p.dq)
+    q, q_ty = w.source(fn, "%q")
+    ty = tensor_type(["?", "?", "?", w.dw], w.elt)
 
     def element(ix):
         pi, hh, m, d = ix
@@ -187,28 +190,33 @@ def _q_pieces(c: Ctx, h: Packed, q_rows: str) -> str:
         ok = fn.andi(ok, fn.cmp("sge", row, 0))
         safe = fn.max(row, 0)
         n, r = fn.floordiv(safe, q_rows), fn.arith(f"arith.remsi {safe}, {q_rows} : index", "pr")
-        val = fn.let(f"tensor.extract %q[{n}, {r}, {fn.add(fn.mul(hh, p.group), g)}, {d}] : {ty}", "pv")
-        zero = fn.let(f"arith.constant 0.0 : {p.dtype}", "pz")
-        return fn.let(f"arith.select {ok}, {val}, {zero} : {p.dtype}", "pv")
+        val = fn.let(f"tensor.extract {q}[{n}, {r}, {fn.add(fn.mul(hh, p.group), g)}, {d}] : {q_ty}", "pv")
+        zero = fn.let(f"arith.constant {w.zero} : {w.elt}", "pz")
+        return fn.let(f"arith.select {ok}, {val}, {zero} : {w.elt}", "pv")
 
     size = [c.b if h.pid else h.pn, c.hk, h.m]
-    return _generic(fn, ty, size, 4, element, copy_attrs(p.main.lowering, rank=4, row_dim=2, inner=p.dq))
+    out = _generic(fn, ty, size, 4, element, copy_attrs(p.main.lowering, rank=4, row_dim=2, inner=w.dw, vec=w.vec))
+    return w.result(fn, out, size), (out, ty)
 
 
-def _q_from_sequences(c: Ctx, h: Packed, qs: str) -> str:
+def _q_from_sequences(c: Ctx, h: Packed, qs: tuple) -> str:
     """``[Pn, Hk, M, Dq]``: piece ``p``'s rows are its sequence's (``first[p]``) rows of ``qs``
-    ``[B, Hk, M, Dq]`` (pages: one sequence per piece). Reading the sequences' rows once and
-    copying them per piece is one dependent index read per element (a gather of them inside the
-    op's dispatch was slow and wrong on the H200, docs/tried.md)."""
+    (``_q_pieces``' words and their type, ``[B, Hk, M, Dq / n]``; pages: one sequence per
+    piece). Reading the sequences' rows once and copying them per piece is one dependent index
+    read per element (a gather of them inside the op's dispatch was slow and wrong on the H200,
+    docs/tried.md)."""
     fn, p = c.fn, c.p
-    ty = tensor_type(["?", "?", "?", p.dq], p.dtype)
+    w = Words(p.dtype, p.dq, p.dq)
+    src, ty = qs
 
     def element(ix):
         pi, hh, m, d = ix
         b = fn.min(_read(fn, h.first, pi), fn.sub(c.b, 1))
-        return fn.let(f"tensor.extract {qs}[{b}, {hh}, {m}, {d}] : {ty}", "pv")
+        return fn.let(f"tensor.extract {src}[{b}, {hh}, {m}, {d}] : {ty}", "pv")
 
-    return _generic(fn, ty, [h.pn, c.hk, h.m], 4, element, copy_attrs(p.main.lowering, rank=4, row_dim=2, inner=p.dq))
+    size = [h.pn, c.hk, h.m]
+    out = _generic(fn, ty, size, 4, element, copy_attrs(p.main.lowering, rank=4, row_dim=2, inner=w.dw, vec=w.vec))
+    return w.result(fn, out, size)
 
 
 def _mask(c: Ctx, h: Packed) -> str:
@@ -359,9 +367,10 @@ def packed_work(c: Ctx, h: Packed, q_rows: str) -> list[str]:
     the Q pieces, mask, state: returned, not transients, as ``ragged._Frame.types`` says)."""
     fn, p = c.fn, c.p
     tier = p.short or p.main
-    qs = qp = _q_pieces(c, h, q_rows)
+    qp, words = _q_pieces(c, h, q_rows)
+    qs = qp
     if h.pid:
-        qp = _q_from_sequences(c, h, qs)
+        qp = _q_from_sequences(c, h, words)
     mask = _mask(c, h)
     st = new_state(fn, [h.pn, c.hk, h.one, h.m], p.dv)
     st = _op(c, tier, h, qp, mask, st, tail=False)
