@@ -95,7 +95,8 @@ class Pieces:
     first: np.ndarray  # [NPc + tails] int32: each piece's first sequence (its slot 0); the tail pieces last
     scalars: tuple[int, int, int, int]  # W, NPc, P0, S
     pages: tuple | None = None  # int32 tables after first: (pb [NU], pv [NU], starts [B]) of the gathered
-    # pages (fwd_packed_paged), or (pid [NU], the last pages' pb [B] and pv [B], starts [B]) with in_place
+    # pages (fwd_packed_paged), or (pid [NPc * PAGE_GROUP], the last sub-pages' pb [B] and pv [B],
+    # starts [B]) with in_place
     page: int = 0  # PG: rows per page (with in_place, per sub-page: kernels.packed.PAGE_ROWS)
     in_place: bool = False
 
@@ -120,30 +121,35 @@ class Pieces:
 
 def page_pieces(frame: "Frame", group: int) -> Pieces:
     """The pieces of ``fwd_packed_pages``: a paged cache's rows in place as sub-pages of
-    ``PAGE_ROWS`` rows, one piece per used sub-page (one sequence each) in sequence order, plus
-    one tail piece per sequence (its last sub-page, copied with the rows it does not own
-    zeroed); ``OFF`` where the page is not a multiple of ``PAGE_ROWS`` or a sequence has more
-    query rows than a piece holds."""
-    from .kernels.packed import PAGE_ROWS  # here: importing the kernels' renderers costs every process ~30 ms
+    ``PAGE_ROWS`` rows, ``PAGE_GROUP`` of one sequence per whole piece (the sub-pages before its
+    last, in order; a short group repeats its first sub-page, masked), plus one tail piece per
+    sequence (its last sub-page, copied with the rows it does not own zeroed); ``OFF`` where the
+    page is not a multiple of ``PAGE_ROWS`` or a sequence has more query rows than a piece
+    holds."""
+    from .kernels.packed import PAGE_GROUP, PAGE_ROWS  # here: importing the kernels' renderers costs every process ~30 ms
 
     page, sub = frame.page, PAGE_ROWS
     kl = frame.desc[:, 1].astype(np.int64)
     if not frame.paged or page % sub or frame.q_idx.shape[1] * group > PIECE_ROWS or not (kl > 0).any():
         return OFF
     n_sub = -(-kl // sub)
-    b, j = runs(n_sub)  # sub-page j of sequence b: rows [j * sub, (j + 1) * sub) of its keys
+    last = np.maximum(n_sub - 1, 0)  # sub-pages before the last: read in place
+    n_pc = -(-last // PAGE_GROUP)
+    b, g = runs(n_pc)  # whole piece g of sequence b: sub-pages g * PAGE_GROUP + [0, PAGE_GROUP)
 
     def base(bb, jj):  # its first row in the cache read as rows
         return frame.k_base[bb, (jj * sub) // page] + (jj * sub) % page
 
+    j = g[:, None] * PAGE_GROUP + np.arange(PAGE_GROUP)
+    j = np.where(j < last[b][:, None], j, g[:, None] * PAGE_GROUP)  # a short group repeats its first
+    pid = (base(b[:, None], j) // sub).astype(np.int32).ravel()
     rows = np.arange(len(kl))
-    last = np.maximum(n_sub - 1, 0)
     first = np.concatenate([b, rows]).astype(np.int32)
-    pid = (base(b, j) // sub).astype(np.int32)
     last_pb = np.where(kl > 0, base(rows, last), 0).astype(np.int32)
     last_pv = (kl - last * sub).clip(0).astype(np.int32)
-    starts = ((np.cumsum(n_sub) - n_sub) * sub).astype(np.int32)
-    return Pieces(first, (sub, len(b), 0, 1), (pid, last_pb, last_pv, starts), sub, in_place=True)
+    width = PAGE_GROUP * sub
+    starts = ((np.cumsum(n_pc) - n_pc) * width).astype(np.int32)
+    return Pieces(first, (width, len(b), 0, 1), (pid, last_pb, last_pv, starts), sub, in_place=True)
 
 
 OFF = Pieces(np.zeros(1, np.int32), (64, 0, 0, 0))

@@ -387,8 +387,8 @@ def entry_points(spec: KernelSpec) -> dict:
                                                         "sequence order (a paged cache, runs with gaps), then as "
                                                         "fwd_packed"),
                     ("fwd_packed_pages", ("NU", "PG"), "a paged cache's pages (PG a multiple of 64 keys) read in "
-                                                        "place as the pieces, each sequence's last page copied with "
-                                                        "the rows it does not own zeroed")):
+                                                        "place, four 64-row sub-pages a piece, each sequence's last "
+                                                        "sub-page copied with the rows it does not own zeroed")):
                 args = dict(frame_args)
                 args.update({n: [[], "i64 scalar"] for n in PACKED_SCALARS + extra})
                 out[name] = {"args": args, "results": {"out": out["fwd_ragged"]["results"]["out"],

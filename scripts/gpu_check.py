@@ -11,7 +11,8 @@ torch CUDA tensors), against a float64 reference computed from the inputs with t
 A ``bshd`` module also runs group mode (``varlen``): prefill frames of several groups of rows with
 sequences in no order of length, empty ones, Sq != Sk, and a decode batch, from host arrays and
 DeviceTensors (a first call, and a call that replays the plan of one on other tensors), against the
-same reference per sequence.
+same reference per sequence; and a decode batch from a paged cache (pages 16, 64 and 256 in a
+shuffled order, every row no sequence owns NaN) on DeviceTensors.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main():
                       f"max|out-ref|={err:.2e} max|lse-ref|={lerr:.2e}", flush=True)
         if pr["layout"] == "bshd":
             worst = max(worst, _check_varlen(f, pr, dt, args.device))
+            worst = max(worst, _check_paged(f, pr, dt, args.device))
     print(f"worst max|out-ref| {worst:.2e}")
 
 
@@ -127,6 +129,54 @@ def _check_varlen(f, pr, dt, device: str) -> float:
                 worst = max(worst, err)
                 print(f"  varlen {pr['dtype']} d{d} g{g} Tq={int(sq[-1])} Tk={int(sk[-1])} ({len(lq)} sequences) "
                       f"mask={mask:<7} {src:<6}: max|out-ref|={err:.2e}", flush=True)
+    return worst
+
+
+# a paged decode batch: query rows and key counts (many sub-pages, a partial group of them, one key, none)
+PAGED = ([1, 1, 2, 1, 1, 1, 1, 1, 1], [600, 257, 256, 1, 0, 4100, 65, 1000, 63])
+
+
+def _check_paged(f, pr, dt, device: str) -> float:
+    """A decode batch from a paged cache whose free pages and unused rows hold NaN, against a
+    float64 reference per sequence over its keys; the worst error."""
+    import torch
+
+    import fmha_iree
+    from fmha_iree import Mask
+
+    d, g = pr["hdim"], pr["group"]
+    hq = pr.get("heads") or 16
+    hk, worst, (lq, lk) = hq // g, 0.0, PAGED
+    sq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    q = torch.randn(int(sq[-1]), hq, d, dtype=dt)
+    for page in (16, 64, 256):
+        n = [-(-x // page) for x in lk]
+        perm = np.random.default_rng(page).permutation(sum(n) + 3)  # three free pages
+        kc, vc = (torch.full((sum(n) + 3, page, hk, d), float("nan"), dtype=dt) for _ in range(2))
+        bt = np.full((len(lk), max(n) + 1), -1, np.int32)
+        keys = []
+        for b, (x, nb) in enumerate(zip(lk, n)):
+            bt[b, :nb] = perm[sum(n[:b]): sum(n[:b]) + nb]
+            kb, vb = (torch.randn(x, hk, d, dtype=dt) for _ in range(2))
+            for j in range(x):
+                kc[bt[b, j // page], j % page], vc[bt[b, j // page], j % page] = kb[j], vb[j]
+            keys.append((kb, vb))
+        ins = tuple(fmha_iree.to_device(x, device) for x in (q, kc, vc))
+        for mask in ("b", "0", "t:20,5"):
+            out = f.varlen(*ins, sq, None, seqlen_k=np.array(lk, np.int32), block_table=bt, mask=mask).to_torch()
+            ref = torch.zeros(q.shape, dtype=torch.float64)
+            for b, (kb, vb) in enumerate(keys):
+                if not lq[b]:
+                    continue
+                qs, ks, vs = (x.double().transpose(0, 1) for x in (q[sq[b]:sq[b + 1]], kb, vb))
+                s = (qs @ ks.repeat_interleave(g, 0).transpose(-1, -2)) / np.sqrt(d)
+                s = s.masked_fill(~torch.from_numpy(Mask.from_str(mask).materialize(lq[b], lk[b])), float("-inf"))
+                ref[sq[b]:sq[b + 1]] = (torch.softmax(s, -1).nan_to_num(0) @ vs.repeat_interleave(g, 0)).transpose(0, 1)
+            err = (out.double() - ref).abs().max().item()
+            err = float("inf") if out.isnan().any() else err
+            worst = max(worst, err)
+            print(f"  paged {pr['dtype']} d{d} g{g} page={page} Tk={sum(lk)} ({len(lk)} sequences) mask={mask:<7}: "
+                  f"max|out-ref|={err:.2e}", flush=True)
     return worst
 
 

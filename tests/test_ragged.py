@@ -364,7 +364,8 @@ def test_paged_decode_reads_pages_as_pieces(module, packed_calls, page):
     ``fwd_packed_paged`` (its pages gathered in sequence order); either way the unused end of
     each last page (NaN here, as are the free pages) is zeroed, never read."""
     mod = module()
-    lq, lk = [1, 2, 1, 1, 1, 1], [40, 1, 17, 130, 0, 128]
+    # 600 and 257 keys: whole pieces of four sub-pages and of one (its group padded, masked)
+    lq, lk = [1, 2, 1, 1, 1, 1, 1, 1], [40, 1, 17, 130, 0, 128, 600, 257]
     q, kc, vc, bt = _paged_case(seed_of("packed-paged", page), lq, [max(n, 1) for n in lk], page)
     own = np.zeros(kc.shape[:2], bool)
     for b, n in enumerate(lk):

@@ -27,29 +27,32 @@ class Operand:
     dims: tuple[str, ...]
 
 
-def lowering_attrs(lowering, *, dv: int, batch_dims: int) -> tuple[str, str]:
+def lowering_attrs(lowering, *, dv: int, batch_dims: int, k2o: bool = False) -> tuple[str, str]:
     """(properties, attributes) for the op; ("", "") lets IREE choose. The tile sizes are checked
     against a whole tile (the sizes themselves are runtime values the caller proves divisible)."""
-    return lowering_for_runtime_sizes(lowering, dv, batch_dims)
+    return lowering_for_runtime_sizes(lowering, dv, batch_dims, k2o)
 
 
-def _map(dims: Sequence[str], nb: int) -> str:
-    all_dims = [f"b{i}" for i in range(nb)] + ["m", "k1", "k2", "n"]
+def _map(dims: Sequence[str], nb: int, k2o: bool = False) -> str:
+    all_dims = [f"b{i}" for i in range(nb)] + ["m", "k1", *(["k2o"] if k2o else []), "k2", "n"]
     return f"affine_map<({', '.join(all_dims)}) -> ({', '.join(dims)})>"
 
 
 def online_attention(fn: Fn, *, q: Operand, k: Operand, v: Operand, scale: str, scale_type: str,
-                     outs: Sequence[Operand], nb: int, lowering, dv: int, mask: Operand | None = None) -> list[str]:
-    """Emit the op (``outs``: acc, max, sum as its initial state); returns its three results."""
-    props, attrs = lowering_attrs(lowering, dv=dv, batch_dims=nb)
-    maps = [_map(q.dims, nb), _map(k.dims, nb), _map(v.dims, nb), _map((), nb)]
+                     outs: Sequence[Operand], nb: int, lowering, dv: int, mask: Operand | None = None,
+                     k2o: bool = False) -> list[str]:
+    """Emit the op (``outs``: acc, max, sum as its initial state); returns its three results.
+    ``k2o``: keys in two dims, ``k2o`` (outer, one per step) and ``k2``."""
+    props, attrs = lowering_attrs(lowering, dv=dv, batch_dims=nb, k2o=k2o)
+    _m = lambda dims: _map(dims, nb, k2o)  # noqa: E731
+    maps = [_m(q.dims), _m(k.dims), _m(v.dims), _m(())]
     ins = [q.name, k.name, v.name, scale]
     in_tys = [q.type, k.type, v.type, scale_type]
     if mask is not None:
-        maps.append(_map(mask.dims, nb))
+        maps.append(_m(mask.dims))
         ins.append(mask.name)
         in_tys.append(mask.type)
-    maps += [_map(o.dims, nb) for o in outs]
+    maps += [_m(o.dims) for o in outs]
     res = [fn.fresh("att") for _ in outs]
     out_tys = ", ".join(o.type for o in outs)
     props_text = (props + "\n    ") if props else ""

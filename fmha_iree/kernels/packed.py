@@ -19,13 +19,18 @@ K and V are read once, in place: no copy and no padding to the longest sequence 
 decode batch over KV lengths 256..8192 holds twice the keys its sequences have).
 
 Over a paged cache whose page is a multiple of ``PAGE_ROWS`` (``mode="pages"``), the pieces are
-the cache's own rows in sub-pages of ``PAGE_ROWS`` (``W``, one sequence each), read in place: the
-whole-piece op's K / V are an ``iree_linalg_ext.gather`` of the used sub-pages by number inside
-the op's dispatch (as fast as a slice: 0.215 against 0.218 ms over a B32 decode's 1873 pages,
-H200, 2026-12-02; with the rows a runtime value the gather's tile took the whole page into shared
-memory). Each sequence's last sub-page may hold rows it does not own, which may be NaN: it is
-copied with those rows zeroed into ``B`` tail pieces (``gather_pages``), and the merge reads a
-sequence's last piece from there; the whole-piece op's result for it is never read.
+the cache's own rows in sub-pages of ``PAGE_ROWS`` rows, ``PAGE_GROUP`` sub-pages of one sequence
+per whole piece (``W = PAGE_GROUP * PAGE_ROWS``), read in place: the whole-piece op's K / V are an
+``iree_linalg_ext.gather`` of the sub-pages by number inside the op's dispatch, ``[N, PAGE_GROUP,
+PAGE_ROWS, Hk, D]``, and the op has two key dims (sub-page, row; one sub-page per step, so each
+gathered tile has one index: IREE 3.13 fails to vectorize a gather tile with an index vector,
+docs/tried.md). A whole piece holds sub-pages before its sequence's last (a short group repeats
+its first sub-page, masked: finite keys, never ``0 * NaN``). Each sequence's last sub-page may
+hold rows it does not own, which may be NaN: it is copied with those rows zeroed into ``B`` tail
+pieces (``gather_pages``), and the merge reads a sequence's whole pieces, then its tail piece.
+Pieces of one 64-row sub-page each took 0.55 ms for a B32 decode against 0.31 for the contiguous
+cache's 256-row pieces (each piece pays for its queries and its state); four sub-pages a piece,
+0.33 against 0.28 (H200, 2026-12-03, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ __all__ = ["PACKED_SCALARS", "PAGE_ROWS", "MASK3", "Packed", "packed_host", "pac
 
 PACKED_SCALARS = ("W", "NPc", "P0", "S")
 PAGE_ROWS = 64  # mode "pages": pieces are sub-pages of this many rows (a cache page a multiple of it)
+PAGE_GROUP = 4  # mode "pages": sub-pages per whole piece (W = PAGE_GROUP * PAGE_ROWS keys)
 MASK3 = tensor_type(["?", "?", "?"], "i1")
 _FMIN = "-3.40282347E+38"
 
@@ -94,7 +100,7 @@ def packed_host(c: Ctx, s: dict, at: dict, k_rows: str, mode: str = "rows") -> P
     on = fn.andi(fn.andi(fn.andi(fn.cmp("sgt", s["S"], 0), whole), fn.cmp("sge", nr, w)), fn.cmp("sle", tail_lo, nr))
     nt = fn.opaque(1)
     if mode == "pages":  # pieces of PAGE_ROWS rows (the gather's static shape), one tail per sequence
-        nt, on = c.b, fn.andi(on, fn.cmp("eq", s["W"], PAGE_ROWS))
+        nt, on = c.b, fn.andi(on, fn.cmp("eq", s["W"], PAGE_GROUP * PAGE_ROWS))
     return Packed(w, npc, s["P0"], s["S"], at["first"], at["starts" if paged else "k"], at["desc"], at["q"], rows, m,
                   fn.add(npc, nt), nr, tail_lo, fn.opaque(1), on, nt=nt, pid=at["pid"] if mode == "pages" else "")
 
@@ -125,6 +131,11 @@ def gather_pages(c: Ctx, h: Packed, at: dict, which: str, pages: str | None = No
     attrs = copy_attrs(p.main.lowering, rank=4, row_dim=1, inner=d)
     rows = h.nr if pages is None else fn.mul(pages, page)
     return _generic(fn, ty, [h.one, rows, c.hk], 4, element, attrs)
+
+
+def _last_rows(fn: Fn, kl: str) -> str:
+    """Keys of a sequence of ``kl`` before its last sub-page (pages: the whole pieces' keys)."""
+    return fn.mul(fn.floordiv(fn.max(fn.sub(kl, 1), 0), PAGE_ROWS), PAGE_ROWS)
 
 
 def _read(fn: Fn, at: str, i: str) -> str:
@@ -229,9 +240,12 @@ def _mask(c: Ctx, h: Packed) -> str:
         whole = fn.cmp("slt", pi, h.npc)
         ql, kl, y, x = (_read(fn, h.desc_at, fn.add(fn.mul(k, c.b), b)) for k in range(4))
         at_whole = fn.add(fn.mul(fn.add(h.p0, pi), h.w), j)
-        if h.pid:  # a tail piece is its sequence's last sub-page
-            last = fn.mul(fn.floordiv(fn.max(fn.sub(kl, 1), 0), h.w), h.w)
+        if h.pid:  # whole pieces hold the sub-pages before the last, a tail piece the last
+            last = _last_rows(fn, kl)
             r = fn.select(whole, at_whole, fn.add(fn.add(_read(fn, h.k_at, b), last), j))
+            inside = fn.let(f"arith.select {whole}, {fn.cmp('slt', fn.sub(r, _read(fn, h.k_at, b)), last)}, "
+                            f"{fn.cmp('slt', j, PAGE_ROWS)} : i1", "pm")
+            ok = fn.andi(ok, inside)
         else:  # the tail piece: the last W rows, less those of a whole piece
             r = fn.select(whole, at_whole, fn.add(fn.sub(h.nr, h.w), j))
             ok = fn.andi(ok, _ori(fn, whole, fn.cmp("sge", r, h.tail_lo)))
@@ -250,27 +264,32 @@ def _op(c: Ctx, tier, h: Packed, qp: str, mask: str, st, tail: bool):
     n = h.nt if tail else h.npc
     at = h.npc if tail else "0"
     lead = [n, c.hk, "1", h.m]
+    width = fn.c(PAGE_ROWS) if h.pid and tail else h.w  # keys per piece (pages: a tail is one sub-page)
+    grouped = bool(h.pid) and not tail
 
     def kv(which: str, d: int) -> Operand:
         src = h.k_src if which == "k" else h.v_src
         t4, t3 = tensor_type(["?", "?", "?", d], p.dtype), tensor_type(["?", "?", d], p.dtype)
         dims = ("b0", "k2", "b1", "k1" if which == "k" else "n")
-        if h.pid and not tail:  # the cache's sub-pages of PAGE_ROWS rows by number, read inside this dispatch
-            i32 = tensor_type(["?"], "i32")
-            ts = tensor_type(["?", PAGE_ROWS, "?", d], p.dtype)  # static rows: the gather's tile stays one step
-            ids = fn.let(f"tensor.extract_slice %idx[{h.pid}] [{n}] [1] : {i32} to {i32}", "pk")
+        if h.pid and not tail:  # PAGE_GROUP sub-pages of the cache by number, read inside this dispatch
+            i32, i32x2 = tensor_type(["?"], "i32"), tensor_type(["?", PAGE_GROUP], "i32")
+            page_ty = tensor_type(["?", PAGE_ROWS, "?", d], p.dtype)  # static rows: a gather's tile is one index
+            ts = tensor_type(["?", PAGE_GROUP, PAGE_ROWS, "?", d], p.dtype)
+            ids = fn.let(f"tensor.extract_slice %idx[{h.pid}] [{fn.mul(n, PAGE_GROUP)}] [1] : {i32} to {i32}", "pk")
+            ids = fn.let(f"tensor.expand_shape {ids} [[0, 1]] output_shape [{n}, {PAGE_GROUP}] : {i32} into {i32x2}", "pk")
             flat = fn.let(f"tensor.collapse_shape %{which} [[0, 1], [2], [3]] : {t4} into {t3}", "pk")
             n_pages = fn.floordiv(fn.mul(fn.dim(f"%{which}", t4, 0), fn.dim(f"%{which}", t4, 1)), PAGE_ROWS)
             cache = fn.let(f"tensor.expand_shape {flat} [[0, 1], [2], [3]] output_shape [{n_pages}, {PAGE_ROWS}, {c.hk}, "
-                           f"{d}] : {t3} into {ts}", "pk")
+                           f"{d}] : {t3} into {page_ty}", "pk")
             empty = fn.let(f"tensor.empty({n}, {c.hk}) : {ts}", "pk")
-            g = fn.let(f"iree_linalg_ext.gather dimension_map = [0] ins({cache}, {ids} : {ts}, {i32}) "
+            g = fn.let(f"iree_linalg_ext.gather dimension_map = [0] ins({cache}, {ids} : {page_ty}, {i32x2}) "
                        f"outs({empty} : {ts}) -> {ts}", "pk")
-            return Operand(g, ts, dims)
+            return Operand(g, ts, ("b0", "k2o", "k2", "b1", dims[3]))
         flat = fn.let(f"tensor.collapse_shape {src} [[0, 1], [2], [3]] : {t4} into {t3}", "pk")
         lo = "0" if h.pid else fn.sub(h.nr, h.w) if tail else fn.mul(h.p0, h.w)
-        sl = fn.let(f"tensor.extract_slice {flat}[{lo}, 0, 0] [{fn.mul(n, h.w)}, {c.hk}, {d}] [1, 1, 1] : {t3} to {t3}", "pk")
-        ex = fn.let(f"tensor.expand_shape {sl} [[0, 1], [2], [3]] output_shape [{n}, {h.w}, {c.hk}, {d}] : {t3} into {t4}",
+        sl = fn.let(f"tensor.extract_slice {flat}[{lo}, 0, 0] [{fn.mul(n, width)}, {c.hk}, {d}] [1, 1, 1] : {t3} to {t3}",
+                    "pk")
+        ex = fn.let(f"tensor.expand_shape {sl} [[0, 1], [2], [3]] output_shape [{n}, {width}, {c.hk}, {d}] : {t3} into {t4}",
                     "pk")
         return Operand(ex, t4, dims)
 
@@ -279,10 +298,19 @@ def _op(c: Ctx, tier, h: Packed, qp: str, mask: str, st, tail: bool):
         q = fn.let(f"tensor.extract_slice {qp}[{at}, 0, 0, 0] [{n}, {c.hk}, {h.m}, {p.dq}] [1, 1, 1, 1] : {q_ty} to {q_ty}",
                    "pq")
         m_ty = MASK3
-        mv = fn.let(f"tensor.extract_slice {mask}[{at}, 0, 0] [{n}, {h.m}, {h.w}] [1, 1, 1] : {m_ty} to {m_ty}", "pm")
+        if grouped:  # the keys as (sub-page, row)
+            m3, m4 = (tensor_type(["?", "?", PAGE_GROUP * PAGE_ROWS], "i1"),
+                      tensor_type(["?", "?", PAGE_GROUP, PAGE_ROWS], "i1"))
+            mv = fn.let(f"tensor.extract_slice {mask}[{at}, 0, 0] [{n}, {h.m}, {PAGE_GROUP * PAGE_ROWS}] [1, 1, 1] : "
+                        f"{m_ty} to {m3}", "pm")
+            mo = Operand(fn.let(f"tensor.expand_shape {mv} [[0], [1], [2, 3]] output_shape [{n}, {h.m}, {PAGE_GROUP}, "
+                                f"{PAGE_ROWS}] : {m3} into {m4}", "pm"), m4, ("b0", "m", "k2o", "k2"))
+        else:
+            mv = fn.let(f"tensor.extract_slice {mask}[{at}, 0, 0] [{n}, {h.m}, {width}] [1, 1, 1] : {m_ty} to {m_ty}", "pm")
+            mo = Operand(mv, m_ty, ("b0", "m", "k2"))
         res = online_attention(fn, q=Operand(q, q_ty, ("b0", "b1", "m", "k1")), k=kv("k", p.dq), v=kv("v", p.dv),
                                scale=c.scale, scale_type=p.dtype, outs=fresh_outs(fn, [n, c.hk, h.m], ("b0", "b1", "m"), p.dv),
-                               nb=2, lowering=tier.lowering, dv=p.dv, mask=Operand(mv, m_ty, ("b0", "m", "k2")))
+                               nb=2, lowering=tier.lowering, dv=p.dv, mask=mo, k2o=grouped)
         return st.insert(fn, res, [at, "0", "0", "0"], lead)
 
     return st.with_names(fn.dispatch(st.region_results(), region))
@@ -296,13 +324,17 @@ def _combine(c: Ctx, h: Packed, st, b: str, i: str, hq: str, d: str | None):
     ks, kl = _read(fn, h.k_at, b), _read(fn, h.desc_at, fn.add(c.b, b))
     end = fn.add(ks, kl)
     lo = fn.clamp(fn.sub(fn.floordiv(ks, h.w), h.p0), 0, h.npc)
-    hi = fn.select(fn.cmp("sgt", end, h.tail_lo), h.pn, fn.clamp(fn.sub(fn.ceildiv(end, h.w), h.p0), 0, h.npc))
-    hi = fn.select(fn.cmp("sgt", kl, 0), fn.max(hi, lo), lo)
+    if h.pid:  # pages: the whole pieces of the sub-pages before the last, then its tail piece
+        hi = fn.add(lo, fn.ceildiv(_last_rows(fn, kl), h.w))
+        end = fn.select(fn.cmp("sgt", kl, 0), fn.add(hi, 1), lo)
+    else:
+        hi = fn.select(fn.cmp("sgt", end, h.tail_lo), h.pn, fn.clamp(fn.sub(fn.ceildiv(end, h.w), h.p0), 0, h.npc))
+        hi = end = fn.select(fn.cmp("sgt", kl, 0), fn.max(hi, lo), lo)
     fmin, zero = fn.const(_FMIN, "f32", "fmin"), fn.const("0.0", "f32", "zero")
 
     def at(pi):
-        if h.pid:  # pages: the last page's state is its tail piece's (rows it does not own zeroed)
-            pi = fn.select(fn.cmp("eq", pi, fn.sub(hi, 1)), fn.add(h.npc, b), pi)
+        if h.pid:  # pages: past the whole pieces, the sequence's tail piece (rows it does not own zeroed)
+            pi = fn.select(fn.cmp("eq", pi, hi), fn.add(h.npc, b), pi)
         t = fn.sub(b, _read(fn, h.first, pi))
         ok = fn.andi(fn.cmp("sge", t, 0), fn.cmp("slt", t, h.s))
         m = fn.add(fn.mul(fn.clamp(t, 0, fn.max(fn.sub(h.s, 1), 0)), h.rows), fn.add(fn.mul(i, G), g))
@@ -313,7 +345,7 @@ def _combine(c: Ctx, h: Packed, st, b: str, i: str, hq: str, d: str | None):
     pi, mv, lv, av, res = fn.fresh("pi"), fn.fresh("pm"), fn.fresh("lv"), fn.fresh("av"), fn.fresh("comb")
     carried = f"{mv} = {fmin}, {lv} = {zero}" + (f", {av} = {zero}" if d else "")
     types = "f32, f32, f32" if d else "f32, f32"
-    fn.emit(f"{res}:{3 if d else 2} = scf.for {pi} = {lo} to {hi} step {fn.c(1)} iter_args({carried}) -> ({types}) {{")
+    fn.emit(f"{res}:{3 if d else 2} = scf.for {pi} = {lo} to {end} step {fn.c(1)} iter_args({carried}) -> ({types}) {{")
     ok, m, px = at(pi)
     mi = fn.let(f"tensor.extract {st.mx}[{px}, {hh}, {fn.c(0)}, {m}] : {st.mx_type}", "px")
     mi = fn.let(f"arith.select {ok}, {mi}, {fmin} : f32", "px")

@@ -85,7 +85,7 @@ def _mma_attr(name: str, virtual: bool | None = None) -> str:
 
 
 def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: int, dv: int,
-                          c: int, batch_dims: int = 1) -> tuple[str, str]:
+                          c: int, batch_dims: int = 1, k2o: bool = False) -> tuple[str, str]:
     """(properties, attributes) text for the online_attention op; ("", "") for None.
 
     In IREE 3.13 the op prints as
@@ -98,8 +98,9 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
         return "", ""
     lw = {"backend": lowering} if isinstance(lowering, str) else dict(lowering)
     xb, x0 = [1] * (batch_dims - 1), [0] * (batch_dims - 1)
+    o = [0] if k2o else []  # an outer key dim: one per step
     if lw.get("backend") == "cpu":
-        return "", _cpu_attrs(lw, m_total, xb, x0)
+        return "", _cpu_attrs(lw, m_total, xb, x0, o)
     wm = int(lw.get("workgroup_m", m_total))
     wn = int(lw.get("workgroup_n", dv))
     k2 = int(lw.get("reduction_k2", 64))
@@ -107,7 +108,8 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
         raise ValueError(f"tile (M={wm}, N={wn}, K2={k2}) must divide (G*R={m_total}, "
                          f"Dv={dv}, C={c})")
     sg, sgm, sgn, wg = _threads(lw)
-    lc = f"workgroup = {_ilist(xb + [1, wm, 0, 0, wn])}, reduction = {_ilist(x0 + [0, 0, 0, k2, 0])}"
+    lc = (f"workgroup = {_ilist(xb + [1, wm, 0, *o, 0, wn])}, "
+          f"reduction = {_ilist(x0 + [0, 0, 0, *[1 for _ in o], k2, 0])}")
     promote = lw.get("promote_operands", [1, 2])
     if promote is not None:
         lc += f", promote_operands = {_ilist(promote)}"
@@ -126,19 +128,19 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
         "pipeline = #iree_gpu.pipeline<VectorDistribute>\n"
         f"          workgroup_size = [{wg}, 1, 1] subgroup_size = {sg}{ti_extra}>>}}"
     )
-    return _decomposition(lw, xb, batch_dims, sgm, sgn), attrs
+    return _decomposition(lw, xb, batch_dims, sgm, sgn, len(o)), attrs
 
 
-def _cpu_attrs(lw: dict, m_total: int, xb: list, x0: list) -> str:
+def _cpu_attrs(lw: dict, m_total: int, xb: list, x0: list, o: list) -> str:
     """llvm-cpu, N kept whole (IREE's default tiles N by 8; with the old state chained through
     the op's outs that gave a sum Dv/8 times too large -- see the module docstring)."""
     wm = int(lw.get("workgroup_m", m_total))
     k2 = int(lw.get("reduction_k2", 2))
     return (" {compilation_info = #iree_codegen.compilation_info<\n"
             "        lowering_config = #iree_cpu.lowering_config<"
-            f"distribution = {_ilist(xb + [1, wm, 0, 0, 0])}, "
-            f"vector_common_parallel = {_ilist(xb + [1, 1, 0, 0, 0])}, "
-            f"vector_reduction = {_ilist(x0 + [0, 0, 0, k2, 0])}>,\n"
+            f"distribution = {_ilist(xb + [1, wm, 0, *o, 0, 0])}, "
+            f"vector_common_parallel = {_ilist(xb + [1, 1, 0, *o, 0, 0])}, "
+            f"vector_reduction = {_ilist(x0 + [0, 0, 0, *[1 for _ in o], k2, 0])}>,\n"
             "        translation_info = #iree_codegen.translation_info<"
             "pipeline = #iree_cpu.pipeline<LinalgExtTileAndVectorize>>>}")
 
@@ -158,16 +160,16 @@ def _threads(lw: dict) -> tuple[int, int, int, int]:
     return sg, sgm, sgn, wg
 
 
-def _decomposition(lw: dict, xb: list, batch_dims: int, sgm: int, sgn: int) -> str:
+def _decomposition(lw: dict, xb: list, batch_dims: int, sgm: int, sgn: int, nk2o: int = 0) -> str:
     """The op's decomposition_config: the intrinsics and subgroup layout of Q@K^T and P@V ("" when
     the lowering names no intrinsic)."""
     pv_kind = lw.get("mma_kind")
     if not pv_kind:
         return ""
     qk_kind = lw.get("qk_mma_kind", pv_kind)
-    basis = _ilist(xb + [1, sgm, 1, 1, sgn])
+    basis = _ilist(xb + [1, sgm, 1, *[1] * nk2o, 1, sgn])
     nb = batch_dims
-    qk_dims, pv_dims = list(range(nb + 3)), list(range(nb + 1)) + [nb + 2, nb + 3]
+    qk_dims, pv_dims = list(range(nb + 3 + nk2o)), list(range(nb + 1)) + list(range(nb + 2, nb + 4 + nk2o))
     qk = (f"mma_kind = {_mma_attr(qk_kind, lw.get('qk_virtual'))}, "
           f"subgroup_basis = [{basis}, {_ilist(qk_dims)}], "
           f"promote_operands = {_ilist(lw.get('qk_promote_operands', [1]))}")
@@ -224,11 +226,11 @@ def default_lowering(target: str, *, dtype: str = "f16", r: int = 128, group: in
     return None
 
 
-def lowering_for_runtime_sizes(lowering, dv: int, batch_dims: int = 1):
+def lowering_for_runtime_sizes(lowering, dv: int, batch_dims: int = 1, k2o: bool = False):
     """(props, attrs) for an op whose M and K2 are runtime sizes (the caller checks divisibility)."""
     if not lowering:
         return "", ""
     lw = {"backend": lowering} if isinstance(lowering, str) else dict(lowering)
     m = int(lw.get("workgroup_m", 1))
     k2 = int(lw.get("reduction_k2", 1))
-    return render_lowering_attrs(lw, m_total=m, dv=int(dv), c=k2, batch_dims=batch_dims)
+    return render_lowering_attrs(lw, m_total=m, dv=int(dv), c=k2, batch_dims=batch_dims, k2o=k2o)
