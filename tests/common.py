@@ -30,28 +30,64 @@ GPU_FORMULATION_CPU_FLAGS = ["--iree-llvmcpu-fail-on-large-vector=false"]
 def ragged_modules():
     """``get(dtype, layout, group, dq, dv)``: the GPU modules' formulation (``fwd``,
     ``fwd_ragged``, ``fwd_packed*``) built for llvm-cpu with CUDA's unfused bindings (the frames
-    are packed results, read in place), each key compiled once."""
-    import iree.compiler.tools as ict
-
-    from fmha_iree.compile import ASYNC_FLAGS, CUDA_FLAGS, compile_flags
-    from fmha_iree.runtime import FmhaModule
-    from fmha_iree.source import fwd_plan, source_mlir
-    from fmha_iree.spec import KernelSpec
-    from fmha_iree.targets import Target
-
+    are packed results, read in place), each key compiled once (``gpu_formulation``)."""
     mods = {}
 
     def get(dtype="f32", layout="bshd", group=2, dq=64, dv=None):
         key = (dtype, layout, group, dq, dv)
         if key not in mods:
-            spec = KernelSpec(dtype, layout, group, dq, dv or dq, RAGGED_TILES, Target.from_name("host"))
-            assert fwd_plan(spec, fused_step=True) is not None
-            vmfb = ict.compile_str(source_mlir(spec, fused_step=True),
-                                   extra_args=compile_flags(spec) + ASYNC_FLAGS + CUDA_FLAGS + GPU_FORMULATION_CPU_FLAGS)
-            mods[key] = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True, layout=layout)
+            mods[key] = gpu_formulation(dtype, layout, group, dq, dv)
         return mods[key]
 
     return get
+
+
+def gpu_formulation(dtype, layout, group, dq, dv=None, *, with_ragged=True):
+    """An ``FmhaModule`` of the GPU modules' formulation (``RAGGED_TILES``) built for llvm-cpu:
+    ``fwd`` and, with ``with_ragged``, the ragged and packed entry points (CUDA's unfused
+    bindings). Compiled once per machine and source: the test processes share the modules
+    through ``_shared_vmfb``."""
+    from fmha_iree.compile import ASYNC_FLAGS, CUDA_FLAGS, compile_flags
+    from fmha_iree.runtime import FmhaModule
+    from fmha_iree.source import dense_abi, fwd_plan, source_mlir
+    from fmha_iree.spec import KernelSpec
+    from fmha_iree.targets import Target
+
+    spec = KernelSpec(dtype, layout, group, dq, dv or dq, RAGGED_TILES, Target.from_name("host"))
+    assert fwd_plan(spec, fused_step=True) is not None
+    flags = compile_flags(spec) + ASYNC_FLAGS + (CUDA_FLAGS if with_ragged else []) + GPU_FORMULATION_CPU_FLAGS
+    vmfb = _shared_vmfb(source_mlir(spec, fused_step=True, with_ragged=with_ragged), flags)
+    return FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True, layout=layout,
+                      dense=dense_abi(spec, fused_step=True))
+
+
+def _shared_vmfb(mlir: str, flags: list[str]) -> bytes:
+    """``mlir`` compiled with ``flags``, through a folder of this machine's temp dir keyed by the
+    source, the flags and the compiler's version: the suite's two processes (pytest-xdist) then
+    compile each test module once, the second waiting on the first's lock."""
+    import fcntl
+    import getpass
+    import hashlib
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import iree.compiler.tools as ict
+    from iree.compiler import version
+
+    key = hashlib.sha256("\0".join([mlir, *flags, str(version.VERSION)]).encode()).hexdigest()[:32]
+    folder = Path(tempfile.gettempdir()) / f"fmha_iree_tests_{getpass.getuser()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path = folder / f"{key}.vmfb"
+    with open(folder / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return path.read_bytes()
+        vmfb = ict.compile_str(mlir, extra_args=flags)
+        tmp = folder / f"{key}.{os.getpid()}.tmp"
+        tmp.write_bytes(vmfb)
+        os.replace(tmp, path)
+        return vmfb
 
 
 def ids(values, fmt=str):

@@ -11,35 +11,25 @@ import numpy as np
 import pytest
 import torch
 
-import fmha_iree
 from fmha_iree.dispatch import run_batch, uses_fwd
-from fmha_iree.compile import ASYNC_FLAGS, compile_flags
-from fmha_iree.source import dense_abi, fwd_plan, source_mlir
-from fmha_iree.runtime import FmhaModule
-from fmha_iree.spec import KernelSpec, check_batch
-from fmha_iree.targets import Target
-from common import GPU_FORMULATION_CPU_FLAGS
+from fmha_iree.spec import check_batch
+from common import RAGGED_TILES as TILES, gpu_formulation
 
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
-TILES = fmha_iree.TileConfig(m0=32, n0=32, k0=16, n1=64, k1=16, kv_chunk=64)
+# keys test_ragged.py compiles too (with the ragged entry points): shared through common's cache
+_SHARED = {("f32", "bhsd", 2, 64, None), ("bf16", "bshd", 1, 64, None), ("f16", "bshd", 4, 64, 32),
+           ("f32", "bshd", 2, 96, 48)}
 
 
 @pytest.fixture(scope="module")
 def fwd_module():
-    import iree.compiler.tools as ict
-
     mods = {}
 
     def get(dtype, layout, group, dq, dv=None):
         key = (dtype, layout, group, dq, dv)
         if key not in mods:
-            spec = KernelSpec(dtype, layout, group, dq, dv or dq, TILES, Target.from_name("host"))
-            assert fwd_plan(spec, fused_step=True) is not None
-            vmfb = ict.compile_str(source_mlir(spec, fused_step=True, with_ragged=False),
-                                   extra_args=compile_flags(spec) + ASYNC_FLAGS + GPU_FORMULATION_CPU_FLAGS)
-            mods[key] = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True,
-                                   dense=dense_abi(spec, fused_step=True))
+            mods[key] = gpu_formulation(*key, with_ragged=key in _SHARED)
         return mods[key]
 
     return get
@@ -97,19 +87,19 @@ def test_fwd_short_queries_causal(fwd_module, sq):
     _check(fwd_module("f32", "bhsd", 4, 64), q, k, v, "b", what=f"short Sq={sq}")
 
 
-@pytest.mark.parametrize("mask", ["0", "b", "b:64,0"])
-def test_fwd_mqa_bshd_dv(fwd_module, mask):
-    """MQA (one KV head), the bshd layout and Dv != Dq."""
-    q, k, v = make_qkv(seed_of("fwd-mqa", mask), B=2, Hq=4, Hk=1, Sq=99, Sk=301, Dq=64, Dv=32, layout="bshd")
-    _check(fwd_module("f32", "bshd", 4, 64, 32), q, k, v, mask, layout="bshd", what=f"mqa {mask}")
+@pytest.mark.parametrize("mask", ["0", "b", "b:64,0", "t:7,7"])
+def test_fwd_mqa_bshd_dv_f16(fwd_module, mask):
+    """MQA (one KV head), the bshd layout, Dv != Dq, f16."""
+    q, k, v = make_qkv(seed_of("fwd-mqa", mask), B=2, Hq=4, Hk=1, Sq=99, Sk=301, Dq=64, Dv=32, layout="bshd",
+                       dtype=torch.float16)
+    _check(fwd_module("f16", "bshd", 4, 64, 32), q, k, v, mask, layout="bshd", dtype=torch.float16, what=f"mqa {mask}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mask", ["0", "b", "t:7,7"])
-def test_fwd_half_precision(fwd_module, dtype, mask):
-    name = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
-    q, k, v = make_qkv(seed_of("fwd-half", name, mask), B=2, Hq=4, Hk=2, Sq=70, Sk=190, Dq=64, dtype=dtype)
-    _check(fwd_module(name, "bhsd", 2, 64), q, k, v, mask, dtype=dtype, what=f"{name} {mask}")
+def test_fwd_bf16(fwd_module, mask):
+    q, k, v = make_qkv(seed_of("fwd-half", "bf16", mask), B=2, Hq=2, Sq=70, Sk=190, Dq=64, dtype=torch.bfloat16,
+                       layout="bshd")
+    _check(fwd_module("bf16", "bshd", 1, 64), q, k, v, mask, layout="bshd", dtype=torch.bfloat16, what=f"bf16 {mask}")
 
 
 @pytest.mark.parametrize("sq,sk,mask", [(77, 130, "b"), (130, 77, "t:3,40"), (1, 63, "0"), (1, 1000, "b"), (200, 200, "0")],
@@ -117,8 +107,8 @@ def test_fwd_half_precision(fwd_module, dtype, mask):
 def test_fwd_padded_head_dims(fwd_module, sq, sk, mask):
     """Head dims without tiles of their own (Dq 96, Dv 48) run zero-padded to 128 / 64: every
     path (groups, split-KV, the short tier, the padded-keys copy) returns the argument's Dv."""
-    q, k, v = make_qkv(seed_of("fwd-dpad", sq, sk, mask), B=2, Hq=4, Hk=2, Sq=sq, Sk=sk, Dq=96, Dv=48)
-    out, _ = _check(fwd_module("f32", "bhsd", 2, 96, 48), q, k, v, mask, what=f"d96/48 {mask} {sq}x{sk}")
+    q, k, v = make_qkv(seed_of("fwd-dpad", sq, sk, mask), B=2, Hq=4, Hk=2, Sq=sq, Sk=sk, Dq=96, Dv=48, layout="bshd")
+    out, _ = _check(fwd_module("f32", "bshd", 2, 96, 48), q, k, v, mask, layout="bshd", what=f"d96/48 {mask} {sq}x{sk}")
     assert out.shape[-1] == 48
 
 
