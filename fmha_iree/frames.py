@@ -126,7 +126,7 @@ def page_pieces(frame: "Frame", group: int) -> Pieces:
     sequence (its last sub-page, copied with the rows it does not own zeroed); ``OFF`` where the
     page is not a multiple of ``PAGE_ROWS`` or a sequence has more query rows than a piece
     holds."""
-    from .kernels.packed import PAGE_GROUP, PAGE_ROWS  # here: importing the kernels' renderers costs every process ~30 ms
+    from .kernels.packed_common import PAGE_GROUP, PAGE_ROWS  # here: not every process needs the kernels
 
     page, sub = frame.page, PAGE_ROWS
     kl = frame.desc[:, 1].astype(np.int64)

@@ -40,17 +40,16 @@ import dataclasses
 from .attention import Operand, online_attention
 from .bounds import row_hi, row_lo
 from .elementwise import Words, copy_attrs
-from .ir import Fn, parallel, tensor_type
+from .ir import Fn, tensor_type
 from .operands import Ctx
+from .packed_common import PAGE_GROUP, PAGE_ROWS, generic, last_rows, read_idx
+from .packed_merge import merge
 from .state import fresh_outs, new_state
 
-__all__ = ["PACKED_SCALARS", "PAGE_ROWS", "MASK3", "Packed", "packed_host", "packed_work", "gather_pages"]
+__all__ = ["PACKED_SCALARS", "PAGE_ROWS", "PAGE_GROUP", "MASK3", "Packed", "packed_host", "packed_work", "gather_pages"]
 
 PACKED_SCALARS = ("W", "NPc", "P0", "S")
-PAGE_ROWS = 64  # mode "pages": pieces are sub-pages of this many rows (a cache page a multiple of it)
-PAGE_GROUP = 4  # mode "pages": sub-pages per whole piece (W = PAGE_GROUP * PAGE_ROWS keys)
 MASK3 = tensor_type(["?", "?", "?"], "i1")
-_FMIN = "-3.40282347E+38"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +117,8 @@ def gather_pages(c: Ctx, h: Packed, at: dict, which: str, pages: str | None = No
         _, t, hh, dd = ix
         u = fn.floordiv(t, page)
         r = fn.sub(t, fn.mul(u, page))
-        ok = fn.cmp("slt", r, _read(fn, at["pv"], u))
-        row = fn.add(_read(fn, at["pb"], u), r)  # the source read as rows n * R + r
+        ok = fn.cmp("slt", r, read_idx(fn, at["pv"], u))
+        row = fn.add(read_idx(fn, at["pb"], u), r)  # the source read as rows n * R + r
         src_rows = c.frame.src_rows[1 if which == "k" else 2]
         n, rr = fn.floordiv(row, src_rows), fn.arith(f"arith.remsi {row}, {src_rows} : index", "pr")
         val = fn.let(f"tensor.extract %{which}[{n}, {rr}, {hh}, {dd}] : {ty}", "pv")
@@ -130,18 +129,7 @@ def gather_pages(c: Ctx, h: Packed, at: dict, which: str, pages: str | None = No
     # config took 0.58 ms per gather of a B32 decode's 0.24 GB (H200, 2026-12-02)
     attrs = copy_attrs(p.main.lowering, rank=4, row_dim=1, inner=d)
     rows = h.nr if pages is None else fn.mul(pages, page)
-    return _generic(fn, ty, [h.one, rows, c.hk], 4, element, attrs)
-
-
-def _last_rows(fn: Fn, kl: str) -> str:
-    """Keys of a sequence of ``kl`` before its last sub-page (pages: the whole pieces' keys)."""
-    return fn.mul(fn.floordiv(fn.max(fn.sub(kl, 1), 0), PAGE_ROWS), PAGE_ROWS)
-
-
-def _read(fn: Fn, at: str, i: str) -> str:
-    """``%idx[at + i]`` as an index."""
-    v = fn.let(f"tensor.extract %idx[{fn.add(at, i)}] : {tensor_type(['?'], 'i32')}", "pi")
-    return fn.let(f"arith.index_cast {v} : i32 to index", "pi")
+    return generic(fn, ty, [h.one, rows, c.hk], 4, element, attrs)
 
 
 def _ori(fn: Fn, a: str, b: str) -> str:
@@ -155,28 +143,9 @@ def _slot(c: Ctx, h: Packed, pi: str, m: str):
     t = fn.floordiv(m, h.rows)
     rem = fn.sub(m, fn.mul(t, h.rows))
     i, g = fn.floordiv(rem, G), fn.arith(f"arith.remsi {rem}, {fn.c(G)} : index", "pr")
-    b = fn.add(_read(fn, h.first, pi), t)
+    b = fn.add(read_idx(fn, h.first, pi), t)
     ok = fn.andi(fn.cmp("slt", t, h.s), fn.cmp("slt", b, c.b))
     return ok, fn.min(b, fn.sub(c.b, 1)), i, g
-
-
-def _generic(fn: Fn, ty: str, sizes: list[str], rank: int, body, attrs: str = "") -> str:
-    """One dispatch: a generic over a new ``ty`` of ``sizes`` whose element is ``body(indices)``
-    (``attrs``: its lowering, ``elementwise.copy_attrs``)."""
-    dd = ", ".join(f"d{i}" for i in range(rank))
-    elt = ty.rsplit("x", 1)[1].rstrip(">")
-
-    def region():
-        empty = fn.let(f"tensor.empty({', '.join(sizes)}) : {ty}", "pe")
-        out = fn.fresh("pg")
-        fn.emit(f"{out} = linalg.generic {{indexing_maps = [affine_map<({dd}) -> ({dd})>], iterator_types = [{parallel(rank)}]}} "
-                f"outs({empty} : {ty}){attrs} {{")
-        with fn.region(f"^bb0(%pg_o: {elt}):", f"}} -> {ty}"), fn.local():
-            ix = [fn.let(f"linalg.index {i} : index", "px") for i in range(rank)]
-            fn.emit(f"linalg.yield {body(ix)} : {elt}")
-        return [out]
-
-    return fn.dispatch([(ty, sizes)], region)[0]
 
 
 def _q_pieces(c: Ctx, h: Packed, q_rows: str) -> tuple[str, tuple]:
@@ -196,8 +165,8 @@ def _q_pieces(c: Ctx, h: Packed, q_rows: str) -> tuple[str, tuple]:
             ok = fn.cmp("slt", m, h.rows)
         else:
             ok, b, i, g = _slot(c, h, pi, m)
-        ok = fn.andi(ok, fn.cmp("slt", i, _read(fn, h.desc_at, b)))
-        row = _read(fn, h.q_at, fn.add(fn.mul(b, c.sq), fn.min(i, fn.sub(c.sq, 1))))
+        ok = fn.andi(ok, fn.cmp("slt", i, read_idx(fn, h.desc_at, b)))
+        row = read_idx(fn, h.q_at, fn.add(fn.mul(b, c.sq), fn.min(i, fn.sub(c.sq, 1))))
         ok = fn.andi(ok, fn.cmp("sge", row, 0))
         safe = fn.max(row, 0)
         n, r = fn.floordiv(safe, q_rows), fn.arith(f"arith.remsi {safe}, {q_rows} : index", "pr")
@@ -206,7 +175,7 @@ def _q_pieces(c: Ctx, h: Packed, q_rows: str) -> tuple[str, tuple]:
         return fn.let(f"arith.select {ok}, {val}, {zero} : {w.elt}", "pv")
 
     size = [c.b if h.pid else h.pn, c.hk, h.m]
-    out = _generic(fn, ty, size, 4, element, copy_attrs(p.main.lowering, rank=4, row_dim=2, inner=w.dw, vec=w.vec))
+    out = generic(fn, ty, size, 4, element, copy_attrs(p.main.lowering, rank=4, row_dim=2, inner=w.dw, vec=w.vec))
     return w.result(fn, out, size), (out, ty)
 
 
@@ -222,11 +191,11 @@ def _q_from_sequences(c: Ctx, h: Packed, qs: tuple) -> str:
 
     def element(ix):
         pi, hh, m, d = ix
-        b = fn.min(_read(fn, h.first, pi), fn.sub(c.b, 1))
+        b = fn.min(read_idx(fn, h.first, pi), fn.sub(c.b, 1))
         return fn.let(f"tensor.extract {src}[{b}, {hh}, {m}, {d}] : {ty}", "pv")
 
     size = [h.pn, c.hk, h.m]
-    out = _generic(fn, ty, size, 4, element, copy_attrs(p.main.lowering, rank=4, row_dim=2, inner=w.dw, vec=w.vec))
+    out = generic(fn, ty, size, 4, element, copy_attrs(p.main.lowering, rank=4, row_dim=2, inner=w.dw, vec=w.vec))
     return w.result(fn, out, size)
 
 
@@ -238,24 +207,24 @@ def _mask(c: Ctx, h: Packed) -> str:
         pi, m, j = ix
         ok, b, i, _ = _slot(c, h, pi, m)
         whole = fn.cmp("slt", pi, h.npc)
-        ql, kl, y, x = (_read(fn, h.desc_at, fn.add(fn.mul(k, c.b), b)) for k in range(4))
+        ql, kl, y, x = (read_idx(fn, h.desc_at, fn.add(fn.mul(k, c.b), b)) for k in range(4))
         at_whole = fn.add(fn.mul(fn.add(h.p0, pi), h.w), j)
         if h.pid:  # whole pieces hold the sub-pages before the last, a tail piece the last
-            last = _last_rows(fn, kl)
-            r = fn.select(whole, at_whole, fn.add(fn.add(_read(fn, h.k_at, b), last), j))
-            inside = fn.let(f"arith.select {whole}, {fn.cmp('slt', fn.sub(r, _read(fn, h.k_at, b)), last)}, "
+            last = last_rows(fn, kl)
+            r = fn.select(whole, at_whole, fn.add(fn.add(read_idx(fn, h.k_at, b), last), j))
+            inside = fn.let(f"arith.select {whole}, {fn.cmp('slt', fn.sub(r, read_idx(fn, h.k_at, b)), last)}, "
                             f"{fn.cmp('slt', j, PAGE_ROWS)} : i1", "pm")
             ok = fn.andi(ok, inside)
         else:  # the tail piece: the last W rows, less those of a whole piece
             r = fn.select(whole, at_whole, fn.add(fn.sub(h.nr, h.w), j))
             ok = fn.andi(ok, _ori(fn, whole, fn.cmp("sge", r, h.tail_lo)))
-        key = fn.sub(r, _read(fn, h.k_at, b))  # k_base [B, 1]: the sequence's first row
+        key = fn.sub(r, read_idx(fn, h.k_at, b))  # k_base [B, 1]: the sequence's first row
         hi = fn.min(kl, row_hi(fn, i, x, c.sk))
         ok = fn.andi(fn.andi(ok, fn.cmp("slt", i, ql)), fn.andi(fn.cmp("sge", key, row_lo(fn, i, y, c.sk)),
                                                              fn.cmp("slt", key, hi)))
         return ok
 
-    return _generic(fn, MASK3, [h.pn, h.m, h.w], 3, element)
+    return generic(fn, MASK3, [h.pn, h.m, h.w], 3, element)
 
 
 def _op(c: Ctx, tier, h: Packed, qp: str, mask: str, st, tail: bool):
@@ -316,84 +285,6 @@ def _op(c: Ctx, tier, h: Packed, qp: str, mask: str, st, tail: bool):
     return st.with_names(fn.dispatch(st.region_results(), region))
 
 
-def _combine(c: Ctx, h: Packed, st, b: str, i: str, hq: str, d: str | None):
-    """(max, sum, acc or None) of sequence ``b``'s query row ``i``, head ``hq``, over the pieces
-    its keys span (inside a generic)."""
-    fn, G = c.fn, c.p.group
-    hh, g = fn.floordiv(hq, G), fn.arith(f"arith.remsi {hq}, {fn.c(G)} : index", "pr")
-    ks, kl = _read(fn, h.k_at, b), _read(fn, h.desc_at, fn.add(c.b, b))
-    end = fn.add(ks, kl)
-    lo = fn.clamp(fn.sub(fn.floordiv(ks, h.w), h.p0), 0, h.npc)
-    if h.pid:  # pages: the whole pieces of the sub-pages before the last, then its tail piece
-        hi = fn.add(lo, fn.ceildiv(_last_rows(fn, kl), h.w))
-        end = fn.select(fn.cmp("sgt", kl, 0), fn.add(hi, 1), lo)
-    else:
-        hi = fn.select(fn.cmp("sgt", end, h.tail_lo), h.pn, fn.clamp(fn.sub(fn.ceildiv(end, h.w), h.p0), 0, h.npc))
-        hi = end = fn.select(fn.cmp("sgt", kl, 0), fn.max(hi, lo), lo)
-    fmin, zero = fn.const(_FMIN, "f32", "fmin"), fn.const("0.0", "f32", "zero")
-
-    def at(pi):
-        if h.pid:  # pages: past the whole pieces, the sequence's tail piece (rows it does not own zeroed)
-            pi = fn.select(fn.cmp("eq", pi, hi), fn.add(h.npc, b), pi)
-        t = fn.sub(b, _read(fn, h.first, pi))
-        ok = fn.andi(fn.cmp("sge", t, 0), fn.cmp("slt", t, h.s))
-        m = fn.add(fn.mul(fn.clamp(t, 0, fn.max(fn.sub(h.s, 1), 0)), h.rows), fn.add(fn.mul(i, G), g))
-        return ok, m, pi
-
-    # one pass, rescaling as the max grows: over a B32 paged decode's 64-row pieces (about 58 per
-    # sequence) the merge took 0.187 ms in two passes and 0.074 in one (H200, 2026-12-02)
-    pi, mv, lv, av, res = fn.fresh("pi"), fn.fresh("pm"), fn.fresh("lv"), fn.fresh("av"), fn.fresh("comb")
-    carried = f"{mv} = {fmin}, {lv} = {zero}" + (f", {av} = {zero}" if d else "")
-    types = "f32, f32, f32" if d else "f32, f32"
-    fn.emit(f"{res}:{3 if d else 2} = scf.for {pi} = {lo} to {end} step {fn.c(1)} iter_args({carried}) -> ({types}) {{")
-    ok, m, px = at(pi)
-    mi = fn.let(f"tensor.extract {st.mx}[{px}, {hh}, {fn.c(0)}, {m}] : {st.mx_type}", "px")
-    mi = fn.let(f"arith.select {ok}, {mi}, {fmin} : f32", "px")
-    li = fn.let(f"tensor.extract {st.sm}[{px}, {hh}, {fn.c(0)}, {m}, {fn.c(0)}] : {st.sm_type}", "px")
-    li = fn.let(f"arith.select {ok}, {li}, {zero} : f32", "px")
-    mn = fn.let(f"arith.maximumf {mv}, {mi} : f32", "px")
-    wa = fn.let(f"math.exp2 {fn.let(f'arith.subf {mv}, {mn} : f32', 'px')} : f32", "px")
-    wb = fn.let(f"math.exp2 {fn.let(f'arith.subf {mi}, {mn} : f32', 'px')} : f32", "px")
-    ln = fn.let(f"arith.addf {fn.let(f'arith.mulf {lv}, {wa} : f32', 'px')}, "
-                f"{fn.let(f'arith.mulf {li}, {wb} : f32', 'px')} : f32", "px")
-    if d:
-        ai = fn.let(f"tensor.extract {st.acc}[{px}, {hh}, {fn.c(0)}, {m}, {d}] : {st.acc_type}", "px")
-        ai = fn.let(f"arith.select {ok}, {ai}, {zero} : f32", "px")
-        an = fn.let(f"arith.addf {fn.let(f'arith.mulf {av}, {wa} : f32', 'px')}, "
-                    f"{fn.let(f'arith.mulf {ai}, {wb} : f32', 'px')} : f32", "px")
-        fn.emit(f"  scf.yield {mn}, {ln}, {an} : {types}")
-    else:
-        fn.emit(f"  scf.yield {mn}, {ln} : {types}")
-    fn.emit("}")
-    return f"{res}#0", f"{res}#1", (f"{res}#2" if d else None)
-
-
-def _merge(c: Ctx, h: Packed, st) -> tuple[str, str]:
-    """The frame's out ``[B, Sq, Hq, Dv]`` and LSE ``[B, Hq, Sq]`` from the pieces' state."""
-    fn, p = c.fn, c.p
-    dv = p.arg_dims[1]
-    zero = lambda: fn.const("0.0", "f32", "zero")  # noqa: E731
-
-    def out_element(ix):
-        b, i, hq, d = ix
-        _, l, a = _combine(c, h, st, b, i, hq, d)
-        v = fn.let(f"arith.select {fn.let(f'arith.cmpf ogt, {l}, {zero()} : f32', 'px')}, "
-                   f"{fn.let(f'arith.divf {a}, {l} : f32', 'px')}, {zero()} : f32", "px")
-        return v if p.dtype == "f32" else fn.let(f"arith.truncf {v} : f32 to {p.dtype}", "px")
-
-    def lse_element(ix):
-        b, hq, i = ix
-        mstar, l, _ = _combine(c, h, st, b, i, hq, None)
-        lg = fn.let(f"arith.addf {mstar}, {fn.let(f'math.log2 {l} : f32', 'px')} : f32", "px")
-        e = fn.let(f"arith.mulf {lg}, {fn.const('0.693147180559945309', 'f32', 'ln2')} : f32", "px")
-        pos = fn.let(f"arith.cmpf ogt, {l}, {zero()} : f32", "px")
-        return fn.let(f"arith.select {pos}, {e}, {fn.const('0xFF800000', 'f32', 'ninf')} : f32", "px")
-
-    out = _generic(fn, tensor_type(["?", "?", "?", dv], p.dtype), [c.b, c.sq, c.hq], 4, out_element)
-    lse = _generic(fn, tensor_type(["?", "?", "?"], "f32"), [c.b, c.hq, c.sq], 3, lse_element)
-    return out, lse
-
-
 def packed_work(c: Ctx, h: Packed, q_rows: str) -> list[str]:
     """The work: the frame's out and LSE, then the scratch (with pages each sequence's Q rows, then
     the Q pieces, mask, state: returned, not transients, as ``ragged._Frame.types`` says)."""
@@ -407,5 +298,5 @@ def packed_work(c: Ctx, h: Packed, q_rows: str) -> list[str]:
     st = new_state(fn, [h.pn, c.hk, h.one, h.m], p.dv)
     st = _op(c, tier, h, qp, mask, st, tail=False)
     st = _op(c, tier, h, qp, mask, st, tail=True)
-    out, lse = _merge(c, h, st)
+    out, lse = merge(c, h, st)
     return [out, lse, *([qs] if h.pid else []), qp, mask, *st.names()]
