@@ -357,6 +357,29 @@ def test_packed_pieces_refuse_what_the_path_cannot_read():
     assert not frames.packed_pieces(frame([1, 1], [30, 20], [0, 30]), 50, 4).on  # fewer rows than a piece
 
 
+def test_page_pieces_group_four_owned_sub_pages():
+    """``fwd_packed_pages``' tables: per sequence, the 64-row sub-pages before its last in groups of
+    four (a short group repeats its first), numbered as 64-row sub-pages of the cache; then one
+    tail per sequence: its last sub-page's first row and the rows it uses (written out by hand
+    from the block table, page 128)."""
+    lq, lk, page = np.array([1, 1, 1, 1]), np.array([600, 257, 64, 0]), 128
+    bt = np.array([[7, 2, 9, 0, 4], [1, 8, 3, -1, -1], [6, -1, -1, -1, -1], [-1] * 5], np.int32)
+    sq = _starts(lq)
+    fr = frames.group_frame(Mask.from_str("b"), (sq[:-1], lq, np.zeros(4, np.int64), lk, sq[:-1], 4), 4,
+                            pages=(frames.paged_bases(bt, page, lk), page))
+    pc = frames.page_pieces(fr, group=2)
+    sub = lambda b, j: int(bt[b, j // 2]) * 2 + j % 2  # noqa: E731  (sub-page j of sequence b)
+    want = [[sub(0, j) for j in (0, 1, 2, 3)], [sub(0, j) for j in (4, 5, 6, 7)], [sub(0, 8)] * 4,
+            [sub(1, j) for j in (0, 1, 2, 3)]]
+    pid, last_pb, last_pv, starts = pc.pages
+    assert pc.in_place and pc.scalars == (256, 4, 0, 1)
+    assert pid.reshape(-1, 4).tolist() == want
+    assert pc.first.tolist() == [0, 0, 0, 1, 0, 1, 2, 3]  # whole pieces, then one tail per sequence
+    assert last_pb.tolist() == [sub(0, 9) * 64, sub(1, 4) * 64, sub(2, 0) * 64, 0]
+    assert last_pv.tolist() == [600 - 9 * 64, 1, 64, 0]
+    assert starts.tolist() == [0, 3 * 256, 4 * 256, 4 * 256]
+
+
 @pytest.mark.parametrize("page", [16, 64, 128])
 def test_paged_decode_reads_pages_as_pieces(module, packed_calls, page):
     """A paged decode whose page is a multiple of 64 keys goes through ``fwd_packed_pages`` (the
