@@ -42,11 +42,10 @@ def ragged_modules():
     return get
 
 
-def gpu_formulation(dtype, layout, group, dq, dv=None, *, with_ragged=True):
+def gpu_formulation(dtype, layout, group, dq, dv=None):
     """An ``FmhaModule`` of the GPU modules' formulation (``RAGGED_TILES``) built for llvm-cpu:
-    ``fwd`` and, with ``with_ragged``, the ragged and packed entry points (CUDA's unfused
-    bindings). Compiled once per machine and source: the test processes share the modules
-    through ``_shared_vmfb``."""
+    ``fwd``, the ragged and the packed entry points (CUDA's unfused bindings). Compiled once per
+    machine and source: the test processes share the modules through ``_shared_vmfb``."""
     from fmha_iree.compile import ASYNC_FLAGS, CUDA_FLAGS, compile_flags
     from fmha_iree.runtime import FmhaModule
     from fmha_iree.source import dense_abi, fwd_plan, source_mlir
@@ -55,8 +54,8 @@ def gpu_formulation(dtype, layout, group, dq, dv=None, *, with_ragged=True):
 
     spec = KernelSpec(dtype, layout, group, dq, dv or dq, RAGGED_TILES, Target.from_name("host"))
     assert fwd_plan(spec, fused_step=True) is not None
-    flags = compile_flags(spec) + ASYNC_FLAGS + (CUDA_FLAGS if with_ragged else []) + GPU_FORMULATION_CPU_FLAGS
-    vmfb = _shared_vmfb(source_mlir(spec, fused_step=True, with_ragged=with_ragged), flags)
+    flags = compile_flags(spec) + ASYNC_FLAGS + CUDA_FLAGS + GPU_FORMULATION_CPU_FLAGS
+    vmfb = _shared_vmfb(source_mlir(spec, fused_step=True), flags)
     return FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True, layout=layout,
                       dense=dense_abi(spec, fused_step=True))
 

@@ -24,9 +24,9 @@ def test_dtypes(dt, mask, sq, sk):
     check_fwd(q, k, v, mask=mask, what=f"{dt} mask={mask}")
 
 
-# (Dq, Dv): all six head dims square, plus rectangular pairs in both directions.
-HEAD_DIMS = [(32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (256, 256),
-             (192, 128), (32, 128), (256, 64), (96, 192)]
+# (Dq, Dv): each of the six head dims as Dq and as Dv, Dq < Dv and Dq > Dv, the padded 96 / 192
+# among them (each pair compiles a module: 32, 96 and 192 square were dropped for CI's time, 2026-12-03)
+HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128), (32, 128), (256, 64), (96, 192), (128, 32)]
 HD_MASKS = ["0", "b", "t:17,3"]
 HD_LENGTHS = [(77, 130), (130, 300)]
 
