@@ -227,6 +227,27 @@ def _mask(c: Ctx, h: Packed) -> str:
     return generic(fn, MASK3, [h.pn, h.m, h.w], 3, element)
 
 
+def _sub_pages(c: Ctx, h: Packed, which: str, d: int, n: str) -> Operand:
+    """``%k`` / ``%v`` as ``n`` whole pieces of ``PAGE_GROUP`` sub-pages of the cache by number
+    (``[n, PAGE_GROUP, PAGE_ROWS, Hk, D]``), gathered inside the op's dispatch: keys as dims
+    ``(k2o, k2)``, one sub-page a step, so each gathered tile has one index."""
+    fn, p = c.fn, c.p
+    t4, t3 = tensor_type(["?", "?", "?", d], p.dtype), tensor_type(["?", "?", d], p.dtype)
+    i32, i32x2 = tensor_type(["?"], "i32"), tensor_type(["?", PAGE_GROUP], "i32")
+    page_ty = tensor_type(["?", PAGE_ROWS, "?", d], p.dtype)  # static rows: a gather's tile is one index
+    ts = tensor_type(["?", PAGE_GROUP, PAGE_ROWS, "?", d], p.dtype)
+    ids = fn.let(f"tensor.extract_slice %idx[{h.pid}] [{fn.mul(n, PAGE_GROUP)}] [1] : {i32} to {i32}", "pk")
+    ids = fn.let(f"tensor.expand_shape {ids} [[0, 1]] output_shape [{n}, {PAGE_GROUP}] : {i32} into {i32x2}", "pk")
+    flat = fn.let(f"tensor.collapse_shape %{which} [[0, 1], [2], [3]] : {t4} into {t3}", "pk")
+    n_pages = fn.floordiv(fn.mul(fn.dim(f"%{which}", t4, 0), fn.dim(f"%{which}", t4, 1)), PAGE_ROWS)
+    cache = fn.let(f"tensor.expand_shape {flat} [[0, 1], [2], [3]] output_shape [{n_pages}, {PAGE_ROWS}, {c.hk}, "
+                   f"{d}] : {t3} into {page_ty}", "pk")
+    empty = fn.let(f"tensor.empty({n}, {c.hk}) : {ts}", "pk")
+    g = fn.let(f"iree_linalg_ext.gather dimension_map = [0] ins({cache}, {ids} : {page_ty}, {i32x2}) "
+               f"outs({empty} : {ts}) -> {ts}", "pk")
+    return Operand(g, ts, ("b0", "k2o", "k2", "b1", "k1" if which == "k" else "n"))
+
+
 def _op(c: Ctx, tier, h: Packed, qp: str, mask: str, st, tail: bool):
     """The op over the whole pieces, or over the tail piece; returns the state's new names."""
     fn, p = c.fn, c.p
@@ -240,20 +261,8 @@ def _op(c: Ctx, tier, h: Packed, qp: str, mask: str, st, tail: bool):
         src = h.k_src if which == "k" else h.v_src
         t4, t3 = tensor_type(["?", "?", "?", d], p.dtype), tensor_type(["?", "?", d], p.dtype)
         dims = ("b0", "k2", "b1", "k1" if which == "k" else "n")
-        if h.pid and not tail:  # PAGE_GROUP sub-pages of the cache by number, read inside this dispatch
-            i32, i32x2 = tensor_type(["?"], "i32"), tensor_type(["?", PAGE_GROUP], "i32")
-            page_ty = tensor_type(["?", PAGE_ROWS, "?", d], p.dtype)  # static rows: a gather's tile is one index
-            ts = tensor_type(["?", PAGE_GROUP, PAGE_ROWS, "?", d], p.dtype)
-            ids = fn.let(f"tensor.extract_slice %idx[{h.pid}] [{fn.mul(n, PAGE_GROUP)}] [1] : {i32} to {i32}", "pk")
-            ids = fn.let(f"tensor.expand_shape {ids} [[0, 1]] output_shape [{n}, {PAGE_GROUP}] : {i32} into {i32x2}", "pk")
-            flat = fn.let(f"tensor.collapse_shape %{which} [[0, 1], [2], [3]] : {t4} into {t3}", "pk")
-            n_pages = fn.floordiv(fn.mul(fn.dim(f"%{which}", t4, 0), fn.dim(f"%{which}", t4, 1)), PAGE_ROWS)
-            cache = fn.let(f"tensor.expand_shape {flat} [[0, 1], [2], [3]] output_shape [{n_pages}, {PAGE_ROWS}, {c.hk}, "
-                           f"{d}] : {t3} into {page_ty}", "pk")
-            empty = fn.let(f"tensor.empty({n}, {c.hk}) : {ts}", "pk")
-            g = fn.let(f"iree_linalg_ext.gather dimension_map = [0] ins({cache}, {ids} : {page_ty}, {i32x2}) "
-                       f"outs({empty} : {ts}) -> {ts}", "pk")
-            return Operand(g, ts, ("b0", "k2o", "k2", "b1", dims[3]))
+        if h.pid and not tail:
+            return _sub_pages(c, h, which, d, n)
         flat = fn.let(f"tensor.collapse_shape {src} [[0, 1], [2], [3]] : {t4} into {t3}", "pk")
         lo = "0" if h.pid else fn.sub(h.nr, h.w) if tail else fn.mul(h.p0, h.w)
         sl = fn.let(f"tensor.extract_slice {flat}[{lo}, 0, 0] [{fn.mul(n, width)}, {c.hk}, {d}] [1, 1, 1] : {t3} to {t3}",
