@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 from .ir import tensor_type
 from .operands import Ctx
+from .packed_common import generic, last_rows, read_idx
 
 if TYPE_CHECKING:
     from .packed import Packed
-from .packed_common import generic, last_rows, read_idx
 
 __all__ = ["merge"]
 
