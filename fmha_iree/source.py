@@ -258,7 +258,8 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     fill = _FILL_WGS.get("cpu" if cpu else (spec.target.family if spec.target.family == "cuda" else spec.target.arch), 128)
     return Plan(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, Tier(main, wm), Tier(_short_lowering(spec, main), 16),
                 cols=cols, rows=max(512, wm), fill_wgs=fill, max_groups=4 if cpu else 16,
-                dq_arg=arg_dims[0], dv_arg=arg_dims[1], mask_blocks=spec.target.backend == "cuda")
+                dq_arg=arg_dims[0], dv_arg=arg_dims[1], mask_blocks=spec.target.backend == "cuda",
+                banded=spec.target.backend != "rocm")
 
 
 def _padded_heads(spec: KernelSpec) -> KernelSpec:

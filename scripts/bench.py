@@ -67,6 +67,14 @@ def presets(name):
                 for m in ("0", "b"):
                     rows.append(_row(16384 // s, 16, 16, s, 128, m, dt, label="square", modules=c, flex=False))
         return rows
+    if name == "windows":
+        # sliding windows through `fwd` (runtime lengths): the row, lengths that are no
+        # multiple of the key page, a long sequence under a wide window, a narrow one, a chunk
+        return [_row(4, 16, 16, 4096, 128, "b:1024,0", label="window", modules="generic"),
+                _row(4, 16, 16, 3000, 128, "b:1024,0", label="window S=3000", modules="generic"),
+                _row(1, 16, 16, 16384, 128, "b:4096,0", label="window 4096 S=16384", modules="generic"),
+                _row(2, 16, 16, 8192, 128, "b:256,0", label="window 256 S=8192", modules="generic"),
+                _row(4, 16, 16, 512, 128, "b:1024,0", Sk=4096, label="window chunk Sq512 Sk4096", modules="generic")]
     if name == "heads":
         # head dims without tiles of their own: fwd runs them zero-padded (96 -> 128, 192 -> 256)
         return [_row(b, h, h, s, d, m, label=f"d{d}", modules="generic", flex=False)
@@ -259,7 +267,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="local-task")
     ap.add_argument("--modules", help="folder of precompiled modules (GPU deployment path)")
-    ap.add_argument("--preset", choices=("cpu", "cpu-general", "fa", "general", "heads"), default="cpu")
+    ap.add_argument("--preset", choices=("cpu", "cpu-general", "fa", "general", "heads", "windows"), default="cpu")
     ap.add_argument("--max-seqlen", type=int, default=0)
     ap.add_argument("--hdim", type=int, nargs="*", help="only these head dims")
     ap.add_argument("--dtype", nargs="*", help="only these dtypes (f16, bf16, f32)")

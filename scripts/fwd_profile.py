@@ -40,6 +40,8 @@ CASES = [  # label, module file, B, Hq, Hk, Sq, Sk, mask
     ("decode B1", GQA, 1, 32, 8, 1, 32768, "b"),
     ("chunked", GQA, 4, 32, 8, 512, 4096, "b"),
     ("window fwd", GENERIC, 4, 16, 16, 4096, 4096, "b:1024,0"),
+    ("window 4096 S16384 fwd", GENERIC, 1, 16, 16, 16384, 16384, "b:4096,0"),
+    ("window 256 S8192 fwd", GENERIC, 2, 16, 16, 8192, 8192, "b:256,0"),
     ("smallest", GENERIC, 1, 16, 16, 128, 128, "0"),
 ]
 

@@ -55,6 +55,27 @@ def test_fwd_groups_of_rows(fwd_module, sq, sk, mask):
     _check(fwd_module("f32", "bhsd", 2, 64), q, k, v, mask, what=f"{mask} {sq}x{sk}")
 
 
+# Windows whose band of keys is at most half of Sk (a multiple of 64): the banded path
+# (``kernels.banded``: every group of 64 rows over its pages of 64 keys, all groups in one op).
+# Sq > Sk (the first 176 rows see no key), a band with an interior and groups cut by both ends
+# of the keys, top-left with keys on both sides, a chunk with lookahead; GQA / MQA, both
+# layouts, the three dtypes, head dims computed padded (96 / 48).
+BANDS = [("f32", "bhsd", 2, 64, None, 1, 1200, 1024, "b:100,0"), ("f32", "bhsd", 2, 64, None, 2, 2000, 2048, "b:300,0"),
+         ("f32", "bhsd", 2, 64, None, 1, 640, 2048, "t:100,50"), ("f32", "bhsd", 2, 64, None, 2, 333, 1024, "b:64,64"),
+         ("f16", "bshd", 4, 64, 32, 2, 700, 1024, "b:128,0"), ("bf16", "bshd", 1, 64, None, 1, 1000, 1024, "b:256,0"),
+         ("f32", "bshd", 2, 96, 48, 1, 512, 1024, "t:100,0")]
+
+
+@pytest.mark.parametrize("dtype,layout,group,dq,dv,B,sq,sk,mask", BANDS, ids=[f"{b[0]}-{b[1]}-g{b[2]}-{b[6]}x{b[7]}-{b[8]}"
+                                                                              for b in BANDS])
+def test_fwd_sliding_window_bands(fwd_module, dtype, layout, group, dq, dv, B, sq, sk, mask):
+    dt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    hk = 2 if group < 4 else 1
+    q, k, v = make_qkv(seed_of("fwd-band", dtype, layout, sq, sk, mask), B=B, Hq=hk * group, Hk=hk, Sq=sq, Sk=sk, Dq=dq,
+                       Dv=dv, layout=layout, dtype=dt)
+    _check(fwd_module(dtype, layout, group, dq, dv), q, k, v, mask, layout=layout, dtype=dt, what=f"band {mask} {sq}x{sk}")
+
+
 def test_fwd_rows_that_see_nothing(fwd_module):
     """Bottom-right causal with Sq > Sk: the first Sq - Sk rows see no key (out 0, lse -inf)."""
     q, k, v = make_qkv(seed_of("fwd-empty"), B=1, Hq=2, Hk=1, Sq=150, Sk=60, Dq=64)

@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 from .attention import Operand, online_attention
+from .banded import Banded, as_scratch_mask, band_mask, band_tier, banded_host, banded_ops
 from .bounds import Bounds, edge_window, group_bounds
 from .finalize import normalize_one, normalize_slots
 from .operands import Ctx, Tier, kv_operand, kv_padded, q_padded
@@ -262,6 +263,10 @@ def body(c: Ctx) -> list[tuple[str, str]]:
     few = fn.andi(few, spl.fits)
     paths += [(fn.andi(few, fn.cmp("sgt", spl.rest, 0)), lambda: _split_path(c, main, spl, "split", True)),
               (few, lambda: _split_path(c, main, spl, "split", False))]
+    band = band_tier(main)
+    bnd = banded_host(c, band)
+    if bnd is not None:  # a narrow band of keys per row: all groups in one op per slot range
+        paths.append((bnd.on, lambda: _banded_path(c, band, bnd)))
     for k, n in enumerate(variants):
         h = grps[n]
         cond = fn.andi(fn.cmp("sle", need, n), h.fits) if k < len(variants) - 1 else h.fits
@@ -357,6 +362,18 @@ def _padded_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     if c.frame is not None or not c.p.pads:  # (else _entered's copies already have c.limit keys)
         c = dataclasses.replace(c, k=kv_padded(c, "k"), v=kv_padded(c, "v"))
     return _finish(c, entered, _groups_work(c, tier, h, left))
+
+
+def _banded_path(c: Ctx, tier: Tier, h: Banded) -> list[str]:
+    """The whole call as ``kernels.banded``'s ops over the groups' key pages."""
+    c, entered = _entered(c)
+    fn, p = c.fn, c.p
+    mask = band_mask(c, h)
+    qp = q_padded(c, c.q, h.m_pad)
+    st = banded_ops(c, tier, h, new_state(fn, [c.b, c.hk, fn.opaque(1), h.m_pad], p.dv), qp, mask)
+    out, _, lse, _ = normalize_one(fn, st, sq=c.sq, group=p.group, dtype=p.dtype, layout=p.layout,
+                                  lowering=tier.lowering, dv_out=p.arg_dims[1])
+    return _finish(c, entered, [out, lse, qp, as_scratch_mask(c, h, mask), *st.names()])
 
 
 def _split_path(c: Ctx, tier: Tier, h: _Pieces, tag: str, rest: bool) -> list[str]:

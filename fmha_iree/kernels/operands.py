@@ -46,6 +46,9 @@ class Plan:
     # edge masks made in blocks (elementwise.block_attrs); CUDA only: on gfx90a the block lowering
     # spilled 2 SGPRs in the ragged generator (iree-compile 3.13, 2026-12-03)
     mask_blocks: bool = False
+    # the banded path for narrow windows (kernels.banded); off on ROCm: its chained masked op
+    # spilled 13 SGPRs on gfx942 (iree-compile 3.13, 2026-12-03), and no AMD GPU measured it
+    banded: bool = False
     # the arguments' head dims where they are smaller than dq / dv (0: the same): the work runs at
     # dq / dv over copies zero-padded along the head dim, as CK's kK0max pads 96 to 128 in its tile
     dq_arg: int = 0
