@@ -9,8 +9,8 @@ folder; only iree-base-runtime, numpy and torch needed on the GPU machine):
 
 Shapes (`--preset fa`) follow the FlashAttention benchmark: B*S = 16k tokens, Hq*D = 2048,
 S in 512..16k, D in {64, 128, 256}, causal and not; plus GQA (Hq/Hk = 8) and a `b:1024,0` window.
-FLOPs are 4*B*Hq*Sq*Sk*D times the visible fraction of query-key pairs (measured on at most 4096 x
-4096). Writes a table to stdout and, with --out, a JSON, a CSV and (when matplotlib is installed) a
+FLOPs are 4*B*Hq*Sq*Sk*D times the visible fraction of query-key pairs (counted row by row from
+the mask's coordinates). Writes a table to stdout and, with --out, a JSON, a CSV and (when matplotlib is installed) a
 PNG. On a GPU, both sides are device-resident: fmha_iree gets its inputs as DeviceTensors (uploaded
 once, `fmha_iree.to_device`) and leaves its results on the device; `--reps` calls are issued back to
 back (asynchronously) and the time is their total over `--reps`, closed by a wait for the last
@@ -90,6 +90,15 @@ def presets(name):
     rows.append(_row(4, 16, 2, 4096, 128, "b"))
     rows.append(_row(4, 16, 16, 4096, 128, "b:1024,0"))
     return rows
+
+
+def _visible_fraction(mask, sq: int, sk: int) -> float:
+    """The fraction of query-key pairs ``mask`` leaves visible: row ``i`` sees keys
+    ``max(i - y + 1, 0) <= j < min(i + x, Sk)`` (CK's coordinates, ``fmha_iree.mask``)."""
+    y, x = mask.clipped_coords(sq, sk)
+    i = np.arange(sq, dtype=np.int64)
+    seen = np.minimum(i + x, sk) - np.maximum(i - y + 1, 0)
+    return float(np.maximum(seen, 0).sum()) / (sq * sk)
 
 
 def _peer_mask(mask: str, sq: int, sk: int):
@@ -227,7 +236,7 @@ def run(args):
         dev = "cuda" if cuda else "cpu"
         peers, ref = _torch_peers(q.to(dev), k.to(dev), v.to(dev), mask, args.reps, cuda, flex=p["flex"])
         err = (out.float() - ref.float().cpu()).abs().max().item() if ref is not None else float("nan")
-        visible = Mask.from_str(mask).materialize(min(p["Sq"], 4096), min(p["Sk"], 4096)).mean()
+        visible = _visible_fraction(Mask.from_str(mask), p["Sq"], p["Sk"])
         flops = 4 * p["B"] * p["Hq"] * p["Sq"] * p["Sk"] * p["D"] * visible
         kv_bytes = 2 * p["B"] * p["Hk"] * p["Sk"] * p["D"] * q.element_size()
         row = {**p, "fmha_iree_ms": t * 1e3, "fmha_iree_tflops": flops / t / 1e12, "kv_gb_per_s": kv_bytes / t / 1e9,
