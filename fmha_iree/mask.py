@@ -147,6 +147,13 @@ class Mask:
         hi = np.minimum(-(-hi // n0) * n0, sk)
         return lo, hi
 
+    def visible_pairs(self, sq: int, sk: int) -> int:
+        """How many query-key pairs of a problem of ``sq`` rows and ``sk`` keys are visible,
+        counted row by row (row ``i`` sees ``max(i - y + 1, 0) <= j < min(i + x, sk)``)."""
+        y, x = self.clipped_coords(sq, sk)
+        i = np.arange(sq, dtype=np.int64)
+        return int(np.maximum(np.minimum(i + x, sk) - np.maximum(i - y + 1, 0), 0).sum())
+
     def materialize(self, sq: int, sk: int) -> np.ndarray:
         """The ``[sq, sk]`` boolean visibility matrix, for tests and debugging only."""
         y, x = self.coords(sq, sk)

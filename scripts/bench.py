@@ -92,15 +92,6 @@ def presets(name):
     return rows
 
 
-def _visible_fraction(mask, sq: int, sk: int) -> float:
-    """The fraction of query-key pairs ``mask`` leaves visible: row ``i`` sees keys
-    ``max(i - y + 1, 0) <= j < min(i + x, Sk)`` (CK's coordinates, ``fmha_iree.mask``)."""
-    y, x = mask.clipped_coords(sq, sk)
-    i = np.arange(sq, dtype=np.int64)
-    seen = np.minimum(i + x, sk) - np.maximum(i - y + 1, 0)
-    return float(np.maximum(seen, 0).sum()) / (sq * sk)
-
-
 def _peer_mask(mask: str, sq: int, sk: int):
     """How torch's SDPA takes a CK mask: (is_causal, boolean attn_mask or None)."""
     from fmha_iree.mask import Mask
@@ -236,7 +227,7 @@ def run(args):
         dev = "cuda" if cuda else "cpu"
         peers, ref = _torch_peers(q.to(dev), k.to(dev), v.to(dev), mask, args.reps, cuda, flex=p["flex"])
         err = (out.float() - ref.float().cpu()).abs().max().item() if ref is not None else float("nan")
-        visible = _visible_fraction(Mask.from_str(mask), p["Sq"], p["Sk"])
+        visible = Mask.from_str(mask).visible_pairs(p["Sq"], p["Sk"]) / (p["Sq"] * p["Sk"])
         flops = 4 * p["B"] * p["Hq"] * p["Sq"] * p["Sk"] * p["D"] * visible
         kv_bytes = 2 * p["B"] * p["Hk"] * p["Sk"] * p["D"] * q.element_size()
         row = {**p, "fmha_iree_ms": t * 1e3, "fmha_iree_tflops": flops / t / 1e12, "kv_gb_per_s": kv_bytes / t / 1e9,

@@ -111,9 +111,7 @@ def _visible_pairs(mask: str, lq: int, lk: int) -> int:
     """Query-key pairs a sequence's mask lets through (CK's (y, x), row by row)."""
     from fmha_iree.mask import Mask
 
-    y, x = Mask.from_str(mask).clipped_coords(lq, lk)
-    i = np.arange(lq)
-    return int(np.maximum(np.minimum(i + x, lk) - np.maximum(i - y + 1, 0), 0).sum())
+    return Mask.from_str(mask).visible_pairs(lq, lk)
 
 
 def _data(c: dict, seed: int):

@@ -109,3 +109,13 @@ def test_window_side_past_int64_is_refused(mask):
     q, k, v = make_qkv(seed_of("huge", "bad"), B=1, Hq=2, Sq=7, Sk=7, Dq=MAIN["Dq"], dtype=MAIN["dtype"])
     with pytest.raises(ValueError, match="mask"):
         fmha_iree.fmha_fwd(q, k, v, mask=mask)
+
+
+@pytest.mark.parametrize("mask", ["0", "b", "t", "b:100,0", "t:3,40", "b:0,0", "xb:9", "t:-1,5", "b:64,64"])
+@pytest.mark.parametrize("sq,sk", [(130, 77), (77, 130), (1, 300), (257, 257)], ids=["130x77", "77x130", "1x300", "257x257"])
+def test_visible_pairs_counts_the_reference_mask(mask, sq, sk):
+    """``Mask.visible_pairs`` (the benchmarks' FLOP count) against the float64 reference's own
+    visibility matrix, written from the reference doc."""
+    from reference import visible
+
+    assert fmha_iree.Mask.from_str(mask).visible_pairs(sq, sk) == int(visible(mask, sq, sk).sum())

@@ -210,6 +210,12 @@ def _q(c: Ctx, h: Banded, qp: str, g0: str, cnt: str) -> Operand:
     return Operand(q, ty5, ("b0", "b1", "b2", "m", "k1"))
 
 
+def _rows_reassoc(tail: list) -> str:
+    """The reassociation between a state part's rows ``[B, Hk, cnt * M(, Dv)]`` and its groups'
+    rows ``[B, Hk, cnt, M(, Dv)]`` (``tail``: the part's trailing dims)."""
+    return "[[0], [1], [2, 3], [4]]" if tail else "[[0], [1], [2, 3]]"
+
+
 def _state_rows(c: Ctx, h: Banded, st: State, g0: str, cnt: str) -> list[Operand]:
     """The state rows of groups ``[g0, g0 + cnt)`` as the op's outs ``[B, Hk, cnt, M(, Dv)]``."""
     fn = c.fn
@@ -217,7 +223,7 @@ def _state_rows(c: Ctx, h: Banded, st: State, g0: str, cnt: str) -> list[Operand
     out = []
     for o, tail in zip(flat, ([st.dv], [], [])):
         ty = tensor_type(["?", "?", "?", h.m, *tail], "f32")
-        re = "[[0], [1], [2, 3], [4]]" if tail else "[[0], [1], [2, 3]]"
+        re = _rows_reassoc(tail)
         shape = ", ".join([c.b, c.hk, cnt, str(h.m), *map(str, tail)])
         v = fn.let(f"tensor.expand_shape {o.name} {re} output_shape [{shape}] : {o.type} into {ty}", "bs")
         out.append(Operand(v, ty, ("b0", "b1", "b2", "m") + (("n",) if tail else ())))
@@ -238,9 +244,9 @@ def _fresh(c: Ctx, h: Banded, cnt: str) -> list[Operand]:
 def _op(c: Ctx, tier: Tier, h: Banded, st: State, qp: str, mask: str | None, at: tuple, chained: bool) -> State:
     """One op over groups ``[g0, g0 + cnt)`` and slots ``[s0, s0 + ns)`` (``at``), masked where
     ``mask`` is given; its results are written into the state rows of those groups. No slots
-    is an op of no steps (fresh: the initial state); no groups runs on the spare group past the
-    last one instead (its rows are never read):
-    a CUDA launch of zero workgroups fails (``CUDA_ERROR_INVALID_VALUE``)."""
+    is an op of no steps (fresh: the initial state). No groups runs on the spare group past the
+    last one instead (its rows are never read), since a CUDA launch of zero workgroups fails
+    (``CUDA_ERROR_INVALID_VALUE``)."""
     fn, p = c.fn, c.p
     g0, cnt, s0, ns = at
     empty = fn.cmp("eq", cnt, 0)
@@ -261,8 +267,7 @@ def _op(c: Ctx, tier: Tier, h: Banded, st: State, qp: str, mask: str | None, at:
         flat = []
         for r, o, tail in zip(res, outs, ([p.dv], [], [])):
             ty = tensor_type(["?", "?", "?", *tail], "f32")
-            re = "[[0], [1], [2, 3], [4]]" if tail else "[[0], [1], [2, 3]]"
-            flat.append(fn.let(f"tensor.collapse_shape {r} {re} : {o.type} into {ty}", "bs"))
+            flat.append(fn.let(f"tensor.collapse_shape {r} {_rows_reassoc(tail)} : {o.type} into {ty}", "bs"))
         return st.insert(fn, flat, ["0", "0", "0", fn.mul(g0, h.m)], [c.b, c.hk, "1", rows])
 
     return st.with_names(fn.dispatch(st.region_results(), region))
