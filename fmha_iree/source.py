@@ -360,7 +360,7 @@ def entry_points(spec: KernelSpec) -> dict:
             "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
                      "scale": [[], "f32 scalar"], "y": [[], "i64 scalar"], "x": [[], "i64 scalar"]},
             "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"],
-                        "scratch": [(["padded K", "padded V"] if plan.pads else []) + ["padded Q", "edge masks", "acc",
+                        "scratch": [(["padded K", "padded V"] if plan.kv_slots else []) + ["padded Q", "edge masks", "acc",
                                                                                       "max", "sum"], "dropped by the caller"]},
             "note": (f"any Sq, Sk >= 1 and any CK mask in one call ({lay} layout): row s sees keys "
                      "s - y + 1 <= j < s + x (CK's coordinates, clipped to [-Sk, Sq + 1] / [-Sq, Sk + 1]); "

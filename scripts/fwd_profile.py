@@ -42,6 +42,7 @@ CASES = [  # label, module file, B, Hq, Hk, Sq, Sk, mask
     ("window fwd", GENERIC, 4, 16, 16, 4096, 4096, "b:1024,0"),
     ("window 4096 S16384 fwd", GENERIC, 1, 16, 16, 16384, 16384, "b:4096,0"),
     ("window 256 S8192 fwd", GENERIC, 2, 16, 16, 8192, 8192, "b:256,0"),
+    ("window S3000 fwd", GENERIC, 4, 16, 16, 3000, 3000, "b:1024,0"),
     ("smallest", GENERIC, 1, 16, 16, 128, 128, "0"),
 ]
 

@@ -46,9 +46,9 @@ def main():
         cases = [(2, 77, 130, "b"), (1, 300, 300, "t"), (1, 1000, 1000, "0"), (1, 513, 700, "b:64,0"),
                  (2, 512, 1024, "0"), (2, 1024, 1024, "b"), (1, 2048, 2048, "t"), (1, 1024, 1024, "b:100,0"),
                  (2, 1024, 1024, "0"), (1, 1536, 1536, "b"), (1, 2048, 2048, "b:1000,0"), (1, 2048, 2048, "t:0,0"),
-                 # windows a key band narrow enough for the banded path (Sk a multiple of 64), Sq != Sk
+                 # windows a key band narrow enough for the banded path, Sq != Sk, Sk no multiple of 64
                  (2, 4096, 4096, "b:1024,0"), (1, 1500, 2048, "t:200,100"), (1, 3000, 4096, "b:500,20"),
-                 (1, 4096, 2048, "b:300,0"),
+                 (1, 4096, 2048, "b:300,0"), (1, 3000, 3000, "b:1024,0"), (2, 1000, 1001, "t:200,100"),
                  # decode and short queries (split-KV), keys too few for an aligned edge window
                  (3, 1, 4100, "b"), (2, 5, 777, "t"), (1, 3, 40, "0"), (2, 100, 60, "b")]
         hq = pr.get("heads") or 16

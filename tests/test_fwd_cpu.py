@@ -55,15 +55,19 @@ def test_fwd_groups_of_rows(fwd_module, sq, sk, mask):
     _check(fwd_module("f32", "bhsd", 2, 64), q, k, v, mask, what=f"{mask} {sq}x{sk}")
 
 
-# Windows whose band of keys is at most half of Sk (a multiple of 64): the banded path
+# Windows whose band of keys is at most half of Sk: the banded path
 # (``kernels.banded``: every group of 64 rows over its pages of 64 keys, all groups in one op).
 # Sq > Sk (the first 176 rows see no key), a band with an interior and groups cut by both ends
-# of the keys, top-left with keys on both sides, a chunk with lookahead; GQA / MQA, both
-# layouts, the three dtypes, head dims computed padded (96 / 48).
+# of the keys, top-left with keys on both sides, a chunk with lookahead, wide bands whose first
+# groups are cut by key 0 (their pages split into whole and masked ones), Sk no multiple of 64
+# (K / V copied to whole pages); GQA / MQA, both layouts, the three dtypes, head dims computed
+# padded (96 / 48).
 BANDS = [("f32", "bhsd", 2, 64, None, 1, 1200, 1024, "b:100,0"), ("f32", "bhsd", 2, 64, None, 2, 2000, 2048, "b:300,0"),
          ("f32", "bhsd", 2, 64, None, 1, 640, 2048, "t:100,50"), ("f32", "bhsd", 2, 64, None, 2, 333, 1024, "b:64,64"),
          ("f16", "bshd", 4, 64, 32, 2, 700, 1024, "b:128,0"), ("bf16", "bshd", 1, 64, None, 1, 1000, 1024, "b:256,0"),
-         ("f32", "bshd", 2, 96, 48, 1, 512, 1024, "t:100,0")]
+         ("f32", "bshd", 2, 96, 48, 1, 512, 1024, "t:100,0"), ("f32", "bhsd", 2, 64, None, 2, 2048, 2048, "b:700,0"),
+         ("bf16", "bshd", 1, 64, None, 2, 1536, 2048, "b:600,40"), ("f32", "bhsd", 2, 64, None, 2, 1000, 1001, "b:300,0"),
+         ("f16", "bshd", 4, 64, 32, 1, 700, 777, "t:70,90"), ("f32", "bshd", 2, 96, 48, 1, 640, 1000, "b:200,0")]
 
 
 @pytest.mark.parametrize("dtype,layout,group,dq,dv,B,sq,sk,mask", BANDS, ids=[f"{b[0]}-{b[1]}-g{b[2]}-{b[6]}x{b[7]}-{b[8]}"

@@ -13,17 +13,26 @@ number inside its dispatch (``iree_linalg_ext.gather``, one page a step: the op 
 slot and key). The band's pages ``[i0, i1)`` are its interior, pages every row of the group sees;
 the rest are its edges.
 
-Four ops write the state, each over a range of groups and of slots:
+Six ops write the state, each over a range of groups and of slots:
 
-* the groups whose slots all lie inside ``[0, NP)``: the interior slots unmasked, then the edge
+* the groups whose band starts at a page ``>= 0`` and whose interior lies in the whole pages of Sk
+  (edge pages past the keys are clamped and masked): the interior slots unmasked, then the edge
   slots (both sides, one range: ``_page`` orders the slots interior first) masked, chained on the
   state;
-* the groups before them (their band starts before key 0) and after them (it ends past Sk): all
-  slots masked, with page numbers clamped into range (a clamped slot is masked whole).
+* the groups after them (their interior ends past the whole pages of Sk), and the few before them
+  whose band is cut by key 0 inside its left edge: all slots masked, with page numbers clamped
+  into range (a clamped slot is masked whole);
+* the first ``gf`` groups, whose band is cut by key 0 before its interior: a triangle (group ``g``
+  sees pages ``[0, g * R / P + c0 + n)``, all of them whole but its last ones). Its lower half
+  ``[0, gh)`` runs masked over pages ``[0, nm)``; its upper half ``[gh, gf)`` sees pages ``[0, nb)``
+  whole (one unmasked op) and the rest masked over ``[nb, nb + nm)`` (``_lead_page``), in the
+  lower half's op. (These groups ran every slot masked: H200, B4 H16 S4096 ``b:1024,0``, their
+  0.288 ms became 0.151 + 0.072, docs/BENCHMARKS.md, 2026-12-04.)
 
 The masks of all ops are one tensor ``[groups + 1, M, n, P]`` (row ``m`` of group ``g`` against key
 ``j`` of slot ``s``: CK's rule at the slot's own page, nothing outside ``[0, Sk)`` or past Sq),
-made by one dispatch. The path needs ``Sk`` a multiple of ``P`` (else the groups' path runs).
+made by one dispatch. Where ``Sk`` is no multiple of ``P`` the path reads copies of K / V padded
+to whole pages (``kv_padded``: keys past Sk masked), returned with the call's scratch.
 """
 
 from __future__ import annotations
@@ -81,14 +90,20 @@ class Banded:
     n: str  # slots per group
     i0: str  # the interior: pages [i0, i1) of the band (relative to its first page)
     i1: str
-    g_lo: str  # groups [g_lo, g_hi) have every slot in range
+    g_lo: str  # groups [g_lo, g_hi) have their band inside [0, ...) and their interior in range
     g_hi: str
     on: str  # i1: the path applies and pays
+    gf: str  # groups [0, gf) have no left edge in range (their band cut by key 0 before i0)
+    gh: str  # gf // 2: groups [gh, gf) see pages [0, nb) whole
+    nb: str
+    nm: str  # the masked slots of groups [0, gf) (``_lead_page``)
 
 
-def banded_host(c: Ctx, tier: Tier) -> Banded | None:
+def banded_host(c: Ctx, tier: Tier, padded: bool = False) -> Banded | None:
     """The path's host values, or None where the plan cannot take it (off in the plan, a ragged
-    frame, a group count of rows that is no whole tile)."""
+    frame, a group count of rows that is no whole tile). ``padded``: over copies of K / V of
+    ``c.limit`` keys (Sk rounded up to whole pages), for an Sk that is no multiple of ``P``. (The
+    last, partial page is never interior: a band's last slot is always an edge, masked.)"""
     fn, p = c.fn, c.p
     P = p.cols
     R = band_rows(tier.tile_rows, p.group, P)
@@ -101,18 +116,27 @@ def banded_host(c: Ctx, tier: Tier) -> Banded | None:
     n = fn.max(fn.add(fn.sub(c1, c0), 1), 0)
     i0 = fn.clamp(fn.sub(fn.ceildiv(fn.sub(R, co.y), P), c0), 0, n)
     i1 = fn.clamp(fn.sub(fn.floordiv(co.x, P), c0), i0, n)
-    np_ = fn.bounded(fn.floordiv(c.sk, P))
+    whole = fn.bounded(fn.floordiv(c.sk, P))  # pages all of whose keys are below Sk
+    np_ = fn.bounded(fn.floordiv(c.limit, P)) if padded else whole
     per = R // P
     g_lo = fn.clamp(fn.ceildiv(fn.sub(0, c0), per), 0, groups)
-    g_hi = fn.clamp(fn.ceildiv(fn.sub(np_, c1), per), g_lo, groups)
-    aligned = fn.cmp("eq", fn.mul(np_, P), c.sk)
+    # groups [g_lo, g_hi) have their interior inside the whole pages (edge slots past them are
+    # clamped and masked); the groups after them run all masked
+    g_hi = fn.clamp(fn.add(fn.floordiv(fn.sub(whole, fn.add(c0, i1)), per), 1), g_lo, groups)
+    aligned = fn.cmp("eq" if not padded else "ne", fn.mul(whole, P), c.sk)
     # pays: a band of at most half the keys, and workgroups for two waves of the GPU in one op
     narrow = fn.cmp("sle", fn.mul(fn.mul(n, P), 2), c.sk)
     wgs = fn.mul(fn.mul(fn.mul(c.b, c.hk), groups), R * p.group // tier.tile_rows)
     fill = fn.andi(fn.cmp("sge", wgs, 2 * p.fill_wgs), fn.cmp("sgt", n, 0))
     on = fn.andi(fn.andi(aligned, narrow), fill)
     m_pad = fn.assume_div(fn.mul(fn.add(groups, 1), R * p.group), tier.tile_rows)  # + the spare group
-    return Banded(R, P, R * p.group, groups, m_pad, np_, c0, n, i0, i1, g_lo, g_hi, on)
+    gf = fn.clamp(fn.add(fn.floordiv(fn.sub(0, fn.add(c0, i0)), per), 1), 0, g_lo)
+    gh = fn.floordiv(gf, 2)
+    nb = fn.clamp(fn.add(fn.mul(gh, per), fn.add(c0, i1)), 0, n)
+    end_lo = fn.add(fn.mul(fn.sub(gh, 1), per), fn.add(c0, n))  # the band end of group gh - 1
+    end_hi = fn.sub(fn.add(fn.mul(fn.sub(gf, 1), per), fn.add(c0, n)), nb)  # of group gf - 1, past nb
+    nm = fn.clamp(fn.max(end_lo, end_hi), 0, n)
+    return Banded(R, P, R * p.group, groups, m_pad, np_, c0, n, i0, i1, g_lo, g_hi, on, gf, gh, nb, nm)
 
 
 def _page(fn, h: Banded, g: str, t: str) -> str:
@@ -124,6 +148,18 @@ def _page(fn, h: Banded, g: str, t: str) -> str:
     return fn.add(fn.add(fn.mul(g, h.rows // h.page), h.c0), rel)
 
 
+def _lead_page(fn, h: Banded, g: str, t: str) -> str:
+    """The page of slot ``t`` of group ``g < gf`` in its masked op: page ``t`` for ``g < gh``,
+    ``nb + t`` for the rest (their pages below ``nb`` run unmasked)."""
+    return fn.add(t, fn.select(fn.cmp("sge", g, h.gh), h.nb, 0))
+
+
+def _mapped_page(fn, h: Banded, g: str, t: str) -> str:
+    """The page of slot ``t`` of group ``g`` in the masked ops and the mask: ``_lead_page`` for
+    the groups whose band starts before key 0 with no left edge, ``_page`` for the others."""
+    return fn.select(fn.cmp("slt", g, h.gf), _lead_page(fn, h, g, t), _page(fn, h, g, t))
+
+
 def band_mask(c: Ctx, h: Banded) -> str:
     """``[groups + 1, M, n, P]`` i1: whether row ``m`` of group ``g`` sees key ``j`` of slot ``s``."""
     fn, G = c.fn, c.p.group
@@ -132,7 +168,7 @@ def band_mask(c: Ctx, h: Banded) -> str:
     def element(ix):
         g, m, s, j = ix
         pos = fn.add(fn.mul(g, h.rows), fn.floordiv(m, G))
-        pg = _page(fn, h, g, s)
+        pg = _mapped_page(fn, h, g, s)
         key = fn.add(fn.mul(pg, h.page), j)
         ok = fn.andi(fn.cmp("slt", pos, c.sq), fn.andi(fn.cmp("sge", pg, 0), fn.cmp("slt", pg, h.np)))
         return fn.andi(ok, fn.andi(fn.cmp("sge", key, row_lo(fn, pos, c.co.y, c.sk)),
@@ -156,10 +192,24 @@ def as_scratch_mask(c: Ctx, h: Banded, mask: str) -> str:
     return fn.let(f"tensor.cast {ex} : {m4b} to {MASK_TYPE}", "bm")
 
 
-def _pages(c: Ctx, h: Banded, which: str, g0: str, cnt: str, s0: str, ns: str) -> Operand:
-    """K or V as the pages of slots ``[s0, s0 + ns)`` of groups ``[g0, g0 + cnt)``, gathered by
-    number (page numbers made in the op's dispatch, clamped into ``[0, NP)``)."""
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """What one op covers: groups ``[g0, g0 + cnt)``, slots ``[s0, s0 + ns)``; ``whole``: slot
+    ``t`` is page ``t`` (the unmasked pages ``[0, nb)`` of groups ``[gh, gf)``), else
+    ``_mapped_page``."""
+
+    g0: str
+    cnt: str
+    s0: str
+    ns: str
+    whole: bool = False
+
+
+def _pages(c: Ctx, h: Banded, which: str, sp: Span) -> Operand:
+    """K or V as the pages of ``sp``'s slots and groups, gathered by number (page numbers made in
+    the op's dispatch, clamped into ``[0, NP)``)."""
     fn, p = c.fn, c.p
+    g0, cnt, s0, ns = sp.g0, sp.cnt, sp.s0, sp.ns
     d = p.dq if which == "k" else p.dv
     src = c.k if which == "k" else c.v
     P, bhsd = h.page, p.layout == "bhsd"
@@ -189,7 +239,7 @@ def _pages(c: Ctx, h: Banded, which: str, g0: str, cnt: str, s0: str, ns: str) -
     with fn.region("^bb0(%bi_o: i32):", f"}} -> {ids_ty}"), fn.local():
         ix = [fn.let(f"linalg.index {i} : index", "bx") for i in range(rank)]
         g, s = fn.add(ix[-2], g0), fn.add(ix[-1], s0)
-        pg = fn.clamp(_page(fn, h, g, s), 0, fn.sub(h.np, 1))
+        pg = fn.clamp(s if sp.whole else _mapped_page(fn, h, g, s), 0, fn.sub(h.np, 1))
         base = fn.mul(fn.add(fn.mul(ix[0], c.hk), ix[1]), h.np) if bhsd else fn.mul(ix[0], h.np)
         v = fn.let(f"arith.index_cast {fn.add(base, pg)} : index to i32", "bx")
         fn.emit(f"linalg.yield {v} : i32")
@@ -241,16 +291,17 @@ def _fresh(c: Ctx, h: Banded, cnt: str) -> list[Operand]:
     return outs
 
 
-def _op(c: Ctx, tier: Tier, h: Banded, st: State, qp: str, mask: str | None, at: tuple, chained: bool) -> State:
-    """One op over groups ``[g0, g0 + cnt)`` and slots ``[s0, s0 + ns)`` (``at``), masked where
-    ``mask`` is given; its results are written into the state rows of those groups. No slots
+def _op(c: Ctx, tier: Tier, h: Banded, st: State, qp: str, mask: str | None, sp: Span, chained: bool) -> State:
+    """One op over ``sp``'s groups and slots, masked where ``mask`` is given; its results are
+    written into the state rows of those groups. No slots
     is an op of no steps (fresh: the initial state). No groups runs on the spare group past the
     last one instead (its rows are never read), since a CUDA launch of zero workgroups fails
     (``CUDA_ERROR_INVALID_VALUE``)."""
     fn, p = c.fn, c.p
-    g0, cnt, s0, ns = at
+    g0, cnt, s0, ns = sp.g0, sp.cnt, sp.s0, sp.ns
     empty = fn.cmp("eq", cnt, 0)
     g0, cnt, ns = fn.select(empty, h.groups, g0), fn.select(empty, 1, cnt), fn.select(empty, 0, ns)
+    live = Span(g0, cnt, s0, ns, sp.whole)
 
     def region():
         m = None
@@ -260,8 +311,8 @@ def _op(c: Ctx, tier: Tier, h: Banded, st: State, qp: str, mask: str | None, at:
                         f": {mty} to {mty}", "bm")
             m = Operand(mv, mty, ("b2", "m", "k2o", "k2"))
         outs = _state_rows(c, h, st, g0, cnt) if chained else _fresh(c, h, cnt)
-        res = online_attention(fn, q=_q(c, h, qp, g0, cnt), k=_pages(c, h, "k", g0, cnt, s0, ns),
-                               v=_pages(c, h, "v", g0, cnt, s0, ns), scale=c.scale, scale_type=p.dtype, outs=outs, nb=3,
+        res = online_attention(fn, q=_q(c, h, qp, g0, cnt), k=_pages(c, h, "k", live),
+                               v=_pages(c, h, "v", live), scale=c.scale, scale_type=p.dtype, outs=outs, nb=3,
                                lowering=tier.lowering, dv=p.dv, mask=m, k2o=True)
         rows = fn.mul(cnt, h.m)
         flat = []
@@ -274,12 +325,14 @@ def _op(c: Ctx, tier: Tier, h: Banded, st: State, qp: str, mask: str | None, at:
 
 
 def banded_ops(c: Ctx, tier: Tier, h: Banded, st: State, qp: str, mask: str) -> State:
-    """The four ops of the module docstring, in order (every state row written fresh once)."""
+    """The ops of the module docstring, in order (every state row written fresh once)."""
     fn = c.fn
     zero = fn.c(0)
     mid, tail_g = fn.sub(h.g_hi, h.g_lo), fn.sub(h.groups, h.g_hi)
     ni = fn.sub(h.i1, h.i0)
-    st = _op(c, tier, h, st, qp, mask, (zero, h.g_lo, zero, h.n), False)
-    st = _op(c, tier, h, st, qp, None, (h.g_lo, mid, zero, ni), False)
-    st = _op(c, tier, h, st, qp, mask, (h.g_hi, tail_g, zero, h.n), False)
-    return _op(c, tier, h, st, qp, mask, (h.g_lo, mid, ni, fn.sub(h.n, ni)), True)
+    st = _op(c, tier, h, st, qp, mask, Span(zero, h.gf, zero, h.nm), False)
+    st = _op(c, tier, h, st, qp, None, Span(h.gh, fn.sub(h.gf, h.gh), zero, h.nb, True), True)
+    st = _op(c, tier, h, st, qp, mask, Span(h.gf, fn.sub(h.g_lo, h.gf), zero, h.n), False)
+    st = _op(c, tier, h, st, qp, None, Span(h.g_lo, mid, zero, ni), False)
+    st = _op(c, tier, h, st, qp, mask, Span(h.g_hi, tail_g, zero, h.n), False)
+    return _op(c, tier, h, st, qp, mask, Span(h.g_lo, mid, ni, fn.sub(h.n, ni)), True)

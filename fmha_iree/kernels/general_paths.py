@@ -17,7 +17,7 @@ from .attention import Operand, online_attention
 from .banded import Banded, as_scratch_mask, band_mask, band_tier, banded_host, banded_ops
 from .bounds import Bounds, edge_window, group_bounds
 from .finalize import normalize_one, normalize_slots
-from .operands import Ctx, Tier, kv_operand, kv_padded, q_padded
+from .operands import Ctx, Tier, kv_copied, kv_operand, kv_padded, no_copy, q_padded
 from .ir import tensor_type as _ty
 from .masks import MASK_TYPE, RAGGED_MASK_TYPE, edge_masks, mask_type
 from .state import State, fresh_outs, new_state
@@ -266,7 +266,9 @@ def body(c: Ctx) -> list[tuple[str, str]]:
     band = band_tier(main)
     bnd = banded_host(c, band)
     if bnd is not None:  # a narrow band of keys per row: all groups in one op per slot range
-        paths.append((bnd.on, lambda: _banded_path(c, band, bnd)))
+        cp = dataclasses.replace(c, limit=fn.assume_div(fn.round_up(c.sk, p.cols), p.cols))
+        bpad = banded_host(cp, band, padded=True)  # (keys to whole pages: over copies)
+        paths += [(bnd.on, lambda: _banded_path(c, band, bnd)), (bpad.on, lambda: _banded_path(cp, band, bpad))]
     for k, n in enumerate(variants):
         h = grps[n]
         cond = fn.andi(fn.cmp("sle", need, n), h.fits) if k < len(variants) - 1 else h.fits
@@ -277,7 +279,7 @@ def body(c: Ctx) -> list[tuple[str, str]]:
     paths += [(one.any_left, lambda: _padded_path(padded, main, one, True)),
               (None, lambda: _padded_path(padded, main, one, False))]
     o_ty, l_ty = _ty(["?", "?", "?", p.arg_dims[1]], p.dtype), _ty(["?", "?", "?"], "f32")
-    kv_copies = [_ty(["?", "?", "?", d], p.dtype) for d in (p.dq, p.dv)] if p.pads else []
+    kv_copies = [_ty(["?", "?", "?", d], p.dtype) for d in (p.dq, p.dv)] if p.kv_slots else []
     types = [o_ty, l_ty, *(c.frame.types() if c.frame is not None else kv_copies), *scratch_types(p)]
 
     def chain(i: int):
@@ -331,9 +333,11 @@ def _entered(c: Ctx) -> tuple[Ctx, object]:
 def _finish(c: Ctx, entered, results: list[str]) -> list[str]:
     """A path's results; a ragged frame's gathered out (``Ctx.frame``); the padded K / V copies
     after out and lse (returned, not transients: IREE 3.13's CUDA HAL frees a transient with a
-    host wait for the call's last kernel)."""
+    host wait for the call's last kernel), empty where the path made none (``Plan.kv_slots``)."""
     if c.frame is not None:
         return c.frame.leave(c, entered, results)
+    if entered is None and c.p.kv_slots:
+        entered = [no_copy(c.fn, d, c.p.dtype) for d in (c.p.dq, c.p.dv)]
     return results if entered is None else [*results[:2], *entered, *results[2:]]
 
 
@@ -358,15 +362,16 @@ def _groups_work(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
 def _padded_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     """``_groups_path`` over copies of K and V zero-padded to ``c.limit`` keys (so that every edge
     window can be read); the copies are transients of this path."""
-    c, entered = _entered(c)
-    if c.frame is not None or not c.p.pads:  # (else _entered's copies already have c.limit keys)
-        c = dataclasses.replace(c, k=kv_padded(c, "k"), v=kv_padded(c, "v"))
+    c, entered = kv_copied(*_entered(c))
     return _finish(c, entered, _groups_work(c, tier, h, left))
 
 
 def _banded_path(c: Ctx, tier: Tier, h: Banded) -> list[str]:
-    """The whole call as ``kernels.banded``'s ops over the groups' key pages."""
+    """The whole call as ``kernels.banded``'s ops over the groups' key pages (over copies of K and
+    V where ``c.limit`` is more than Sk)."""
     c, entered = _entered(c)
+    if c.limit != c.sk:
+        c, entered = kv_copied(c, entered)
     fn, p = c.fn, c.p
     mask = band_mask(c, h)
     qp = q_padded(c, c.q, h.m_pad)

@@ -11,7 +11,7 @@ from .bounds import Coords
 from .elementwise import Words, copy_attrs
 from .ir import Fn, parallel, tensor_type
 
-__all__ = ["Tier", "Plan", "Ctx", "kv_operand", "kv_padded", "q_padded", "padded_q_rows"]
+__all__ = ["Tier", "Plan", "Ctx", "kv_operand", "kv_padded", "kv_copied", "no_copy", "q_padded", "padded_q_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,12 @@ class Plan:
     @property
     def pads(self) -> bool:
         return self.arg_dims != (self.dq, self.dv)
+
+    @property
+    def kv_slots(self) -> bool:
+        """Whether paths return padded K / V copies after out and lse (head dims padded, or the
+        banded path over keys padded to whole pages)."""
+        return self.pads or self.banded
 
 
 @dataclasses.dataclass
@@ -171,6 +177,23 @@ def kv_padded(c: Ctx, which: str) -> Operand:
     attrs = copy_attrs(c.p.main.lowering, rank=4, row_dim=s_dim, inner=dw, vec=w.vec)
     out = generated(c, _ty(["?", "?", "?", dw], elt), full, attrs, fill, element, elt)
     return Operand(w.result(fn, out, full), ty, src.dims)
+
+
+def no_copy(fn, d: int, dtype: str) -> str:
+    """An empty stand-in for a K / V copy slot (``[0, 0, 0, d]``)."""
+    z = fn.c(0)
+    return fn.let(f"tensor.empty({z}, {z}, {z}) : {_ty(['?', '?', '?', d], dtype)}", "nc")
+
+
+def kv_copied(c: Ctx, entered) -> tuple[Ctx, object]:
+    """``c`` reading K and V from copies of ``c.limit`` keys (made here unless ``_entered`` made
+    them), and what ``_finish`` needs (the copies are transients of the path where it returns
+    none: a ragged frame, a plan without ``kv_slots``)."""
+    if c.frame is None and c.p.pads:  # _entered's copies already have c.limit keys
+        return c, entered
+    k, v = kv_padded(c, "k"), kv_padded(c, "v")
+    kept = c.frame is None and c.p.kv_slots
+    return dataclasses.replace(c, k=k, v=v), ((k.name, v.name) if kept else entered)
 
 
 def _ones_word(dtype: str) -> int:
