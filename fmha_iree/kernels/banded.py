@@ -97,6 +97,7 @@ class Banded:
     gh: str  # gf // 2: groups [gh, gf) see pages [0, nb) whole
     nb: str
     nm: str  # the masked slots of groups [0, gf) (``_lead_page``)
+    padded: bool = False  # over copies of K / V padded to whole pages (``banded_host``)
 
 
 def banded_host(c: Ctx, tier: Tier, padded: bool = False) -> Banded | None:
@@ -116,19 +117,20 @@ def banded_host(c: Ctx, tier: Tier, padded: bool = False) -> Banded | None:
     n = fn.max(fn.add(fn.sub(c1, c0), 1), 0)
     i0 = fn.clamp(fn.sub(fn.ceildiv(fn.sub(R, co.y), P), c0), 0, n)
     i1 = fn.clamp(fn.sub(fn.floordiv(co.x, P), c0), i0, n)
-    whole = fn.bounded(fn.floordiv(c.sk, P))  # pages all of whose keys are below Sk
-    np_ = fn.bounded(fn.floordiv(c.limit, P)) if padded else whole
+    inside = fn.bounded(fn.floordiv(c.sk, P))  # pages all of whose keys are below Sk
+    np_ = fn.bounded(fn.floordiv(c.limit, P)) if padded else inside
     per = R // P
     g_lo = fn.clamp(fn.ceildiv(fn.sub(0, c0), per), 0, groups)
     # groups [g_lo, g_hi) have their interior inside the whole pages (edge slots past them are
     # clamped and masked); the groups after them run all masked
-    g_hi = fn.clamp(fn.add(fn.floordiv(fn.sub(whole, fn.add(c0, i1)), per), 1), g_lo, groups)
-    aligned = fn.cmp("eq" if not padded else "ne", fn.mul(whole, P), c.sk)
+    g_hi = fn.clamp(fn.add(fn.floordiv(fn.sub(inside, fn.add(c0, i1)), per), 1), g_lo, groups)
+    # this variant's keys: Sk a multiple of P (read in place), or not (over copies)
+    keys = fn.cmp("eq" if not padded else "ne", fn.mul(inside, P), c.sk)
     # pays: a band of at most half the keys, and workgroups for two waves of the GPU in one op
     narrow = fn.cmp("sle", fn.mul(fn.mul(n, P), 2), c.sk)
     wgs = fn.mul(fn.mul(fn.mul(c.b, c.hk), groups), R * p.group // tier.tile_rows)
     fill = fn.andi(fn.cmp("sge", wgs, 2 * p.fill_wgs), fn.cmp("sgt", n, 0))
-    on = fn.andi(fn.andi(aligned, narrow), fill)
+    on = fn.andi(fn.andi(keys, narrow), fill)
     m_pad = fn.assume_div(fn.mul(fn.add(groups, 1), R * p.group), tier.tile_rows)  # + the spare group
     gf = fn.clamp(fn.add(fn.floordiv(fn.sub(0, fn.add(c0, i0)), per), 1), 0, g_lo)
     gh = fn.floordiv(gf, 2)
@@ -136,7 +138,7 @@ def banded_host(c: Ctx, tier: Tier, padded: bool = False) -> Banded | None:
     end_lo = fn.add(fn.mul(fn.sub(gh, 1), per), fn.add(c0, n))  # the band end of group gh - 1
     end_hi = fn.sub(fn.add(fn.mul(fn.sub(gf, 1), per), fn.add(c0, n)), nb)  # of group gf - 1, past nb
     nm = fn.clamp(fn.max(end_lo, end_hi), 0, n)
-    return Banded(R, P, R * p.group, groups, m_pad, np_, c0, n, i0, i1, g_lo, g_hi, on, gf, gh, nb, nm)
+    return Banded(R, P, R * p.group, groups, m_pad, np_, c0, n, i0, i1, g_lo, g_hi, on, gf, gh, nb, nm, padded)
 
 
 def _page(fn, h: Banded, g: str, t: str) -> str:
@@ -293,10 +295,9 @@ def _fresh(c: Ctx, h: Banded, cnt: str) -> list[Operand]:
 
 def _op(c: Ctx, tier: Tier, h: Banded, st: State, qp: str, mask: str | None, sp: Span, chained: bool) -> State:
     """One op over ``sp``'s groups and slots, masked where ``mask`` is given; its results are
-    written into the state rows of those groups. No slots
-    is an op of no steps (fresh: the initial state). No groups runs on the spare group past the
-    last one instead (its rows are never read), since a CUDA launch of zero workgroups fails
-    (``CUDA_ERROR_INVALID_VALUE``)."""
+    written into the state rows of those groups. No slots is an op of no steps (fresh: the initial
+    state). No groups runs on the spare group past the last one instead (its rows are never read),
+    since a CUDA launch of zero workgroups fails (``CUDA_ERROR_INVALID_VALUE``)."""
     fn, p = c.fn, c.p
     g0, cnt, s0, ns = sp.g0, sp.cnt, sp.s0, sp.ns
     empty = fn.cmp("eq", cnt, 0)

@@ -19,9 +19,10 @@ in place. The function's index arithmetic (run by IREE on the host) cuts the pro
   state slot, slots merged through their max/sum (``finalize.normalize_slots``).
 * short queries (``Sq * G <= Plan.short_rows``) take the split-KV path with their own lowering
   (``Plan.short``: 16-row tiles).
-* banded (``Plan.banded``; a window whose band of keys is at most half of Sk, Sk a multiple of ``Plan.cols``, and
-  groups enough for two waves of workgroups): ``kernels.banded``, every group of rows over the
-  key pages of its band, all groups in one op per range of slots, pages gathered inside the op.
+* banded (``Plan.banded``; a window whose band of keys is at most half of Sk, and groups enough
+  for two waves of workgroups): ``kernels.banded``, every group of rows over the key pages of its
+  band, all groups in one op per range of slots, pages gathered inside the op (K / V read in
+  place where Sk is a multiple of ``Plan.cols``, else copied to whole pages).
 
 Edges are computed over windows whose key counts are multiples of ``Plan.cols``
 (``bounds.edge_window``); a problem whose widest window does not fit in Sk (an edge spanning nearly

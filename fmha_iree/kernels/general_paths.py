@@ -266,7 +266,7 @@ def body(c: Ctx) -> list[tuple[str, str]]:
     band = band_tier(main)
     bnd = banded_host(c, band)
     if bnd is not None:  # a narrow band of keys per row: all groups in one op per slot range
-        cp = dataclasses.replace(c, limit=fn.assume_div(fn.round_up(c.sk, p.cols), p.cols))
+        cp = _to_pages(c)
         bpad = banded_host(cp, band, padded=True)  # (keys to whole pages: over copies)
         paths += [(bnd.on, lambda: _banded_path(c, band, bnd)), (bpad.on, lambda: _banded_path(cp, band, bpad))]
     for k, n in enumerate(variants):
@@ -274,7 +274,7 @@ def body(c: Ctx) -> list[tuple[str, str]]:
         cond = fn.andi(fn.cmp("sle", need, n), h.fits) if k < len(variants) - 1 else h.fits
         paths += [(fn.andi(cond, h.any_left), lambda h=h: _groups_path(c, main, h, True)),
                   (cond, lambda h=h: _groups_path(c, main, h, False))]
-    padded = dataclasses.replace(c, limit=fn.assume_div(fn.round_up(c.sk, p.cols), p.cols))
+    padded = _to_pages(c)
     one = _groups_host(padded, main, 1)
     paths += [(one.any_left, lambda: _padded_path(padded, main, one, True)),
               (None, lambda: _padded_path(padded, main, one, False))]
@@ -290,6 +290,12 @@ def body(c: Ctx) -> list[tuple[str, str]]:
 
     names = chain(0)
     return list(zip(names, types))
+
+
+def _to_pages(c: Ctx) -> Ctx:
+    """``c`` with ``limit`` at Sk rounded up to whole ``Plan.cols`` columns (the keys of the
+    padded copies that the banded and padded paths read)."""
+    return dataclasses.replace(c, limit=c.fn.assume_div(c.fn.round_up(c.sk, c.p.cols), c.p.cols))
 
 
 def _window_paths(c: Ctx, few: str) -> list:
@@ -361,7 +367,8 @@ def _groups_work(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
 
 def _padded_path(c: Ctx, tier: Tier, h: _Groups, left: bool) -> list[str]:
     """``_groups_path`` over copies of K and V zero-padded to ``c.limit`` keys (so that every edge
-    window can be read); the copies are transients of this path."""
+    window can be read); the copies are returned where the plan has ``kv_slots``, else they are
+    transients of this path."""
     c, entered = kv_copied(*_entered(c))
     return _finish(c, entered, _groups_work(c, tier, h, left))
 
@@ -370,7 +377,7 @@ def _banded_path(c: Ctx, tier: Tier, h: Banded) -> list[str]:
     """The whole call as ``kernels.banded``'s ops over the groups' key pages (over copies of K and
     V where ``c.limit`` is more than Sk)."""
     c, entered = _entered(c)
-    if c.limit != c.sk:
+    if h.padded:
         c, entered = kv_copied(c, entered)
     fn, p = c.fn, c.p
     mask = band_mask(c, h)
