@@ -159,8 +159,8 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``); those one-call entry points take a caller-owned
     workspace for their intermediates (``mlir_templates.dense._dense_common``). ``fused_step=True`` on
     the CPU builds the GPU formulation for llvm-cpu, so its numerics can be tested where CI runs.
-    CUDA and gfx9 modules (and those CPU builds) also get ``fwd`` (``kernels.general``: any lengths
-    and mask, ``fwd_plan``; RDNA modules do not);
+    GPU modules (and those CPU builds) also get ``fwd`` (``kernels.general``: any lengths and
+    mask, ``fwd_plan``; RDNA ones below Dv 256);
     ``with_fwd=False`` leaves it out (tests of the other entry points, which it would only slow
     to compile), ``with_ragged=False`` leaves out ``fwd_ragged`` (``kernels.ragged``) beside it."""
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
@@ -231,23 +231,24 @@ def _short_lowering(spec: KernelSpec, main: dict) -> dict:
 
 def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     """The ``fwd`` entry point's plan (``kernels.general``): any lengths and mask in one call, or
-    None where the module has none (CPU torch modules; RDNA targets, see below; lowerings IREE
-    picks itself, whose dynamic shapes get IREE's slow fallback config; lowerings that split Dv
+    None where the module has none (CPU torch modules; RDNA at Dv >= 256,
+    ``mlir_templates.lowering.rdna_fwd_lowering``;
+    lowerings IREE picks itself, whose dynamic shapes get IREE's slow fallback config; lowerings that split Dv
     across workgroups). llvm-cpu builds of it (tests) unroll at most 4 groups to keep their
     compile short."""
     from .kernels.general import Plan, Tier
 
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
-    if not fused or spec.target.family == "rdna":
-        # RDNA (wave32): the masked edge ops of the d128 kernels spill 1-39 VGPRs to scratch on
-        # gfx1201 and SGPRs on gfx1100 (iree-compile 3.13, 2026-12-02); those modules keep the
-        # plan for the shapes fwd would serve. gfx9 compiles without spills since every dispatch
-        # reads its sizes as 32-bit values (kernels.ir.Fn.bounded; 35 push constants were 20)
+    if not fused:
         return None
     cpu = spec.target.backend == "llvm-cpu"
     arg_dims = (spec.dq, spec.dv)
     spec = _padded_heads(spec)
     main = {"backend": "cpu", "workgroup_m": 64, "reduction_k2": 32, "workgroup_n": spec.dv} if cpu else gpu_lowering(spec)
+    if main is not None and spec.target.family == "rdna":
+        from .mlir_templates import rdna_fwd_lowering
+
+        main = rdna_fwd_lowering(main, arch=spec.target.arch, dtype=spec.dtype, dv=spec.dv)
     if main is None or int(main.get("workgroup_n", spec.dv)) != spec.dv:
         return None
     main = {k: v for k, v in main.items() if k != "transpose_v"}

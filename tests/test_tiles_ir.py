@@ -102,3 +102,33 @@ def test_window_reads_blocks_in_place():
     assert len(transposes) == 1 and len(rest) == 3, names  # the transpose and the merge's two passes
     i = out.index(f"_{transposes[0]}(")
     assert "workgroup_size = [4, 32, 1]" in out[i:i + 4000], "the transpose lost its tiles"
+
+
+def _fwd_ops(text: str):
+    """(workgroup rows, workgroup size, subgroups along Dv, has a mask) of each attention op of
+    ``fwd`` in rendered module text."""
+    import re
+
+    body = text[text.index("@fwd("):]
+    body = body[:body.index("\n  func.func", 1)] if "\n  func.func" in body[1:] else body
+    for op in body.split("iree_linalg_ext.online_attention")[1:]:
+        op = op[:op.index("^bb0")]
+        wg = [int(x) for x in re.search(r"workgroup = \[([^\]]*)\]", op).group(1).split(",")]
+        size = int(re.search(r"workgroup_size = \[(\d+)", op).group(1))
+        basis = re.search(r"subgroup_basis = \[\[([^\]]*)\]", op).group(1).split(",")
+        ins = re.search(r"ins\([^:]*:([^)]*)\)", op).group(1)
+        yield wg[-4] if wg[-1] else wg[-5], size, int(basis[-1]), bool(re.search(r"xi(1|8)>", ins))
+
+
+@pytest.mark.parametrize("arch,rows,all_split", [("gfx1201", 64, False), ("gfx1100", 32, True)])
+def test_rdna_fwd_splits_dv_in_masked_ops(arch, rows, all_split):
+    """RDNA modules carry ``fwd``; its masked ops (and on gfx1100 d128 all its ops, whose default
+    tile would split Dv across workgroups) run two subgroups along Dv in one workgroup (the layout
+    that compiled without VGPR spills, ``mlir_templates.lowering.rdna_fwd_lowering``); the rest keep one."""
+    t = Target.from_name(arch)
+    spec = KernelSpec("f16", "bhsd", 1, 128, 128, default_tiles(t.family, 128, 128, t.arch, "f16"), t)
+    ops = [o for o in _fwd_ops(source_mlir(spec, with_ragged=False)) if o[0] == rows]
+    assert any(m for *_, m in ops) and not all(m for *_, m in ops), ops
+    for _, size, split, masked in ops:
+        want = 2 if (masked or all_split) else 1
+        assert (split, size) == (want, 32 * rows // 16 * want), (arch, masked, split, size)

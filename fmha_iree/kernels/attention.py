@@ -27,9 +27,13 @@ class Operand:
     dims: tuple[str, ...]
 
 
-def lowering_attrs(lowering, *, dv: int, batch_dims: int, k2o: bool = False) -> tuple[str, str]:
+def lowering_attrs(lowering, *, dv: int, batch_dims: int, k2o: bool = False, masked: bool = False) -> tuple[str, str]:
     """(properties, attributes) for the op; ("", "") lets IREE choose. The tile sizes are checked
-    against a whole tile (the sizes themselves are runtime values the caller proves divisible)."""
+    against a whole tile (the sizes themselves are runtime values the caller proves divisible).
+    A GPU lowering's ``masked`` entry (a dict) overrides its fields for ops with a mask operand:
+    the same workgroup rows, another subgroup layout (``fwd_plan`` on wave32 targets)."""
+    if isinstance(lowering, dict) and "masked" in lowering:
+        lowering = {**{k: v for k, v in lowering.items() if k != "masked"}, **(lowering["masked"] if masked else {})}
     return lowering_for_runtime_sizes(lowering, dv, batch_dims, k2o)
 
 
@@ -43,7 +47,7 @@ def online_attention(fn: Fn, *, q: Operand, k: Operand, v: Operand, scale: str, 
                      k2o: bool = False) -> list[str]:
     """Emit the op (``outs``: acc, max, sum as its initial state); returns its three results.
     ``k2o``: keys in two dims, ``k2o`` (outer, one per step) and ``k2``."""
-    props, attrs = lowering_attrs(lowering, dv=dv, batch_dims=nb, k2o=k2o)
+    props, attrs = lowering_attrs(lowering, dv=dv, batch_dims=nb, k2o=k2o, masked=mask is not None)
     _m = lambda dims: _map(dims, nb, k2o)  # noqa: E731
     maps = [_m(q.dims), _m(k.dims), _m(v.dims), _m(())]
     ins = [q.name, k.name, v.name, scale]

@@ -28,6 +28,8 @@ blocks.
                      needs 80 KB LDS and fails on gfx9's 64 KB)
     llvm_func_attrs  optional dict of LLVM function attributes (e.g. {"amdgpu-waves-per-eu": "2"})
     prefetch_stages  optional gpu_pipeline_options prefetch_num_stages
+    masked           optional dict of these fields for the ops with a mask operand (``fwd``'s
+                     kernels, ``kernels.attention.lowering_attrs``; ``rdna_fwd_lowering``)
 
 `lowering="cpu"` (or {"backend": "cpu", ...}) renders an llvm-cpu config that keeps N whole
 (distribution/vector tiles [1, M, 0, 0, 0] / [1, 1, 0, 0, 0]). Not required: with the fresh-outs
@@ -234,3 +236,31 @@ def lowering_for_runtime_sizes(lowering, dv: int, batch_dims: int = 1, k2o: bool
     m = int(lw.get("workgroup_m", 1))
     k2 = int(lw.get("reduction_k2", 1))
     return render_lowering_attrs(lw, m_total=m, dv=int(dv), c=k2, batch_dims=batch_dims, k2o=k2o)
+
+
+# ``fwd`` on wave32 RDNA, chosen by compiling it (with ``fwd_ragged`` / ``fwd_packed*``) for
+# gfx1100 and gfx1201 and reading the dumped ISA (iree-compile 3.13, 2026-12-04; no RDNA GPU to
+# time on; docs/BENCHMARKS.md, "fwd on RDNA"). With one subgroup per 16 rows holding all of Dv,
+# masked ops spilled VGPRs to scratch (gfx1201 d128: 1; gfx1100 d128: up to 67); with two subgroups
+# splitting Dv (each computes its rows' scores, half of P V) they did not. Masked ops take that
+# layout everywhere; every op takes it where unmasked ones spilled too: (arch, dtype or "*", Dv)
+# -> the tiles used there (gfx1100's d128 default tile splits Dv across workgroups, which fwd
+# cannot do; 32-key steps spilled). Left spilling: gfx1100 d128 bshd, 1-51 VGPRs in its masked
+# ops with every layout tried (docs/tried.md); it keeps fwd, the plan being far slower.
+_RDNA_SPLIT_ALL = {("gfx1100", "*", 128): {"workgroup_m": 32, "subgroups_m": 2, "reduction_k2": 64},
+                   ("gfx1100", "*", 64): {}, ("gfx1201", "bf16", 128): {}}
+
+
+def rdna_fwd_lowering(main: dict, *, arch: str, dtype: str, dv: int) -> dict | None:
+    """The main tier of ``fwd`` (``source.fwd_plan``) on RDNA from the module's ``main`` lowering:
+    two subgroups along Dv for masked ops, or for all ops with the tiles of ``_RDNA_SPLIT_ALL``.
+    None where the tile splits Dv otherwise, or at Dv >= 256 (IREE 3.13 chooses those lowerings
+    itself)."""
+    tiles = _RDNA_SPLIT_ALL.get((arch, dtype, dv), _RDNA_SPLIT_ALL.get((arch, "*", dv)))
+    if tiles is not None:
+        main = {**main, **tiles, "workgroup_n": dv}
+    if dv >= 256 or int(main.get("workgroup_n", dv)) != dv:
+        return None
+    sg, sgm = int(main["subgroup_size"]), int(main["subgroups_m"])
+    two = {"subgroups_n": 2, "workgroup_size": 2 * sg * sgm}
+    return {**main, **two} if tiles is not None else {**main, "workgroup_size": sg * sgm, "masked": two}
