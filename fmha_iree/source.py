@@ -232,9 +232,8 @@ def _short_lowering(spec: KernelSpec, main: dict) -> dict:
 def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     """The ``fwd`` entry point's plan (``kernels.general``): any lengths and mask in one call, or
     None where the module has none (CPU torch modules; RDNA at Dv >= 256,
-    ``mlir_templates.lowering.rdna_fwd_lowering``;
-    lowerings IREE picks itself, whose dynamic shapes get IREE's slow fallback config; lowerings that split Dv
-    across workgroups). llvm-cpu builds of it (tests) unroll at most 4 groups to keep their
+    ``mlir_templates.lowering.rdna_fwd_lowering``; lowerings IREE picks itself, whose dynamic
+    shapes get IREE's slow fallback config; lowerings that split Dv across workgroups). llvm-cpu builds of it (tests) unroll at most 4 groups to keep their
     compile short."""
     from .kernels.general import Plan, Tier
 

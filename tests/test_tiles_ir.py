@@ -117,7 +117,8 @@ def _fwd_ops(text: str):
         size = int(re.search(r"workgroup_size = \[(\d+)", op).group(1))
         basis = re.search(r"subgroup_basis = \[\[([^\]]*)\]", op).group(1).split(",")
         ins = re.search(r"ins\([^:]*:([^)]*)\)", op).group(1)
-        yield wg[-4] if wg[-1] else wg[-5], size, int(basis[-1]), bool(re.search(r"xi(1|8)>", ins))
+        # workgroup = [1 per batch dim, M, 0 per reduction dim (two key dims over pages), N]
+        yield max(wg[:-1]), size, int(basis[-1]), bool(re.search(r"xi(1|8)>", ins))
 
 
 @pytest.mark.parametrize("arch,rows,all_split", [("gfx1201", 64, False), ("gfx1100", 32, True)])

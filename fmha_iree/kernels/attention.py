@@ -33,7 +33,8 @@ def lowering_attrs(lowering, *, dv: int, batch_dims: int, k2o: bool = False, mas
     A GPU lowering's ``masked`` entry (a dict) overrides its fields for ops with a mask operand:
     the same workgroup rows, another subgroup layout (``fwd_plan`` on wave32 targets)."""
     if isinstance(lowering, dict) and "masked" in lowering:
-        lowering = {**{k: v for k, v in lowering.items() if k != "masked"}, **(lowering["masked"] if masked else {})}
+        base = {k: v for k, v in lowering.items() if k != "masked"}
+        lowering = {**base, **lowering["masked"]} if masked else base
     return lowering_for_runtime_sizes(lowering, dv, batch_dims, k2o)
 
 

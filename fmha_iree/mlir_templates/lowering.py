@@ -254,13 +254,13 @@ _RDNA_SPLIT_ALL = {("gfx1100", "*", 128): {"workgroup_m": 32, "subgroups_m": 2, 
 def rdna_fwd_lowering(main: dict, *, arch: str, dtype: str, dv: int) -> dict | None:
     """The main tier of ``fwd`` (``source.fwd_plan``) on RDNA from the module's ``main`` lowering:
     two subgroups along Dv for masked ops, or for all ops with the tiles of ``_RDNA_SPLIT_ALL``.
-    None where the tile splits Dv otherwise, or at Dv >= 256 (IREE 3.13 chooses those lowerings
-    itself)."""
+    None at Dv >= 256, where no layout was found that compiles without spills (a ``main`` that
+    still splits Dv is refused by ``fwd_plan`` itself)."""
+    if dv >= 256:
+        return None
     tiles = _RDNA_SPLIT_ALL.get((arch, dtype, dv), _RDNA_SPLIT_ALL.get((arch, "*", dv)))
     if tiles is not None:
         main = {**main, **tiles, "workgroup_n": dv}
-    if dv >= 256 or int(main.get("workgroup_n", dv)) != dv:
-        return None
     sg, sgm = int(main["subgroup_size"]), int(main["subgroups_m"])
     two = {"subgroups_n": 2, "workgroup_size": 2 * sg * sgm}
     return {**main, **two} if tiles is not None else {**main, "workgroup_size": sg * sgm, "masked": two}
