@@ -19,7 +19,7 @@ import numpy as np
 from . import frames
 from .frames import has_ragged
 from .device import DeviceTensor, aligned_empty
-from .plan import Plan, Sequences, build_plan, runs, units_budget
+from .plan import Plan, Sequences, build_plan, runs, state_tiles, units_budget
 from .runtime import dense_entry
 from .paged import PagedCache
 from .spec import BatchProblem, Operand, check_varlen
@@ -64,7 +64,8 @@ def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_sh
              family: str):
     """Shared by batch and varlen mode and deployed modules: plan, run. Returns ABI arrays (numpy,
     or DeviceTensors for device-resident inputs)."""
-    plan: Plan = build_plan(seqs, p.mask, tiles, out_rows_shape, lse_rows_shape, units_budget(p.hq, tiles, family))
+    plan: Plan = build_plan(seqs, p.mask, tiles, out_rows_shape, lse_rows_shape, units_budget(p.hq, tiles, family),
+                            state_tiles(p.hq, p.dv, tiles, family))
     if plan.n_tiles == 0 or 0 in out_shape:
         return _empty_result(p, out_shape, lse_shape)
     out, lse = get_module().run(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.hk, plan,

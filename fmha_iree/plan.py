@@ -10,6 +10,12 @@ Units are launched in waves: a ``step`` call holds at most one unit per tile (wa
 scatter. A wave larger than ``max_units`` is split over several calls to bound the memory of one
 call's scores (``max_units * Hq * R * C`` floats).
 
+A ``step`` call returns the whole state it was given (its inputs are immutable), so a call costs a
+copy of that state besides its units. The tiles are therefore cut into blocks of at most
+``block_tiles`` (``state_tiles``), each block with a state of its own and its waves run one block
+after another: the copies grow with the block, not with the problem (without blocks, a problem
+twice as large made twice the calls, each copying twice the state).
+
 Only numpy is needed here.
 """
 
@@ -22,7 +28,7 @@ import numpy as np
 from .mask import Mask
 from .tiles import TileConfig
 
-__all__ = ["Sequences", "Plan", "build_plan", "units_budget", "runs"]
+__all__ = ["Sequences", "Plan", "Block", "build_plan", "units_budget", "state_tiles", "runs"]
 
 # Upper bound on one step call's score elements (Hq * R * C per unit).
 # CPU: 1 Mi floats = 4 MiB. The step's dispatches each pass over the whole call's scores, so they
@@ -43,9 +49,24 @@ def runs(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(np.arange(len(lens)), lens), np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
 
 
+# Upper bound on the bytes of one block's state (``Block``) on the CPU. Dev CPU (2 cores, f32 D=64
+# H8, causal S=2048, min of 2 calls, 2026-12-04, docs/BENCHMARKS.md), ms per batch entry at B=1 /
+# 8 / 16: one state for all tiles 208 / 267 / 770 (B=16: 274 calls, each copying 67 MB); blocks of
+# 4 MB 230 / 243 / 222, 16 MB 197 / 252 / 245, 64 MB 190 / 218 / 320.
+STATE_BUDGET = {"cpu": 16 << 20}
+
+
 def units_budget(hq: int, tiles: TileConfig, family: str = "cpu") -> int:
     budget = SCORE_BUDGET["cpu" if family == "cpu" else "gpu"]
     return max(1, budget // (hq * tiles.m0 * tiles.kv_chunk))
+
+
+def state_tiles(hq: int, dv: int, tiles: TileConfig, family: str = "cpu") -> int:
+    """Tiles per state block (0: one block). The GPU keeps one block: its state copies run at the
+    device's memory rate and its modules serve the plan only as a fallback."""
+    budget = STATE_BUDGET.get("cpu" if family == "cpu" else "gpu", 0)
+    per_tile = 4 * hq * tiles.m0 * (dv + 2)  # acc, max and sum of one tile, f32
+    return max(units_budget(hq, tiles, family), budget // per_tile) if budget else 0
 
 
 @dataclasses.dataclass
@@ -69,16 +90,31 @@ class Sequences:
 
 
 @dataclasses.dataclass
+class Block:
+    """Tiles ``[t0, t0 + n_tiles)`` with a state of their own: ``calls`` are ``[P, 10]`` int32
+    descriptor arrays, one per step call in order, their tile column relative to ``t0``."""
+
+    t0: int
+    n_tiles: int
+    calls: list
+
+
+@dataclasses.dataclass
 class Plan:
     n_tiles: int
-    calls: list  # [P, 10] int32 descriptor arrays, one per step call, in order
+    blocks: list  # Block, in order of their tiles
     out_map: np.ndarray  # [Bo, So] int32: state slot of each output row, -1 if none
     lse_map: np.ndarray  # [Bl, Sl] int32
     n_units: int
 
     @property
+    def calls(self) -> list:
+        """Every block's calls, in order."""
+        return [c for blk in self.blocks for c in blk.calls]
+
+    @property
     def n_calls(self) -> int:
-        return len(self.calls)
+        return sum(len(blk.calls) for blk in self.blocks)
 
 
 def _slots(seqs: Sequences, tile_base: np.ndarray, rows: int, starts: np.ndarray, shape) -> np.ndarray:
@@ -92,7 +128,10 @@ def _slots(seqs: Sequences, tile_base: np.ndarray, rows: int, starts: np.ndarray
     return out.astype(np.int32)
 
 
-def build_plan(seqs: Sequences, mask: Mask, tiles: TileConfig, out_shape, lse_shape, max_units: int) -> Plan:
+def build_plan(seqs: Sequences, mask: Mask, tiles: TileConfig, out_shape, lse_shape, max_units: int,
+               block_tiles: int = 0) -> Plan:
+    """The plan of ``seqs`` under ``mask``: calls of at most ``max_units`` units, in blocks of at
+    most ``block_tiles`` tiles (0: one block)."""
     R, C, n0 = tiles.m0, tiles.kv_chunk, tiles.n0
     q_len, k_len = seqs.q_len, seqs.k_len
     nt_seq = -(-q_len // R)
@@ -120,15 +159,26 @@ def build_plan(seqs: Sequences, mask: Mask, tiles: TileConfig, out_shape, lse_sh
         axis=1,
     ).astype(np.int32)
 
-    order = np.lexsort((u_tile, u_wave))
-    desc, u_wave = desc[order], u_wave[order]
-    calls = []
-    bounds = np.flatnonzero(np.diff(u_wave)) + 1
-    for wave in np.split(desc, bounds) if n_units else []:
-        for i in range(0, len(wave), max_units):
-            calls.append(np.ascontiguousarray(wave[i : i + max_units]))
+    span = block_tiles if 0 < block_tiles < n_tiles else max(n_tiles, 1)
+    blk = u_tile // span
+    order = np.lexsort((u_tile, u_wave, blk))  # by block, then wave, then tile
+    desc, u_wave, blk = desc[order], u_wave[order], blk[order]
+    desc[:, 0] -= (blk * span).astype(np.int32)
+    firsts = np.searchsorted(blk, np.arange(0, n_tiles, span) // span)
+    ends = np.append(firsts[1:], len(desc))
+    blocks = [Block(t0, min(span, n_tiles - t0), _calls(desc[a:b], u_wave[a:b], max_units))
+              for t0, a, b in zip(range(0, n_tiles, span), firsts, ends)]
 
     lse_start = seqs.q_start if seqs.lse_start is None else seqs.lse_start
     out_map = _slots(seqs, tile_base, R, seqs.q_start, out_shape)
     lse_map = _slots(seqs, tile_base, R, lse_start, lse_shape)
-    return Plan(n_tiles, calls, out_map, lse_map, n_units)
+    return Plan(n_tiles, blocks, out_map, lse_map, n_units)
+
+
+def _calls(desc: np.ndarray, u_wave: np.ndarray, max_units: int) -> list:
+    """One block's units (ordered by wave) as step calls: wave by wave, at most ``max_units`` each."""
+    calls = []
+    for wave in np.split(desc, np.flatnonzero(np.diff(u_wave)) + 1) if len(desc) else []:
+        for i in range(0, len(wave), max_units):
+            calls.append(np.ascontiguousarray(wave[i : i + max_units]))
+    return calls

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 from .device import DEVICES, DeviceTensor, exhausted, get_device, memory_errors
-from .plan import Plan
+from .plan import Block, Plan
 from .staging import UploadRing
 
 __all__ = ["dense_entry"]
@@ -223,18 +223,33 @@ class FmhaModule:
 
     def run(self, q, k, v, dtype: str, scale: float, hk: int, plan: Plan, *, keep_on_device: bool = False):
         """Execute ``plan``; q/k/v are ABI numpy arrays or DeviceTensors. Returns (out, lse) as numpy
-        arrays, or as DeviceTensors with ``keep_on_device``."""
-        i32 = lambda a: (DeviceTensor.from_host(a, "i32", self.device_uri).buffer_view(), None)  # noqa: E731
+        arrays, or as DeviceTensors with ``keep_on_device``. A plan of several state blocks runs
+        them one after another, each from a fresh state, and joins their states for ``finalize``
+        (on the host: such plans are the CPU's, ``plan.state_tiles``)."""
         with self._lock:
-            (acc, m, l), fence = self._call("init", [i32(np.zeros((plan.n_tiles, hk), np.int32))], 3)
-            if plan.calls:
-                qkv = [self._put(x, dtype) for x in (q, k, v)]
-                sd = (self._scale(float(scale)), None)
-            for desc in plan.calls:
-                (acc, m, l), fence = self._call("step", qkv + [sd, (acc, fence), (m, fence), (l, fence), i32(desc)], 3)
-            (out, lse), fence = self._call("finalize", [(acc, fence), (m, fence), (l, fence), i32(plan.out_map),
-                                                        i32(plan.lse_map)], 2)
+            qkv = [self._put(x, dtype) for x in (q, k, v)] if plan.n_calls else []
+            sd = (self._scale(float(scale)), None)
+            states = [self._run_block(qkv, sd, hk, blk) for blk in plan.blocks]
+            if len(states) == 1:
+                (acc, m, l), fence = states[0]
+                state = [(acc, fence), (m, fence), (l, fence)]
+            else:
+                parts = [[DeviceTensor.from_result(x, "f32", self.device_uri, fence).to_numpy() for x in st]
+                         for st, fence in states]
+                state = [(DeviceTensor.from_host(np.concatenate(xs), "f32", self.device_uri).buffer_view(), None)
+                         for xs in zip(*parts)]
+            (out, lse), fence = self._call("finalize", state + [self._i32(plan.out_map), self._i32(plan.lse_map)], 2)
             return self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
+
+    def _i32(self, a: np.ndarray):
+        return DeviceTensor.from_host(a, "i32", self.device_uri).buffer_view(), None
+
+    def _run_block(self, qkv: list, sd, hk: int, blk: Block):
+        """One state block of a plan: ``init`` and its ``step`` calls. Returns ((acc, m, l), fence)."""
+        (acc, m, l), fence = self._call("init", [self._i32(np.zeros((blk.n_tiles, hk), np.int32))], 3)
+        for desc in blk.calls:
+            (acc, m, l), fence = self._call("step", qkv + [sd, (acc, fence), (m, fence), (l, fence), self._i32(desc)], 3)
+        return (acc, m, l), fence
 
     def dense_entry(self, sq: int, sk: int, causal: bool, with_lse: bool, batch: int | None = None,
                     kv_heads: int | None = None, window: int | None = None) -> str | None:

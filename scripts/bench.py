@@ -48,7 +48,9 @@ def presets(name):
         return [_row(4, 32, 8, 1, 64, "b", "f32", Sk=4096, label="decode"),
                 _row(1, 8, 8, 256, 64, "b", "f32", Sk=2048, label="chunked prefill"),
                 _row(1, 8, 8, 1000, 64, "b", "f32", label="S=1000 causal"),
-                *(_row(1, 8, 8, s, 64, m, "f32", label="generic") for s in (1024, 4096) for m in ("0", "b"))]
+                *(_row(1, 8, 8, s, 64, m, "f32", label="generic") for s in (1024, 4096) for m in ("0", "b")),
+                # batches through the tile plan (its state in blocks since 2026-12-04)
+                *(_row(b, 8, 8, 2048, 64, "b", "f32", label="batch") for b in (8, 16))]
     if name == "general":
         # the H200 table of that issue, then the square rows (unmasked and causal, f16 and bf16)
         g, c = "generic", "seqlens"

@@ -101,6 +101,19 @@ def test_mixed_lengths(name, lq, lk, mask):
     check_varlen(q, k, v, starts(lq), starts(lk), mask=mask, what=f"{name} mask={mask}")
 
 
+
+@pytest.mark.parametrize("mask", ["b", "t:3,5", "0"])
+def test_plan_in_state_blocks(monkeypatch, mask):
+    """Sequences through the tile plan with its state cut into blocks of 8 tiles (the smallest the
+    budget allows at 8 query heads, ``plan.state_tiles``) equal the float64 reference; the
+    sequences' 16 tiles make two blocks."""
+    from fmha_iree import plan as plan_mod
+
+    monkeypatch.setitem(plan_mod.STATE_BUDGET, "cpu", 1)
+    lq, lk = [600, 130, 1, 0, 900, 70], [600, 200, 5, 3, 850, 70]
+    q, k, v = packed(seed_of("varlen-blocks", mask), sum(lq), sum(lk), Hq=8, Hk=4)
+    check_varlen(q, k, v, starts(lq), starts(lk), mask=mask, what=f"blocks mask={mask}")
+
 def test_many_length_one_sequences():
     """40 sequences of 1 query each, key counts 1..40; 'b' lets each query see all its keys,
     't' only its first key."""

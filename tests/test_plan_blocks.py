@@ -1,0 +1,68 @@
+"""The tile plan's state blocks (``plan.Block``): a plan cut into blocks of tiles, each block run
+from its own state and the states joined for ``finalize``, gives the whole problem's results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fmha_iree
+from fmha_iree import plan as plan_mod
+from fmha_iree.mask import Mask
+from fmha_iree.plan import Sequences, build_plan, state_tiles, units_budget
+from common import MAIN, check_fwd
+from reference import make_qkv, seed_of
+
+CPU_TILES = fmha_iree.TileConfig(m0=128, n0=128, k0=32, n1=64, k1=32, kv_chunk=128)
+
+
+def _units(p) -> list[tuple]:
+    """Every unit of a plan as (absolute tile, other descriptor columns), sorted."""
+    rows = [(int(d[0]) + blk.t0, *map(int, d[1:])) for blk in p.blocks for c in blk.calls for d in c]
+    return sorted(rows)
+
+
+@pytest.mark.parametrize("block", [1, 3, 4, 100])
+@pytest.mark.parametrize("mask", ["0", "b", "t:40,300"])
+def test_blocks_hold_the_same_units(block, mask):
+    """Blocks partition the tiles; each holds exactly its tiles' units, relative to its first
+    tile, with every call within the unit budget and no tile twice in a call."""
+    seqs = Sequences.batch(np.array([700, 1, 300]), np.array([650, 900, 300]))
+    m = Mask.from_str(mask)
+    whole = build_plan(seqs, m, CPU_TILES, (3, 700), (3, 700), 5)
+    cut = build_plan(seqs, m, CPU_TILES, (3, 700), (3, 700), 5, block)
+    assert len(whole.blocks) == 1 and whole.n_units > 0
+    assert [b.t0 for b in cut.blocks] == list(range(0, cut.n_tiles, min(block, cut.n_tiles)))
+    assert sum(b.n_tiles for b in cut.blocks) == cut.n_tiles == whole.n_tiles
+    assert _units(cut) == _units(whole)
+    for blk in cut.blocks:
+        for call in blk.calls:
+            assert 0 < len(call) <= 5
+            assert len(set(call[:, 0])) == len(call)
+            assert ((call[:, 0] >= 0) & (call[:, 0] < blk.n_tiles)).all()
+
+
+def test_state_tiles_budget():
+    """Blocks hold at least one call's units; the GPU keeps one block."""
+    assert state_tiles(8, 64, CPU_TILES, "cpu") == (16 << 20) // (4 * 8 * 128 * 66)
+    assert state_tiles(64, 64, CPU_TILES, "cpu") >= units_budget(64, CPU_TILES, "cpu")
+    assert state_tiles(8, 64, CPU_TILES, "cuda") == 0
+
+
+CASES = [  # (id, B, Sq, Sk, mask): 8 heads, so blocks of 8 tiles (one call's units) at the smallest budget
+    ("square-causal", 3, 600, 600, "b"),
+    ("square-none", 3, 600, 600, None),
+    ("q-shorter-window", 3, 300, 700, "b:100,0"),
+    ("q-longer-top-left", 2, 900, 400, "t"),
+]
+
+
+@pytest.mark.parametrize("name,B,sq,sk,mask", CASES, ids=[c[0] for c in CASES])
+def test_batch_mode_in_blocks(monkeypatch, name, B, sq, sk, mask):
+    """Batch mode through the plan with the smallest blocks equals the float64 reference."""
+    monkeypatch.setitem(plan_mod.STATE_BUDGET, "cpu", 1)
+    hq = 8
+    assert state_tiles(hq, 64, CPU_TILES, "cpu") == 8
+    assert B * -(-sq // 128) > 8, "the case must make several blocks"
+    q, k, v = make_qkv(seed_of("plan-blocks", name), B=B, Hq=hq, Sq=sq, Sk=sk, dtype=MAIN["dtype"])
+    check_fwd(q, k, v, mask=mask, what=name)
