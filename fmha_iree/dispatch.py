@@ -80,6 +80,12 @@ def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_sh
 # 94 vs 49 (every key of every row is scored, no block is skipped).
 ROWS_MAX_ROWS = 128
 ROWS_MAX_SCORES = 1 << 25  # 128 MiB of f32 scores (and as much for their exponentials)
+# Group mode's short sequences take ``rows_packed`` up to this many query rows per KV head (max
+# qlen * G), ``rows_kpad`` above. Dev CPU (f32 D64, 32 sequences, 2026-12-04, docs/BENCHMARKS.md),
+# rows_packed / rows_kpad ms: keys 256..4096 Hq32 Hk8, 4 rows 83 / 854, 16 rows 357 / 1034, 64
+# rows 1082 / 1217, 128 rows 1712 / 1427; H8, 16 rows and keys 64..512 67 / 76, 64 rows and 64
+# keys 46 / 33 (rows_packed reduces each score over the head dim; rows_kpad runs IREE's matmuls).
+PACKED_MAX_ROWS = 16
 
 
 def rows_fit(p: BatchProblem, module) -> bool:
@@ -274,16 +280,23 @@ def short_sequences(p: BatchProblem, q_len: np.ndarray, k_len: np.ndarray) -> li
 
 
 def _rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarray, lse: np.ndarray):
-    """Run the sequences ``group`` of a group-mode problem in one ``rows_kpad`` call: gathered
-    into a batch padded to their longest (rows past a sequence's lengths are masked, never read
-    into the output), written back into the packed ``out`` ``[Tq, Hq, Dv]`` and ``lse`` ``[Hq, total]``."""
+    """Run the sequences ``group`` of a group-mode problem in one call, written back into the
+    packed ``out`` ``[Tq, Hq, Dv]`` and ``lse`` ``[Hq, total]``: ``rows_packed`` where the module has
+    it and the queries are few (``PACKED_MAX_ROWS``; K / V read where they lie), else
+    ``rows_kpad`` on copies gathered into a batch padded to their longest (rows past a sequence's
+    lengths are masked, never read into the output)."""
     q_start, q_len, k_start, k_len, lse_start, _ = (x[group] if isinstance(x, np.ndarray) else x for x in starts)
     mq, mk = int(q_len.max()), int(k_len.max())
-    qi = np.minimum(q_start[:, None] + np.arange(mq), p.sq - 1)
-    ki = np.minimum(k_start[:, None] + np.arange(mk), p.sk - 1)
-    q, k, v = (np.take(x.array[0], idx, axis=0, out=aligned_empty(idx.shape + x.array.shape[2:], x.array.dtype))
-               for x, idx in ((p.q, qi), (p.k, ki), (p.v, ki)))  # [n, S, H, D], bshd, read in place
-    o, l = module.run_rows(q, k, v, p.q.dtype, p.scale, frames.descriptors(p.mask, q_len, k_len), padded_keys=True)
+    desc = frames.descriptors(p.mask, q_len, k_len)
+    if getattr(module, "has_rows_packed", False) and mq * (p.hq // p.hk) <= PACKED_MAX_ROWS:
+        packed = np.concatenate([np.stack([q_start, q_len, k_start, k_len], 1), desc[:, 2:]], 1).astype(np.int32)
+        o, l = module.run_rows_packed(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, packed, mq, mk)
+    else:
+        qi = np.minimum(q_start[:, None] + np.arange(mq), p.sq - 1)
+        ki = np.minimum(k_start[:, None] + np.arange(mk), p.sk - 1)
+        q, k, v = (np.take(x.array[0], idx, axis=0, out=aligned_empty(idx.shape + x.array.shape[2:], x.array.dtype))
+                   for x, idx in ((p.q, qi), (p.k, ki), (p.v, ki)))  # [n, S, H, D], bshd, read in place
+        o, l = module.run_rows(q, k, v, p.q.dtype, p.scale, desc, padded_keys=True)
     rows, rel = runs(q_len)
     out[q_start[rows] + rel] = o[rows, rel]
     lse[:, lse_start[rows] + rel] = l[rows, :, rel].T

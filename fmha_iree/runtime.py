@@ -318,6 +318,24 @@ class FmhaModule:
             (out, lse), fence = self._call("rows_kpad" if padded_keys else "rows", args, 2)
             return self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
 
+    @property
+    def has_rows_packed(self) -> bool:
+        """Whether the module has ``rows_packed`` (CPU modules of the bshd layout: short queries of
+        packed sequences, ``mlir_templates.rows_packed``)."""
+        return "rows_packed" in self._fns
+
+    def run_rows_packed(self, q, k, v, dtype: str, scale: float, desc: np.ndarray, mq: int, mk: int):
+        """One ``rows_packed`` call on packed ``q`` ``[1, Tq, Hq, Dq]`` and ``k`` / ``v``: ``desc``
+        int32 ``[n, 6]`` (q_start, qlen, k_start, klen, y, x) per sequence, ``mq`` / ``mk`` at
+        least its longest qlen / klen. Returns numpy (out ``[n, mq, Hq, Dv]``, lse ``[n, Hq, mq]``)."""
+        with self._lock:
+            args = [self._put(x, dtype) for x in (q, k, v)]
+            args += [(self._scale(float(scale)), None),
+                     (DeviceTensor.from_host(np.ascontiguousarray(desc, np.int32), "i32", self.device_uri).buffer_view(),
+                      None)]
+            (out, lse), fence = self._call("rows_packed", args, 2, scalars=(int(mq), int(mk)))
+            return self._result(out, fence, dtype, False), self._result(lse, fence, "f32", False)
+
     def call(self, fn: str, tensors, *, staged=(), scalars: tuple = (), results=(), keep_on_device: bool = False) -> list:
         """One call of the exported ``fn``: ``tensors`` as (array or DeviceTensor, dtype) pairs,
         then the int32 arrays ``staged`` (uploaded through the module's ``staging.UploadRing``:

@@ -168,7 +168,7 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
                                spec.seqlens, spec.batch, spec.kv_heads)
     text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
     if not fused:
-        return text
+        return _with_funcs(text, _cpu_packed(spec))
     from .mlir_templates import (render_causal, render_causal_tree, render_dense, render_dense_out, render_online_step,
                                  render_window)
 
@@ -203,9 +203,26 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
                 funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed"))
                 funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed_paged", "gathered"))
                 funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed_pages", "pages"))
+    return _with_funcs(text, funcs)
+
+
+def _with_funcs(text: str, funcs: list[str]) -> str:
+    """The exported module ``text`` with the rendered functions ``funcs`` added."""
+    if not funcs:
+        return text
     text = text.rstrip()
     assert text.endswith("}"), "unexpected exported module text"
     return text[:-1] + "\n".join(funcs) + "\n}\n"
+
+
+def _cpu_packed(spec: KernelSpec) -> list[str]:
+    """A CPU module in group mode's layout (bshd) also gets ``rows_packed`` (short queries of
+    packed sequences, K / V read in place; ``mlir_templates.rows_packed``)."""
+    if spec.layout != "bshd":
+        return []
+    from .mlir_templates.rows_packed import render_rows_packed
+
+    return [render_rows_packed(func_name="rows_packed", dtype=spec.dtype, group=spec.group, dq=spec.dq, dv=spec.dv)]
 
 
 # Workgroups that fill the GPU of each target (its SMs / CUs): ``fwd`` grows its groups of rows

@@ -1,21 +1,23 @@
-"""MLIR templates for the GPU entry points, one file per kernel variant, rendered from
-``fmha_iree/mlir/*.mlir.in`` or generated (see ``lowering.py`` for the lowering configs they
-carry):
+"""MLIR templates for the GPU entry points and the CPU's ``rows_packed``, one file per kernel
+variant, rendered from ``fmha_iree/mlir/*.mlir.in`` or generated (see ``lowering.py`` for the
+lowering configs they carry):
 
 - ``step.py``: the plan's ``step`` (one fused ``online_attention`` per wave)
 - ``dense.py``: ``dense``, ``dense_o_s<S>`` / ``causal_o_s<S>`` and the two-block ``causal``
 - ``causal_tree.py``: ``causal_s<S>``, causal at a compiled-in length as a tree of dense blocks
 - ``window.py``: ``window_s<S>``, a sliding window at a compiled-in length
 - ``ops.py`` / ``copies.py``: the attention ops, copies and views those share
+- ``rows_packed.py``: the CPU's short queries of packed sequences, K / V read in place
 """
 
 from .causal_tree import render_causal_tree
 from .dense import TRANSPOSE_V_MIN_SEQLEN, render_causal, render_dense, render_dense_out
 from .lowering import default_lowering, rdna_fwd_lowering, render_lowering_attrs
 from .ops import diag_lowering
+from .rows_packed import render_rows_packed
 from .step import render_online_step
 from .window import render_window, window_block
 
 __all__ = ["render_online_step", "render_dense", "render_dense_out", "render_causal", "render_causal_tree",
            "render_window", "window_block", "diag_lowering", "default_lowering", "rdna_fwd_lowering", "render_lowering_attrs",
-           "TRANSPOSE_V_MIN_SEQLEN"]
+           "TRANSPOSE_V_MIN_SEQLEN", "render_rows_packed"]

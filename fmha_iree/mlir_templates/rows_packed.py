@@ -1,0 +1,95 @@
+"""``rows_packed``: the CPU's short queries of packed (group-mode) sequences, template
+``mlir/rows_packed.mlir.in``.
+
+Signature (``Dq``, ``Dv``, ``G`` static; bf16 crosses as i16 bit patterns, as in the CPU's torch
+graphs)::
+
+    rows_packed(q [1, Tq, Hq, Dq], k [1, Tk, Hk, Dq], v [1, Tk, Hk, Dv], scale[1] f32,
+                desc [n, 6] i32, mq: i64, mk: i64) -> (out [n, mq, Hq, Dv], lse [n, Hq, mq] f32)
+
+``desc[b]`` = (q_start, qlen, k_start, klen, y, x): sequence ``b``'s rows and keys in the packed
+tensors and CK's coordinates for its own lengths (row ``i`` sees key ``j`` iff ``i < qlen``,
+``j < klen`` and ``i - y + 1 <= j < i + x``); ``mq`` / ``mk`` at least every qlen / klen, both
+lengths >= 1. Rows past qlen are padding the caller drops. The keys are read where they lie (a
+key index past klen reads the sequence's last key, its weight 0), so the call copies nothing the
+size of K or V; ``rows`` / ``rows_kpad`` need the sequences gathered into a padded batch first
+(dev CPU, B32 decode: 425 ms of host gathers in a 940 ms call, 2026-12-04, docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from .lowering import _load
+
+__all__ = ["render_rows_packed", "ROWS_PACKED_DESC_COLUMNS"]
+
+ROWS_PACKED_DESC_COLUMNS = ("q_start", "qlen", "k_start", "klen", "y", "x")
+
+# storage type at the ABI (bf16 as i16 bit patterns) per dtype
+_STORAGE = {"f32": "f32", "f16": "f16", "bf16": "i16"}
+
+
+def _to_f32(dtype: str) -> str:
+    """Region lines turning the extracted ``%x`` (storage type) into ``%xf`` (f32)."""
+    if dtype == "f32":
+        return "    %xf = arith.addf %x, %zero : f32"
+    if dtype == "f16":
+        return "    %xf = arith.extf %x : f16 to f32"
+    return "    %xb = arith.bitcast %x : i16 to bf16\n    %xf = arith.extf %xb : bf16 to f32"
+
+
+def _from_f32(dtype: str) -> str:
+    """Region lines yielding ``%y`` (f32) in the storage type."""
+    if dtype == "f32":
+        return "    linalg.yield %y : f32"
+    if dtype == "f16":
+        return "    %yt = arith.truncf %y : f32 to f16\n    linalg.yield %yt : f16"
+    return "    %yb = arith.truncf %y : f32 to bf16\n    %yi = arith.bitcast %yb : bf16 to i16\n    linalg.yield %yi : i16"
+
+
+def _scores_config(dist: tuple[int, int], vec: int) -> str:
+    """The scores op's CPU lowering: workgroups of ``dist`` (rows, keys), the head dim reduced in
+    vectors of ``vec`` (contiguous loads of each key row)."""
+    return ("compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
+            f"distribution = [{dist[0]}, {dist[1]}, 0], vector_common_parallel = [1, 1, 0], "
+            f"vector_reduction = [0, 0, {vec}]>, translation_info = #iree_codegen.translation_info<"
+            "pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>, ")
+
+
+def _pv_config(group: int, dv: int, vec: int) -> str:
+    """The P V op's CPU lowering: up to 4 of one KV head's ``group`` rows by ``vec`` of Dv per
+    vector tile (each V row loaded once for them), keys one at a time."""
+    g = _divisor(group, 4)
+    return ("compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
+            f"distribution = [1, {PV_ROWS}, {group}, {dv}, 0], vector_common_parallel = [1, 1, {g}, {vec}, 0], "
+            "vector_reduction = [0, 0, 0, 0, 1]>, translation_info = #iree_codegen.translation_info<"
+            "pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>, ")
+
+
+def _divisor(n: int, most: int) -> int:
+    """The largest power of two up to ``most`` dividing ``n``."""
+    d = 1
+    while d * 2 <= most and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+# Tiles of the two ops that read K / V, chosen on the dev CPU (2 cores, AVX2; f32 D64 Hq32 Hk8,
+# 32 sequences of one query and 256..4096 keys, 2026-12-04, docs/BENCHMARKS.md): IREE's own
+# configs vectorized the scores across keys (a gather of K rows) and walked all keys once per 8
+# columns of Dv in P V (about 330 ms a call); these read each key row whole (about 180 ms, both
+# timed while the CI suite shared the cores).
+SCORES_TILES = (8, 256)
+PV_ROWS = 16
+
+
+def render_rows_packed(*, func_name: str, dtype: str, group: int, dq: int, dv: int,
+                       scores_tiles: tuple[int, int] = SCORES_TILES, vec: int = 16, pv_vec: int = 32) -> str:
+    """MLIR text of ``util.func public @func_name`` (the module docstring's signature)."""
+    if dtype not in _STORAGE:
+        raise ValueError(f"dtype: expected one of {sorted(_STORAGE)}, got {dtype!r}")
+    conv = _to_f32(dtype)
+    return _load("rows_packed.mlir.in").substitute(
+        func_name=func_name, G=int(group), DQ=int(dq), DV=int(dv), ST=_STORAGE[dtype],
+        scores_config=_scores_config(scores_tiles, _divisor(int(dq), vec)) if scores_tiles else "",
+        pv_config=_pv_config(int(group), int(dv), _divisor(int(dv), pv_vec)) if pv_vec else "",
+        q_to_f32=conv, k_to_f32=conv, v_to_f32=conv, out_from_f32=_from_f32(dtype))
