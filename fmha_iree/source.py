@@ -153,7 +153,8 @@ def _dense_lowering(spec: KernelSpec) -> dict | None:
 
 def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: bool = True,
                 with_ragged: bool = True) -> str:
-    """The module's input IR. CPU: the torch graph of ``graph.py``. GPU: its ``init``/``finalize``
+    """The module's input IR. CPU: the torch graph of ``graph.py`` (bshd ones with ``rows_packed``,
+    ``_cpu_packed``). GPU: its ``init``/``finalize``
     plus the ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the
     tile config) and, where ``dense_params`` allows, ``dense`` / ``causal``
     (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``); those one-call entry points take a caller-owned
