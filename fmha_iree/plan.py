@@ -108,11 +108,6 @@ class Plan:
     n_units: int
 
     @property
-    def calls(self) -> list:
-        """Every block's calls, in order."""
-        return [c for blk in self.blocks for c in blk.calls]
-
-    @property
     def n_calls(self) -> int:
         return sum(len(blk.calls) for blk in self.blocks)
 

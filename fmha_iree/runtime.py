@@ -242,6 +242,7 @@ class FmhaModule:
             return self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
 
     def _i32(self, a: np.ndarray):
+        """An int32 host array as a (buffer view, no fence) call argument."""
         return DeviceTensor.from_host(a, "i32", self.device_uri).buffer_view(), None
 
     def _run_block(self, qkv: list, sd, hk: int, blk: Block):
@@ -330,9 +331,7 @@ class FmhaModule:
         least its longest qlen / klen. Returns numpy (out ``[n, mq, Hq, Dv]``, lse ``[n, Hq, mq]``)."""
         with self._lock:
             args = [self._put(x, dtype) for x in (q, k, v)]
-            args += [(self._scale(float(scale)), None),
-                     (DeviceTensor.from_host(np.ascontiguousarray(desc, np.int32), "i32", self.device_uri).buffer_view(),
-                      None)]
+            args += [(self._scale(float(scale)), None), self._i32(np.ascontiguousarray(desc, np.int32))]
             (out, lse), fence = self._call("rows_packed", args, 2, scalars=(int(mq), int(mk)))
             return self._result(out, fence, dtype, False), self._result(lse, fence, "f32", False)
 

@@ -87,9 +87,8 @@ def render_rows_packed(*, func_name: str, dtype: str, group: int, dq: int, dv: i
     """MLIR text of ``util.func public @func_name`` (the module docstring's signature)."""
     if dtype not in _STORAGE:
         raise ValueError(f"dtype: expected one of {sorted(_STORAGE)}, got {dtype!r}")
-    conv = _to_f32(dtype)
     return _load("rows_packed.mlir.in").substitute(
         func_name=func_name, G=int(group), DQ=int(dq), DV=int(dv), ST=_STORAGE[dtype],
         scores_config=_scores_config(scores_tiles, _divisor(int(dq), vec)) if scores_tiles else "",
         pv_config=_pv_config(int(group), int(dv), _divisor(int(dv), pv_vec)) if pv_vec else "",
-        q_to_f32=conv, k_to_f32=conv, v_to_f32=conv, out_from_f32=_from_f32(dtype))
+        to_f32=_to_f32(dtype), out_from_f32=_from_f32(dtype))
