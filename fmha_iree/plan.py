@@ -31,14 +31,15 @@ from .tiles import TileConfig
 __all__ = ["Sequences", "Plan", "Block", "build_plan", "units_budget", "state_tiles", "runs"]
 
 # Upper bound on one step call's score elements (Hq * R * C per unit).
-# CPU: 1 Mi floats = 4 MiB. The step's dispatches each pass over the whole call's scores, so they
-# should stay cache-sized: on the 2-core dev CPU (f32, B=1, H=8, S=4096, D=64, 128x128 units,
-# 2026-11-29) 1 << 20 used ~2.1 s of CPU against ~4.0 s for 1 << 25 (32 units, 16 MiB of scores per
-# call); 1 << 21 was the same as 1 << 20, 1 << 19 and below slower (per-call overhead).
+# CPU: 4 Mi floats = 16 MiB (four units of H8 x 256 x 512). The step's dispatches each pass over
+# the whole call's scores, so they should stay cache-sized: on the 2-core dev CPU (f32, H=8, D=64,
+# 256x512 units, 2026-12-04, tiles._CPU's sweep) 8 Mi took 799 ms at S4096 unmasked against 376
+# for 4 Mi, and 1107 against 628 ms at B8 S2048 causal (with 128x128 units on 2026-11-29, 1 Mi
+# had been best).
 # GPU: the fused online_attention never materializes scores; the bound only caps the per-call
 # gathers and the i1 mask (256 Mi elements), and every call costs ~1 ms of host overhead (H200
 # profile, docs/BENCHMARKS.md), so calls are as large as that allows.
-SCORE_BUDGET = {"cpu": 1 << 20, "gpu": 1 << 28}
+SCORE_BUDGET = {"cpu": 1 << 22, "gpu": 1 << 28}
 
 
 def runs(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -71,11 +71,16 @@ def parse_tiles(text: str) -> TileConfig:
 
 
 # Defaults per target family and head dim.
-# CPU: work units of 128 rows x 128 keys. On this project's 2-core dev machine (f32, B=1, H=8,
-# S=1024, D=64; /tmp prototype, 2026-11-29) 128x128 took 54 ms unmasked / 28 ms causal, against
-# 121 / 56 ms for 64x64 and 69 / 40 ms for 128 rows x 256 keys: smaller units multiply launches,
-# larger ones coarsen the skipping of masked keys.
-_CPU = {d: TileConfig(128, 128, 32, 128, 32) for d in (32, 64, 96, 128, 192, 256)}
+# CPU: work units of 256 rows x 512 keys (with plan.SCORE_BUDGET's 4 Mi scores per step call).
+# Dev CPU, 2026-12-04 (2 cores, f32, H=8, D=64; a sweep outside the repository, min of 2-3 calls,
+# docs/bench/cpu_2026-12-04_tiles_sweep.txt), ms for 128x128 (1 Mi scores) / 256x256 / 256x512 /
+# 256x1024 (4 / 4 / 8 Mi): S1000 causal 35.9 / 26.8 / 22.7 / 55.6, S1024 unmasked 35.9 / 30.8 /
+# 25.2 / 54.2, S4096 unmasked 661 / 473 / 376 / 884, B8 S2048 causal 945 / 648 / 628 / 1434,
+# chunked prefill Sq256 Sk2048 18.9 / 21.4 / 17.4 / 15.6. The step's time is its two matmuls
+# (about 60%, IREE's CPU codegen at 100-140 GFLOP/s on these shapes) and passes over its scores;
+# larger units cut the per-unit gathers and state merges. On 2026-11-29 (a slower host then)
+# 128x128 had beaten 64x64 and 128 x 256.
+_CPU = {d: TileConfig(256, 128, 32, 128, 32, kv_chunk=512) for d in (32, 64, 96, 128, 192, 256)}
 
 # CK's gfx9 fp16/bf16 table (reference doc "Tiles"), kept for the record (not a default). Through
 # IREE 3.13's VectorDistribute its kM0=128 / kN0=128 step does not fit: at d128 it asks for 96 KiB

@@ -10,6 +10,7 @@ import fmha_iree
 from fmha_iree import plan as plan_mod
 from fmha_iree.mask import Mask
 from fmha_iree.plan import Sequences, build_plan, state_tiles, units_budget
+from fmha_iree.tiles import default_tiles
 from common import MAIN, check_fwd
 from reference import make_qkv, seed_of
 
@@ -49,7 +50,7 @@ def test_state_tiles_budget():
     assert state_tiles(8, 64, CPU_TILES, "cuda") == 0
 
 
-CASES = [  # (id, B, Sq, Sk, mask): 8 heads, so blocks of 8 tiles (one call's units) at the smallest budget
+CASES = [  # (id, B, Sq, Sk, mask): at the smallest budget, blocks of one call's units
     ("square-causal", 3, 600, 600, "b"),
     ("square-none", 3, 600, 600, None),
     ("q-shorter-window", 3, 300, 700, "b:100,0"),
@@ -61,8 +62,9 @@ CASES = [  # (id, B, Sq, Sk, mask): 8 heads, so blocks of 8 tiles (one call's un
 def test_batch_mode_in_blocks(monkeypatch, name, B, sq, sk, mask):
     """Batch mode through the plan with the smallest blocks equals the float64 reference."""
     monkeypatch.setitem(plan_mod.STATE_BUDGET, "cpu", 1)
-    hq = 8
-    assert state_tiles(hq, 64, CPU_TILES, "cpu") == 8
-    assert B * -(-sq // 128) > 8, "the case must make several blocks"
+    hq, tiles = 8, default_tiles("cpu", 64, 64)  # the tiles check_fwd's module has
+    per_block = state_tiles(hq, 64, tiles, "cpu")
+    assert per_block == units_budget(hq, tiles, "cpu")
+    assert B * -(-sq // tiles.m0) > per_block, "the case must make several blocks"
     q, k, v = make_qkv(seed_of("plan-blocks", name), B=B, Hq=hq, Sq=sq, Sk=sk, dtype=MAIN["dtype"])
     check_fwd(q, k, v, mask=mask, what=name)
