@@ -73,17 +73,23 @@ def _divisor(n: int, most: int) -> int:
     return d
 
 
-# Tiles of the two ops that read K / V, chosen on the dev CPU (2 cores, AVX2; f32 D64 Hq32 Hk8,
-# 32 sequences of one query and 256..4096 keys, 2026-12-04, docs/BENCHMARKS.md): IREE's own
+# Tiles of the two ops that read K / V, chosen on the dev CPU (2 cores; f32 D64 Hq32 Hk8, 32
+# sequences of one query and 256..4096 keys, 2026-12-04, docs/BENCHMARKS.md): IREE's own
 # configs vectorized the scores across keys (a gather of K rows) and walked all keys once per 8
 # columns of Dv in P V (about 330 ms a call); these read each key row whole (about 180 ms, both
-# timed while the CI suite shared the cores).
+# timed while the CI suite shared the cores). The scores reduce the head dim in one vector of up
+# to SCORES_VEC (one horizontal sum per score; in vectors of 16, one per 16 elements): 28 -> 18 ms
+# of a 75 ms call (iree-benchmark-module with host-execution profiling, same day). The vector
+# dims are fixed by MLIR's tensor.extract vectorizer: a read is contiguous only along the op's
+# trailing loop dim, which IREE makes the reduction (keys in P V), so P V's V rows are gathered
+# element by element (docs/tried.md).
 SCORES_TILES = (8, 256)
+SCORES_VEC = 64
 PV_ROWS = 16
 
 
 def render_rows_packed(*, func_name: str, dtype: str, group: int, dq: int, dv: int,
-                       scores_tiles: tuple[int, int] = SCORES_TILES, vec: int = 16, pv_vec: int = 32) -> str:
+                       scores_tiles: tuple[int, int] = SCORES_TILES, vec: int = SCORES_VEC, pv_vec: int = 32) -> str:
     """MLIR text of ``util.func public @func_name`` (the module docstring's signature)."""
     if dtype not in _STORAGE:
         raise ValueError(f"dtype: expected one of {sorted(_STORAGE)}, got {dtype!r}")
