@@ -10,7 +10,8 @@ from .dispatch import Route, prepare, route as _route, run_batch, run_paged, run
 from .prepared import PreparedCalls, varlen_call_key
 from .runtime import FmhaModule
 from .paged import check_paged
-from .source import dense_abi, dense_params, entry_points
+from .entries import entry_points
+from .source import dense_abi, dense_params
 from .spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
 from .targets import resolve_device
 from .torch_gpu import TorchCall, torch_gpu

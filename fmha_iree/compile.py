@@ -17,7 +17,8 @@ import warnings
 from pathlib import Path
 
 from .cache import DiskCache, atomic_write, cache_root
-from .source import _iree_tiles, dense_abi, entry_points, native_exp2_default, source_mlir
+from .entries import entry_points
+from .source import _iree_tiles, dense_abi, native_exp2_default, source_mlir
 from .spec import KernelSpec
 
 __all__ = ["compile_flags", "compile_spec", "get_vmfb", "build_artifact", "cache_dir", "stats", "toolchain",

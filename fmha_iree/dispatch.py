@@ -209,8 +209,9 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
 def run_paged(q, cache: PagedCache, seqstart_q, seqstart_padded_q, *, mask, scale, return_lse: bool, modules, memo=None):
     """Group mode over a paged cache (a checked :class:`paged.PagedCache`); ``modules(p)`` gives
     (tiles, module getter, family) for the problem. A module with ragged frames gathers each
-    sequence's keys from its pages on the device; elsewhere they are gathered on the host into
-    packed K/V for :func:`run_varlen`. ``memo`` as there."""
+    sequence's keys from its pages on the device; a CPU module with ``rows_packed_pages`` reads the
+    pages in place when every sequence is short (:func:`_paged_groups`); elsewhere the keys are
+    gathered on the host into packed K/V for :func:`run_varlen`. ``memo`` as there."""
     batch = len(cache.lens)
     p, starts = check_varlen(q, cache.flat("k"), cache.flat("v"), seqstart_q, np.zeros(batch + 1, np.int64),
                              seqlen_k=None, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=None, mask=mask,
@@ -220,10 +221,16 @@ def run_paged(q, cache: PagedCache, seqstart_q, seqstart_padded_q, *, mask, scal
         raise TypeError("k_cache: CPU modules read a paged cache from host arrays (torch CPU tensors or numpy); "
                         "got a DeviceTensor")
     module = get_module() if p.sq and p.sk else None
+    starts = (*starts[:3], cache.lens, *starts[4:])
     if has_ragged(module, "bshd"):
-        starts = (*starts[:3], cache.lens, *starts[4:])
         pages = (frames.paged_bases(cache.block_table, cache.page_size, cache.lens), cache.page_size)
         return _frame_path(p, starts, module, pages, return_lse, memo)
+    groups = _paged_groups(p, starts, module)
+    if groups is not None:
+        out, lse = _empty_result(p, (p.sq, p.hq, p.dv), (p.hq, starts[-1]))
+        for group in groups:
+            _rows_group(p, module, group, starts, out, lse, cache)
+        return _returned(p, out, lse, return_lse)
     k, v, seqstart_k = cache.packed()
     p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=None, seqstart_padded_q=seqstart_padded_q,
                              seqstart_padded_k=None, mask=mask, scale=scale)
@@ -299,19 +306,39 @@ def _closes_group(n: int, keys: int, k_next: int) -> bool:
     return (n + 1) * k_next > PAD_LIMIT * (keys + k_next) and keys >= GROUP_KEYS
 
 
-def _rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarray, lse: np.ndarray):
+def _paged_groups(p: BatchProblem, starts, module) -> list[np.ndarray] | None:
+    """The ``rows_packed_pages`` calls of a group-mode problem over a paged cache on a CPU module
+    (:func:`short_sequences`' groups), or None where the module lacks it or a sequence with work
+    needs the tile plan (more than ``PACKED_MAX_ROWS`` query rows per KV head)."""
+    if not getattr(module, "has_rows_packed_pages", False) or p.q.on_device:
+        return None
+    q_len, k_len = starts[1], starts[3]
+    groups = short_sequences(p, q_len, k_len)
+    left = (q_len > 0) & (k_len > 0)
+    for group in groups:
+        left[group] = False
+    if left.any() or any(int(q_len[g].max()) * (p.hq // p.hk) > PACKED_MAX_ROWS for g in groups):
+        return None
+    return groups
+
+
+def _rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarray, lse: np.ndarray,
+                cache: PagedCache | None = None):
     """Run the sequences ``group`` of a group-mode problem in one call, written back into the
     packed ``out`` ``[Tq, Hq, Dv]`` and ``lse`` ``[Hq, total]``: ``rows_packed`` where the module has
-    it and the queries are few (``PACKED_MAX_ROWS``; K / V read where they lie), else
-    ``rows_kpad`` on copies gathered into a batch padded to their longest (rows past a sequence's
-    lengths are masked, never read into the output)."""
+    it and the queries are few (``PACKED_MAX_ROWS``; K / V read where they lie, a paged ``cache``
+    through its block table), else ``rows_kpad`` on copies gathered into a batch padded to their
+    longest (rows past a sequence's lengths are masked, never read into the output)."""
     q_start, q_len, k_start, k_len, lse_start, _ = (x[group] if isinstance(x, np.ndarray) else x for x in starts)
     mq, mk = int(q_len.max()), int(k_len.max())
     desc = frames.descriptors(p.mask, q_len, k_len)
     if getattr(module, "has_rows_packed", False) and mq * (p.hq // p.hk) <= PACKED_MAX_ROWS:
         packed = np.concatenate([np.stack([q_start, q_len, k_start, k_len], 1), desc[:, 2:]], 1).astype(np.int32)
-        o, l = module.run_rows_packed(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, packed, mq, mk)
+        kv = (cache.k.array, cache.v.array) if cache is not None else (p.k.array, p.v.array)
+        table = cache.block_table[group] if cache is not None else None
+        o, l = module.run_rows_packed(p.q.array, *kv, p.q.dtype, p.scale, packed, mq, mk, table)
     else:
+        assert cache is None, "a paged cache's groups are all short (_paged_groups)"
         qi = np.minimum(q_start[:, None] + np.arange(mq), p.sq - 1)
         ki = np.minimum(k_start[:, None] + np.arange(mk), p.sk - 1)
         q, k, v = (np.take(x.array[0], idx, axis=0, out=aligned_empty(idx.shape + x.array.shape[2:], x.array.dtype))

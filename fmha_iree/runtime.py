@@ -325,14 +325,25 @@ class FmhaModule:
         packed sequences, ``mlir_templates.rows_packed``)."""
         return "rows_packed" in self._fns
 
-    def run_rows_packed(self, q, k, v, dtype: str, scale: float, desc: np.ndarray, mq: int, mk: int):
+    @property
+    def has_rows_packed_pages(self) -> bool:
+        """Whether the module has ``rows_packed_pages`` (``rows_packed`` over a paged cache)."""
+        return "rows_packed_pages" in self._fns
+
+    def run_rows_packed(self, q, k, v, dtype: str, scale: float, desc: np.ndarray, mq: int, mk: int,
+                        table: np.ndarray | None = None):
         """One ``rows_packed`` call on packed ``q`` ``[1, Tq, Hq, Dq]`` and ``k`` / ``v``: ``desc``
         int32 ``[n, 6]`` (q_start, qlen, k_start, klen, y, x) per sequence, ``mq`` / ``mk`` at
-        least its longest qlen / klen. Returns numpy (out ``[n, mq, Hq, Dv]``, lse ``[n, Hq, mq]``)."""
+        least its longest qlen / klen; with ``table`` (the sequences' block-table rows), ``k`` /
+        ``v`` are paged caches ``[pages, P, Hk, D]`` read through it (``rows_packed_pages``).
+        Returns numpy (out ``[n, mq, Hq, Dv]``, lse ``[n, Hq, mq]``)."""
         with self._lock:
             args = [self._put(x, dtype) for x in (q, k, v)]
             args += [(self._scale(float(scale)), None), self._i32(np.ascontiguousarray(desc, np.int32))]
-            (out, lse), fence = self._call("rows_packed", args, 2, scalars=(int(mq), int(mk)))
+            if table is not None:
+                args.append(self._i32(np.ascontiguousarray(table, np.int32)))
+            fn = "rows_packed" if table is None else "rows_packed_pages"
+            (out, lse), fence = self._call(fn, args, 2, scalars=(int(mq), int(mk)))
             return self._result(out, fence, dtype, False), self._result(lse, fence, "f32", False)
 
     def call(self, fn: str, tensors, *, staged=(), scalars: tuple = (), results=(), keep_on_device: bool = False) -> list:

@@ -6,6 +6,8 @@ graphs)::
 
     rows_packed(q [1, Tq, Hq, Dq], k [1, Tk, Hk, Dq], v [1, Tk, Hk, Dv], scale[1] f32,
                 desc [n, 6] i32, mq: i64, mk: i64) -> (out [n, mq, Hq, Dv], lse [n, Hq, mq] f32)
+    rows_packed_pages(q, k_cache [pages, P, Hk, Dq], v_cache [pages, P, Hk, Dv], scale, desc,
+                      block_table [n, max_pages] i32, mq, mk) -> (out, lse)
 
 ``desc[b]`` = (q_start, qlen, k_start, klen, y, x): sequence ``b``'s rows and keys in the packed
 tensors and CK's coordinates for its own lengths (row ``i`` sees key ``j`` iff ``i < qlen``,
@@ -14,6 +16,9 @@ lengths >= 1. Rows past qlen are padding the caller drops. The keys are read whe
 key index past klen reads the sequence's last key, its weight 0), so the call copies nothing the
 size of K or V; ``rows`` / ``rows_kpad`` need the sequences gathered into a padded batch first
 (dev CPU, B32 decode: 425 ms of host gathers in a 940 ms call, 2026-12-04, docs/BENCHMARKS.md).
+With ``paged=True`` (``rows_packed_pages``) key ``j`` of sequence ``b`` is row ``j % P`` of page
+``block_table[b, j // P]`` (``paged.PagedCache``'s convention; desc's k_start unused), so a paged
+cache is read in place too; the table's entries for pages past a sequence's keys are never read.
 """
 
 from __future__ import annotations
@@ -88,12 +93,29 @@ SCORES_VEC = 64
 PV_ROWS = 16
 
 
-def render_rows_packed(*, func_name: str, dtype: str, group: int, dq: int, dv: int,
+# Where key j (clamped to the sequence's last, %jc) of sequence %b lies: the packed tensors' row
+# k_start + j, or row j % P of page block_table[b, j // P] (P: the cache's page size).
+_PACKED_KEY = ("    %ks32 = tensor.extract %desc[%b, %c2] : tensor<?x6xi32>\n"
+               "    %ks = arith.index_cast %ks32 : i32 to index\n"
+               "    %kr = arith.addi %ks, %jc : index", "%c0, %kr")
+_PAGED_KEY = ("    %kpi = arith.divui %jc, %psz : index\n"
+              "    %kin = arith.remui %jc, %psz : index\n"
+              "    %kpg32 = tensor.extract %bt[%b, %kpi] : tensor<?x?xi32>\n"
+              "    %kpg = arith.index_cast %kpg32 : i32 to index", "%kpg, %kin")
+
+
+def render_rows_packed(*, func_name: str, dtype: str, group: int, dq: int, dv: int, paged: bool = False,
                        scores_tiles: tuple[int, int] = SCORES_TILES, vec: int = SCORES_VEC, pv_vec: int = 32) -> str:
-    """MLIR text of ``util.func public @func_name`` (the module docstring's signature)."""
+    """MLIR text of ``util.func public @func_name`` (the module docstring's signatures: ``paged``
+    for ``rows_packed_pages``)."""
     if dtype not in _STORAGE:
         raise ValueError(f"dtype: expected one of {sorted(_STORAGE)}, got {dtype!r}")
+    key_row, key_at = _PAGED_KEY if paged else _PACKED_KEY
+    table_setup = f"  %psz = tensor.dim %k, %c1 : tensor<?x?x?x{int(dq)}x{_STORAGE[dtype]}>\n" if paged else ""
     return _load("rows_packed.mlir.in").substitute(
+        key_row=key_row, key_at=key_at, table_setup=table_setup,
+        table_arg=" %bt: tensor<?x?xi32>," if paged else "",
+        key_doc="pages through the block table" if paged else "each sequence from its start",
         func_name=func_name, G=int(group), DQ=int(dq), DV=int(dv), ST=_STORAGE[dtype],
         scores_config=_scores_config(scores_tiles, _divisor(int(dq), vec)) if scores_tiles else "",
         pv_config=_pv_config(int(group), int(dv), _divisor(int(dv), pv_vec)) if pv_vec else "",

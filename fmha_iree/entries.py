@@ -1,0 +1,170 @@
+"""The manifest's table of a module's entry points: each function's arguments and results (shape,
+dtype; ``?`` a runtime size) and what problems it takes, from the same parameters ``source.py``
+renders the module from. Written into every module's manifest (``compile.build_artifact``) and
+checked against the loaded module's functions (``api``, ``deploy``).
+"""
+
+from __future__ import annotations
+
+from .source import dense_params, fwd_plan
+from .spec import KernelSpec
+
+__all__ = ["entry_points"]
+
+
+def entry_points(spec: KernelSpec) -> dict:
+    """The module's functions and argument shapes/dtypes; ``?`` marks a runtime (dynamic) size."""
+    from .graph import DESC_COLUMNS
+
+    t = "i16(bf16 bits)" if spec.dtype == "bf16" else spec.dtype
+    gr = spec.group * spec.tiles.m0
+    seq = lambda h, d, s="?": ["?", h, s, d] if spec.layout == "bhsd" else ["?", s, h, d]  # noqa: E731
+    hq = "?" if spec.group == 1 else f"{spec.group}*Hk"
+    state = {"acc": [["?", "Hk", gr, spec.dv], "f32"], "m": [["?", "Hk", gr], "f32"], "l": [["?", "Hk", gr], "f32"]}
+    out = {
+        "init": {"args": {"carrier": [["NT", "Hk"], "i32"]}, "results": state},
+        "step": {
+            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+                     "scale": [[1], "f32"], **state, "desc": [["P", len(DESC_COLUMNS)], "i32"]},
+            "results": state,
+            "desc_columns": list(DESC_COLUMNS),
+        },
+        "finalize": {
+            "args": {**state, "out_map": [["?", "?"], "i32"], "lse_map": [["?", "?"], "i32"]},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
+        },
+    }
+    plan = fwd_plan(spec)
+    if plan is not None:
+        lay = "[B, Hq, Sq, D]" if spec.layout == "bhsd" else "[B, Sq, Hq, D]"
+        out["fwd"] = {
+            "compute_head_dims": [plan.dq, plan.dv],  # wider than the arguments': zero-padded inside
+            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+                     "scale": [[], "f32 scalar"], "y": [[], "i64 scalar"], "x": [[], "i64 scalar"]},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"],
+                        "scratch": [(["padded K", "padded V"] if plan.kv_slots else []) + ["padded Q", "edge masks", "acc",
+                                                                                      "max", "sum"], "dropped by the caller"]},
+            "note": (f"any Sq, Sk >= 1 and any CK mask in one call ({lay} layout): row s sees keys "
+                     "s - y + 1 <= j < s + x (CK's coordinates, clipped to [-Sk, Sq + 1] / [-Sq, Sk + 1]); "
+                     "batch lengths uniform (no cu_seqlen padding)"),
+        }
+        from .kernels.ragged import PREFIX_SCALARS, RAGGED_SCALARS
+
+        frame_args = {"q": [seq("?", spec.dq), t], "k": [seq("?", spec.dq), t], "v": [seq("?", spec.dv), t],
+                      "idx": [["L"], "i32"], "scale": [[], "f32 scalar"], **{n: [[], "i64 scalar"] for n in RAGGED_SCALARS}}
+        out["fwd_ragged"] = {
+            "args": {**frame_args, **{n: [[], "i64 scalar"] for n in PREFIX_SCALARS}},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"],
+                        "scratch": [["frames", "padded Q", "edge masks", "state"], "dropped by the caller"]},
+            "note": ("sequences of their own lengths and CK mask in one padded frame (group mode, cu_seqlen "
+                     "padding, paged caches); q / k / v read as rows n * R + r; the index table and the "
+                     "scalars as fmha_iree.frames.Frame.table() writes them (fmha_iree/kernels/ragged.py)"),
+        }
+        if spec.layout == "bshd" and not plan.pads:
+            from .kernels.packed import PACKED_SCALARS
+
+            for name, extra, note in (
+                    ("fwd_packed", (), "K / V read in place as pieces of W rows (fwd_ragged's problem when "
+                                      "the keys are the rows of k / v one sequence after the other)"),
+                    ("fwd_packed_paged", ("NU", "PG"), "the sequences' keys gathered as pages of PG rows in "
+                                                        "sequence order (a paged cache, runs with gaps), then as "
+                                                        "fwd_packed"),
+                    ("fwd_packed_pages", ("NU", "PG"), "a paged cache's pages (PG a multiple of 64 keys) read in "
+                                                        "place, four 64-row sub-pages a piece, each sequence's last "
+                                                        "sub-page copied with the rows it does not own zeroed")):
+                args = dict(frame_args)
+                args.update({n: [[], "i64 scalar"] for n in PACKED_SCALARS + extra})
+                out[name] = {"args": args, "results": {"out": out["fwd_ragged"]["results"]["out"],
+                                                       "lse": out["fwd_ragged"]["results"]["lse"],
+                                                       "scratch": [["pieces", "mask", "state"], "dropped by the caller"]},
+                             "note": note + "; the table and scalars as fmha_iree.frames.Pieces writes them "
+                                            "(fmha_iree/kernels/packed.py)"}
+    if spec.target.backend == "llvm-cpu":
+        from .rows import ROWS_DESC_COLUMNS
+
+        rows = {
+            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+                     "scale": [[1], "f32"], "desc": [["B", len(ROWS_DESC_COLUMNS)], "i32"]},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
+            "desc_columns": list(ROWS_DESC_COLUMNS),
+        }
+        why = ("any lengths and CK mask, whole key rows (short queries): row i of batch b sees key j iff "
+               "i < qlen[b], j < klen[b] and i - y[b] + 1 <= j < i + x[b]")
+        out["rows"] = {**rows, "note": why + "; klen[b] == Sk for every batch"}
+        out["rows_kpad"] = {**rows, "note": why + "; V past klen[b] is never read"}
+        if spec.layout == "bshd":
+            out.update(_packed_entry_points(spec, t, hq))
+    out.update(_dense_entry_points(spec, t, seq, hq))
+    return out
+
+
+def _dense_entry_points(spec: KernelSpec, t: str, seq, hq: str) -> dict:
+    """The one-call entry points of ``entry_points``: compiled-in CPU row blocks, or the GPU
+    templates (``dense``, ``causal`` and the per-length entries)."""
+    out = {}
+    dense = dense_params(spec)
+    if dense and not dense["tiled"]:
+        for s in sorted(dense["seqlens"]):
+            io = {"q": [seq(hq, spec.dq, s), t], "k": [seq("Hk", spec.dq, s), t], "v": [seq("Hk", spec.dv, s), t]}
+            res = {"out": [seq(hq, spec.dv, s), t], "lse": [["?", hq, s], "f32"]}
+            out[f"dense_s{s}"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
+                                  "note": f"every row sees every key; Sq == Sk == {s} (row blocks of plain matmul/softmax)"}
+            out[f"causal_s{s}"] = {"args": {**io, "scale": [[1], "f32"]}, "results": res,
+                                   "note": f"row i sees keys j <= i; Sq == Sk == {s} (row blocks, keys up to the diagonal)"}
+            for kind in ("dense", "causal"):
+                out[f"{kind}_o_s{s}"] = {"args": {**io, "scale": [[1], "f32"]}, "results": {"out": res["out"]},
+                                         "note": f"as {kind}_s{s}, without lse"}
+    elif dense:
+        a, nb = dense["align"], dense["causal_blocks"]
+        tiled = lambda h, d: ["?", h, f"S/{a}", a, d] if spec.layout == "bhsd" else ["?", f"S/{a}", a, h, d]  # noqa: E731
+        tt = spec.dtype  # the templates take bf16 typed as bf16 (the torch entry points take i16 bits)
+        io = {"q": [tiled(hq, spec.dq), tt], "k": [tiled("Hk", spec.dq), tt], "v": [tiled("Hk", spec.dv), tt]}
+        res = {"out": [tiled(hq, spec.dv), tt], "lse": [["?", hq, f"S/{a}", a], "f32"]}
+        # caller-owned storage for the intermediates; its size in bytes is what the exported
+        # `<name>_transients_size` returns for the same arguments (mlir_templates.dense._dense_common)
+        io_s = {**io, "scale": [[1], "f32"], "workspace": [["<name>_transients_size"], "hal.buffer"]}
+        out["dense"] = {"args": io_s, "results": res,
+                        "note": f"every row sees every key; Sq, Sk multiples of {a}"}
+        out["causal"] = {"args": io_s, "results": res,
+                         "note": f"row i sees keys j <= i; Sq == Sk, a multiple of {a * nb}"}
+        for s, c in sorted(dense["seqlens"].items()):
+            fix = lambda shp: [s // a if x == f"S/{a}" else x for x in shp]  # noqa: E731
+            sio = {n: [fix(shp), ty] for n, (shp, ty) in io_s.items()}
+            sres = {n: [fix(shp), ty] for n, (shp, ty) in res.items()}
+            out[f"causal_s{s}"] = {"args": sio, "results": sres,
+                                   "note": f"row i sees keys j <= i; Sq == Sk == {s} (tree of dense blocks, diagonal {c})"}
+            out[f"dense_o_s{s}"] = {"args": sio, "results": {"out": sres["out"]},
+                                    "note": f"every row sees every key, no lse (IREE's fused attention op); Sq == Sk == {s}"}
+            if s in dense["causal_o"]:
+                out[f"causal_o_s{s}"] = {"args": sio, "results": {"out": sres["out"]},
+                                         "note": f"row i sees keys j <= i, no lse (fused attention op, masked); Sq == Sk == {s}"}
+            if s in dense["window"]:
+                wio = {n: v for n, v in sio.items() if n != "workspace"}
+                wio.update({"win": [[1], "i32"], "workspace": sio["workspace"]})
+                out[f"window_s{s}"] = {"args": wio, "results": sres,
+                                       "note": f"row i sees keys i - win[0] <= j <= i, 0 <= win[0] <= {dense['window'][s]}; "
+                                               f"Sq == Sk == {s} (diagonal and previous blocks of {dense['window'][s]})"}
+    return out
+
+
+def _packed_entry_points(spec: KernelSpec, t: str, hq: str) -> dict:
+    """A bshd CPU module's ``rows_packed`` / ``rows_packed_pages`` (``mlir_templates.rows_packed``)."""
+    from .mlir_templates.rows_packed import ROWS_PACKED_DESC_COLUMNS
+
+    tok = lambda h, d: ["1", "?", h, d]  # noqa: E731
+    res = {"out": [["n", "mq", hq, spec.dv], t], "lse": [["n", hq, "mq"], "f32"]}
+    common = {"scale": [[1], "f32"], "desc": [["n", len(ROWS_PACKED_DESC_COLUMNS)], "i32"]}
+    scalars = {"mq": [[], "i64 scalar"], "mk": [[], "i64 scalar"]}
+    why = ("short queries of packed sequences (group mode), each against its own keys and CK mask; "
+           "rows past a sequence's qlen are padding")
+    return {
+        "rows_packed": {"args": {"q": [tok(hq, spec.dq), t], "k": [tok("Hk", spec.dq), t], "v": [tok("Hk", spec.dv), t],
+                                 **common, **scalars}, "results": res,
+                        "desc_columns": list(ROWS_PACKED_DESC_COLUMNS), "note": why + "; K / V read in place"},
+        "rows_packed_pages": {"args": {"q": [tok(hq, spec.dq), t], "k_cache": [["pages", "P", "Hk", spec.dq], t],
+                                       "v_cache": [["pages", "P", "Hk", spec.dv], t], **common,
+                                       "block_table": [["n", "max_pages"], "i32"], **scalars},
+                              "results": res, "desc_columns": list(ROWS_PACKED_DESC_COLUMNS),
+                              "note": why + "; key j of sequence b is row j % P of page block_table[b, j // P] "
+                                            "(desc's k_start unused)"},
+    }
