@@ -87,9 +87,12 @@ def _divisor(n: int, most: int) -> int:
 # of a 75 ms call (iree-benchmark-module with host-execution profiling, same day). The vector
 # dims are fixed by MLIR's tensor.extract vectorizer: a read is contiguous only along the op's
 # trailing loop dim, which IREE makes the reduction (keys in P V), so P V's V rows are gathered
-# element by element (docs/tried.md).
+# element by element (docs/tried.md); P V's vector tile spans up to PV_VEC columns of Dv (each key's
+# row index computed once for them): 39.5 -> 35.2 ms at 64 against 32 (16: 46.0; two or four keys
+# per vector step: 185 / 304), same profile.
 SCORES_TILES = (8, 256)
 SCORES_VEC = 64
+PV_VEC = 64
 PV_ROWS = 16
 
 
@@ -105,7 +108,7 @@ _PAGED_KEY = ("    %kpi = arith.divui %jc, %psz : index\n"
 
 
 def render_rows_packed(*, func_name: str, dtype: str, group: int, dq: int, dv: int, paged: bool = False,
-                       scores_tiles: tuple[int, int] = SCORES_TILES, vec: int = SCORES_VEC, pv_vec: int = 32) -> str:
+                       scores_tiles: tuple[int, int] = SCORES_TILES, vec: int = SCORES_VEC, pv_vec: int = PV_VEC) -> str:
     """MLIR text of ``util.func public @func_name`` (the module docstring's signatures: ``paged``
     for ``rows_packed_pages``)."""
     if dtype not in _STORAGE:
