@@ -24,6 +24,7 @@ LAYERS = [
     ["graph", "mlir_templates"],  # kernel families: the torch graph, MLIR templates and lowering configs
     ["kernels"],  # the fwd family (uses mlir_templates' lowering configs)
     ["source"],  # what a module holds, as MLIR
+    ["entries"],  # the manifest's table of a module's entry points
     ["compile"],  # iree-compile, caches
     ["staging"],  # per-call uploads without a host wait
     ["runtime", "frames"],  # a loaded module's entry points; ragged problems as padded frames
