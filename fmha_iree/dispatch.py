@@ -80,12 +80,23 @@ def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_sh
 # 94 vs 49 (every key of every row is scored, no block is skipped).
 ROWS_MAX_ROWS = 128
 ROWS_MAX_SCORES = 1 << 25  # 128 MiB of f32 scores (and as much for their exponentials)
-# Group mode's short sequences take ``rows_packed`` up to this many query rows per KV head (max
-# qlen * G), ``rows_kpad`` above. Dev CPU (f32 D64, 32 sequences, 2026-12-04, docs/BENCHMARKS.md),
-# rows_packed / rows_kpad ms: keys 256..4096 Hq32 Hk8, 4 rows 83 / 854, 16 rows 357 / 1034, 64
-# rows 1082 / 1217, 128 rows 1712 / 1427; H8, 16 rows and keys 64..512 67 / 76, 64 rows and 64
-# keys 46 / 33 (rows_packed reduces each score over the head dim; rows_kpad runs IREE's matmuls).
-PACKED_MAX_ROWS = 16
+# Group mode's short sequences take ``rows_packed`` up to this many query rows per sequence
+# (``packed_fits``), ``rows_kpad`` above. Dev CPU (f32 D64, 32 sequences, 2026-12-04, after
+# rows_packed's 64-wide vectors and rows' batched P V; docs/BENCHMARKS.md), rows_packed /
+# rows_kpad ms by query rows per KV head, keys 256..4096 / 64..512: G=1 (H8) 4 rows 137 / 313,
+# 8 rows 240 / 368 and 36 / 58, 16 rows 441 / 344 and 63 / 57; G=2 (H16 Hk8) 16 rows 192 / 395
+# and 33 / 68, 32 rows 408 / 504 and 59 / 77; G=4 (H32 Hk8) 16 rows 184 / 419, 32 rows 274 / 468
+# and 39 / 72, 64 rows 476 / 603 and 92 / 131. rows_packed computes each query row against its
+# keys alone (its P V gathers V per row: docs/tried.md), so without GQA it loses sooner.
+PACKED_MAX_QUERIES = 16
+PACKED_MAX_QUERIES_MHA = 8  # G = 1
+PACKED_MAX_ROWS = 64  # query rows per KV head: the most measured
+
+
+def packed_fits(max_qlen: int, group: int) -> bool:
+    """Whether sequences of at most ``max_qlen`` query rows take ``rows_packed`` (``PACKED_MAX_QUERIES``)."""
+    most = PACKED_MAX_QUERIES if group > 1 else PACKED_MAX_QUERIES_MHA
+    return max_qlen <= most and max_qlen * group <= PACKED_MAX_ROWS
 
 
 def rows_fit(p: BatchProblem, module) -> bool:
@@ -309,7 +320,7 @@ def _closes_group(n: int, keys: int, k_next: int) -> bool:
 def _paged_groups(p: BatchProblem, starts, module) -> list[np.ndarray] | None:
     """The ``rows_packed_pages`` calls of a group-mode problem over a paged cache on a CPU module
     (:func:`short_sequences`' groups), or None where the module lacks it or a sequence with work
-    needs the tile plan (more than ``PACKED_MAX_ROWS`` query rows per KV head)."""
+    needs the tile plan (more query rows than ``packed_fits`` takes)."""
     if not getattr(module, "has_rows_packed_pages", False) or p.q.on_device:
         return None
     q_len, k_len = starts[1], starts[3]
@@ -317,7 +328,7 @@ def _paged_groups(p: BatchProblem, starts, module) -> list[np.ndarray] | None:
     left = (q_len > 0) & (k_len > 0)
     for group in groups:
         left[group] = False
-    if left.any() or any(int(q_len[g].max()) * (p.hq // p.hk) > PACKED_MAX_ROWS for g in groups):
+    if left.any() or not all(packed_fits(int(q_len[g].max()), p.hq // p.hk) for g in groups):
         return None
     return groups
 
@@ -326,13 +337,13 @@ def _rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndar
                 cache: PagedCache | None = None):
     """Run the sequences ``group`` of a group-mode problem in one call, written back into the
     packed ``out`` ``[Tq, Hq, Dv]`` and ``lse`` ``[Hq, total]``: ``rows_packed`` where the module has
-    it and the queries are few (``PACKED_MAX_ROWS``; K / V read where they lie, a paged ``cache``
+    it and the queries are few (``packed_fits``; K / V read where they lie, a paged ``cache``
     through its block table), else ``rows_kpad`` on copies gathered into a batch padded to their
     longest (rows past a sequence's lengths are masked, never read into the output)."""
     q_start, q_len, k_start, k_len, lse_start, _ = (x[group] if isinstance(x, np.ndarray) else x for x in starts)
     mq, mk = int(q_len.max()), int(k_len.max())
     desc = frames.descriptors(p.mask, q_len, k_len)
-    if getattr(module, "has_rows_packed", False) and mq * (p.hq // p.hk) <= PACKED_MAX_ROWS:
+    if getattr(module, "has_rows_packed", False) and packed_fits(mq, p.hq // p.hk):
         packed = np.concatenate([np.stack([q_start, q_len, k_start, k_len], 1), desc[:, 2:]], 1).astype(np.int32)
         kv = (cache.k.array, cache.v.array) if cache is not None else (p.k.array, p.v.array)
         table = cache.block_table[group] if cache is not None else None
