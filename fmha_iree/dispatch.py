@@ -87,7 +87,8 @@ ROWS_MAX_SCORES = 1 << 25  # 128 MiB of f32 scores (and as much for their expone
 # 8 rows 240 / 368 and 36 / 58, 16 rows 441 / 344 and 63 / 57; G=2 (H16 Hk8) 16 rows 192 / 395
 # and 33 / 68, 32 rows 408 / 504 and 59 / 77; G=4 (H32 Hk8) 16 rows 184 / 419, 32 rows 274 / 468
 # and 39 / 72, 64 rows 476 / 603 and 92 / 131. rows_packed computes each query row against its
-# keys alone (its P V gathers V per row: docs/tried.md), so without GQA it loses sooner.
+# keys alone (its P V gathers V per row: docs/tried.md), so without GQA it loses sooner
+# (docs/bench/cpu_2026-12-04_packed_crossover.txt).
 PACKED_MAX_QUERIES = 16
 PACKED_MAX_QUERIES_MHA = 8  # G = 1
 PACKED_MAX_ROWS = 64  # query rows per KV head: the most measured
