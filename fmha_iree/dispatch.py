@@ -322,7 +322,7 @@ def _paged_groups(p: BatchProblem, starts, module) -> list[np.ndarray] | None:
     """The ``rows_packed_pages`` calls of a group-mode problem over a paged cache on a CPU module
     (:func:`short_sequences`' groups), or None where the module lacks it or a sequence with work
     needs the tile plan (more query rows than ``packed_fits`` takes)."""
-    if not getattr(module, "has_rows_packed_pages", False) or p.q.on_device:
+    if module is None or not module.has("rows_packed_pages") or p.q.on_device:
         return None
     q_len, k_len = starts[1], starts[3]
     groups = short_sequences(p, q_len, k_len)
@@ -344,7 +344,7 @@ def _rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndar
     q_start, q_len, k_start, k_len, lse_start, _ = (x[group] if isinstance(x, np.ndarray) else x for x in starts)
     mq, mk = int(q_len.max()), int(k_len.max())
     desc = frames.descriptors(p.mask, q_len, k_len)
-    if getattr(module, "has_rows_packed", False) and packed_fits(mq, p.hq // p.hk):
+    if module.has("rows_packed") and packed_fits(mq, p.hq // p.hk):
         packed = np.concatenate([np.stack([q_start, q_len, k_start, k_len], 1), desc[:, 2:]], 1).astype(np.int32)
         kv = (cache.k.array, cache.v.array) if cache is not None else (p.k.array, p.v.array)
         table = cache.block_table[group] if cache is not None else None

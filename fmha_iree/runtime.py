@@ -294,6 +294,11 @@ class FmhaModule:
         """The module's exported functions."""
         return list(self._fns)
 
+    def has(self, fn: str) -> bool:
+        """Whether the module exports the function ``fn`` (e.g. ``rows_packed``, ``rows_packed_pages``:
+        bshd CPU modules built since 2026-12-04 have both, ``mlir_templates.rows_packed``)."""
+        return fn in self._fns
+
     def lacks(self, names) -> list[str]:
         """Those of the function ``names`` the module does not export, sorted."""
         return sorted({n for n in names if n not in self._fns})
@@ -318,17 +323,6 @@ class FmhaModule:
             args += [(self._scale(float(scale)), None), (self._constant(np.ascontiguousarray(desc, np.int32), "i32"), None)]
             (out, lse), fence = self._call("rows_kpad" if padded_keys else "rows", args, 2)
             return self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
-
-    @property
-    def has_rows_packed(self) -> bool:
-        """Whether the module has ``rows_packed`` (CPU modules of the bshd layout: short queries of
-        packed sequences, ``mlir_templates.rows_packed``)."""
-        return "rows_packed" in self._fns
-
-    @property
-    def has_rows_packed_pages(self) -> bool:
-        """Whether the module has ``rows_packed_pages`` (``rows_packed`` over a paged cache)."""
-        return "rows_packed_pages" in self._fns
 
     def run_rows_packed(self, q, k, v, dtype: str, scale: float, desc: np.ndarray, mq: int, mk: int,
                         table: np.ndarray | None = None):
