@@ -65,7 +65,7 @@ def _execute(p: BatchProblem, seqs: Sequences, out_shape, lse_shape, out_rows_sh
     """Shared by batch and varlen mode and deployed modules: plan, run. Returns ABI arrays (numpy,
     or DeviceTensors for device-resident inputs)."""
     plan: Plan = build_plan(seqs, p.mask, tiles, out_rows_shape, lse_rows_shape, units_budget(p.hq, tiles, family),
-                            state_tiles(p.hq, p.dv, tiles, family))
+                            state_tiles(p.hq, p.dv, tiles, family), split_unmasked=family == "cpu")
     if plan.n_tiles == 0 or 0 in out_shape:
         return _empty_result(p, out_shape, lse_shape)
     out, lse = get_module().run(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, p.hk, plan,

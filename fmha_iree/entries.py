@@ -92,6 +92,8 @@ def entry_points(spec: KernelSpec) -> dict:
                "i < qlen[b], j < klen[b] and i - y[b] + 1 <= j < i + x[b]")
         out["rows"] = {**rows, "note": why + "; klen[b] == Sk for every batch"}
         out["rows_kpad"] = {**rows, "note": why + "; V past klen[b] is never read"}
+        out["step_open"] = {**out["step"], "note": "step for units whose R rows all see the C keys of their "
+                                                   "chunk (no mask; fmha_iree.plan.Block.unmasked)"}
         if spec.layout == "bshd":
             out.update(_packed_entry_points(spec, t, hq))
     out.update(_dense_entry_points(spec, t, seq, hq))

@@ -93,11 +93,14 @@ class Sequences:
 @dataclasses.dataclass
 class Block:
     """Tiles ``[t0, t0 + n_tiles)`` with a state of their own: ``calls`` are ``[P, 10]`` int32
-    descriptor arrays, one per step call in order, their tile column relative to ``t0``."""
+    descriptor arrays, one per step call in order, their tile column relative to ``t0``;
+    ``unmasked[i]``: every unit of call ``i`` has R rows that each see all C keys of its chunk
+    (a module's ``step_open`` takes such calls)."""
 
     t0: int
     n_tiles: int
     calls: list
+    unmasked: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -125,9 +128,10 @@ def _slots(seqs: Sequences, tile_base: np.ndarray, rows: int, starts: np.ndarray
 
 
 def build_plan(seqs: Sequences, mask: Mask, tiles: TileConfig, out_shape, lse_shape, max_units: int,
-               block_tiles: int = 0) -> Plan:
+               block_tiles: int = 0, split_unmasked: bool = False) -> Plan:
     """The plan of ``seqs`` under ``mask``: calls of at most ``max_units`` units, in blocks of at
-    most ``block_tiles`` tiles (0: one block)."""
+    most ``block_tiles`` tiles (0: one block). ``split_unmasked``: a wave's units that see every
+    key of their chunk go to calls of their own (``Block.unmasked``)."""
     R, C, n0 = tiles.m0, tiles.kv_chunk, tiles.n0
     q_len, k_len = seqs.q_len, seqs.k_len
     nt_seq = -(-q_len // R)
@@ -155,14 +159,20 @@ def build_plan(seqs: Sequences, mask: Mask, tiles: TileConfig, out_shape, lse_sh
         axis=1,
     ).astype(np.int32)
 
+    # A unit is unmasked when its R rows are all rows of the sequence and each sees the chunk's C
+    # keys: lo(i) = i - y + 1 grows with i (the last row's), hi(i) = i + x too (the first row's).
+    q_end, k_end = qrel0[u_tile] + R, krel0 + C
+    whole = (q_end <= sq[u_tile]) & (k_end <= sk[u_tile]) & (q_end - y[u_tile] <= krel0) & \
+        (qrel0[u_tile] + x[u_tile] >= k_end)
+    whole &= bool(split_unmasked)
     span = block_tiles if 0 < block_tiles < n_tiles else max(n_tiles, 1)
     blk = u_tile // span
-    order = np.lexsort((u_tile, u_wave, blk))  # by block, then wave, then tile
-    desc, u_wave, blk = desc[order], u_wave[order], blk[order]
+    order = np.lexsort((u_tile, whole, u_wave, blk))  # by block, then wave (masked units first), then tile
+    desc, u_wave, blk, whole = desc[order], u_wave[order], blk[order], whole[order]
     desc[:, 0] -= (blk * span).astype(np.int32)
     firsts = np.searchsorted(blk, np.arange(0, n_tiles, span) // span)
     ends = np.append(firsts[1:], len(desc))
-    blocks = [Block(t0, min(span, n_tiles - t0), _calls(desc[a:b], u_wave[a:b], max_units))
+    blocks = [Block(t0, min(span, n_tiles - t0), *_calls(desc[a:b], u_wave[a:b] * 2 + whole[a:b], max_units))
               for t0, a, b in zip(range(0, n_tiles, span), firsts, ends)]
 
     lse_start = seqs.q_start if seqs.lse_start is None else seqs.lse_start
@@ -171,10 +181,18 @@ def build_plan(seqs: Sequences, mask: Mask, tiles: TileConfig, out_shape, lse_sh
     return Plan(n_tiles, blocks, out_map, lse_map, n_units)
 
 
-def _calls(desc: np.ndarray, u_wave: np.ndarray, max_units: int) -> list:
-    """One block's units (ordered by wave) as step calls: wave by wave, at most ``max_units`` each."""
-    calls = []
-    for wave in np.split(desc, np.flatnonzero(np.diff(u_wave)) + 1) if len(desc) else []:
-        for i in range(0, len(wave), max_units):
-            calls.append(np.ascontiguousarray(wave[i : i + max_units]))
-    return calls
+def _calls(desc: np.ndarray, group: np.ndarray, max_units: int) -> tuple[list, list]:
+    """One block's units (ordered by ``group``: wave * 2 + unmasked) as step calls of at most
+    ``max_units`` units, wave by wave. A wave's unmasked units get calls of their own only in
+    whole calls of ``max_units``; the rest join its masked units (a call more costs a copy of the
+    state, ``state_tiles``). Returns the calls and whether each is unmasked."""
+    calls, unmasked = [], []
+    cuts = np.flatnonzero(np.diff(group // 2)) + 1
+    for units, g in zip(np.split(desc, cuts), np.split(group, cuts)) if len(desc) else []:
+        n_open = int((g % 2).sum()) // max_units * max_units  # unmasked units sort last
+        parts = ((units[len(units) - n_open:], True), (units[: len(units) - n_open], False))
+        for part, is_open in parts:
+            for i in range(0, len(part), max_units):
+                calls.append(np.ascontiguousarray(part[i : i + max_units]))
+                unmasked.append(is_open)
+    return calls, unmasked

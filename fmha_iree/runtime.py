@@ -248,8 +248,10 @@ class FmhaModule:
     def _run_block(self, qkv: list, sd, hk: int, blk: Block):
         """One state block of a plan: ``init`` and its ``step`` calls. Returns ((acc, m, l), fence)."""
         (acc, m, l), fence = self._call("init", [self._i32(np.zeros((blk.n_tiles, hk), np.int32))], 3)
-        for desc in blk.calls:
-            (acc, m, l), fence = self._call("step", qkv + [sd, (acc, fence), (m, fence), (l, fence), self._i32(desc)], 3)
+        open_fn = "step_open" if self.has("step_open") else "step"  # CPU modules before 2026-12-04 lack it
+        for desc, unmasked in zip(blk.calls, blk.unmasked):
+            fn = open_fn if unmasked else "step"
+            (acc, m, l), fence = self._call(fn, qkv + [sd, (acc, fence), (m, fence), (l, fence), self._i32(desc)], 3)
         return (acc, m, l), fence
 
     def dense_entry(self, sq: int, sk: int, causal: bool, with_lse: bool, batch: int | None = None,

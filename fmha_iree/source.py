@@ -1,7 +1,8 @@
 """What a module holds: its entry points, their static parameters and lowering configs, rendered as
 MLIR (the input ``compile.py`` hands to iree-compile).
 
-CPU modules are the torch graph of ``graph.py``; GPU modules the plan's ``step`` plus the one-call
+Every module has the plan's ``init`` / ``finalize`` (torch graphs, ``graph.py``) and ``step`` (an
+MLIR template). CPU modules add ``step_open`` and ``rows.py``'s torch graphs; GPU modules the one-call
 entry points (``mlir_templates``), ``fwd`` (``kernels.general``) and ``fwd_ragged``
 (``kernels.ragged``), each where its parameters allow (``dense_params``, ``fwd_plan``);
 ``entries.entry_points`` describes them for the manifest.
@@ -43,16 +44,16 @@ def gpu_lowering(spec: KernelSpec) -> dict | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _torch_module(dtype: str, layout: str, group: int, dq: int, dv: int, tiles, with_step: bool,
+def _torch_module(dtype: str, layout: str, group: int, dq: int, dv: int, tiles, cpu: bool,
                   seqlens: tuple = (), batch: int = 0, kv_heads: int = 0) -> tuple[str, str]:
     """Exported torch-graph MLIR (target independent, so exported once per process) and the
     module name it carries."""
     from .graph import export_module
     from .targets import Target
 
-    fixed = (tuple(seqlens), batch, kv_heads) if with_step else ((), 0, 0)
+    fixed = (tuple(seqlens), batch, kv_heads) if cpu else ((), 0, 0)
     spec = KernelSpec(dtype, layout, group, dq, dv, tiles, Target("llvm-cpu", "host"), *fixed)
-    return export_module(spec, with_step=with_step), spec.module_name
+    return export_module(spec, with_rows=cpu), spec.module_name
 
 
 def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
@@ -154,10 +155,10 @@ def _dense_lowering(spec: KernelSpec) -> dict | None:
 
 def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: bool = True,
                 with_ragged: bool = True) -> str:
-    """The module's input IR. CPU: the torch graph of ``graph.py`` (bshd ones with ``rows_packed``,
-    ``_cpu_packed``). GPU: its ``init``/``finalize``
-    plus the ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the
-    tile config) and, where ``dense_params`` allows, ``dense`` / ``causal``
+    """The module's input IR. Every module: ``init`` / ``finalize`` of ``graph.py`` and the plan's
+    ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the tile config).
+    CPU: with the CPU gathers and lowering and ``step_open`` (``_cpu_step``), ``rows.py``'s
+    entry points, and in bshd ``rows_packed`` (``_cpu_packed``). GPU: where ``dense_params`` allows, ``dense`` / ``causal``
     (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``); those one-call entry points take a caller-owned
     workspace for their intermediates (``mlir_templates.dense._dense_common``). ``fused_step=True`` on
     the CPU builds the GPU formulation for llvm-cpu, so its numerics can be tested where CI runs.
@@ -170,7 +171,7 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
                                spec.seqlens, spec.batch, spec.kv_heads)
     text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
     if not fused:
-        return _with_funcs(text, _cpu_packed(spec))
+        return _with_funcs(text, _cpu_step(spec) + _cpu_packed(spec))
     from .mlir_templates import (render_causal, render_causal_tree, render_dense, render_dense_out, render_online_step,
                                  render_window)
 
@@ -215,6 +216,23 @@ def _with_funcs(text: str, funcs: list[str]) -> str:
     text = text.rstrip()
     assert text.endswith("}"), "unexpected exported module text"
     return text[:-1] + "\n".join(funcs) + "\n}\n"
+
+
+def _cpu_step(spec: KernelSpec) -> list[str]:
+    """The plan's ``step`` of a CPU module and ``step_open`` (units that see every key of their
+    chunk, no mask): ``mlir/online_step.mlir.in`` with the CPU gathers and lowering
+    (``tiles.CPU_STEP_LOWERING``, keys in steps of kN0)."""
+    from .mlir_templates import render_online_step
+    from .tiles import CPU_STEP_LOWERING, CPU_STEP_VECTOR
+
+    t = spec.tiles
+    # at most CPU_STEP_VECTOR elements per vector tile of Q K^T / P V: wider head dims take fewer keys
+    k2 = t.n0
+    while k2 > 8 and CPU_STEP_LOWERING["vector_m"] * k2 * max(spec.dq, spec.dv) > CPU_STEP_VECTOR:
+        k2 //= 2
+    kw = dict(dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv,
+              lowering={**CPU_STEP_LOWERING, "reduction_k2": k2})
+    return [render_online_step(func_name="step", **kw), render_online_step(func_name="step_open", masked=False, **kw)]
 
 
 def _cpu_packed(spec: KernelSpec) -> list[str]:

@@ -82,6 +82,20 @@ def parse_tiles(text: str) -> TileConfig:
 # 128x128 had beaten 64x64 and 128 x 256.
 _CPU = {d: TileConfig(256, 128, 32, 128, 32, kv_chunk=512) for d in (32, 64, 96, 128, 192, 256)}
 
+# The CPU step's attention op (``mlir_templates.step``, K gathered transposed): workgroups of 64
+# query rows of one unit and head, vector tiles of 4 rows x kN0 (128) keys. Dev CPU, 2026-12-04,
+# one step call of four 256 x 512 units (f32, H8, D64, ``iree-benchmark-module``, min of 3 x 20
+# calls, two rounds), ms for (workgroup rows, vector rows, keys): (64, 4, 128) 8.45 / 8.94,
+# (64, 2, 128) 9.33 / 10.7, (64, 4, 64) 8.79 / 9.5, (64, 8, 64) 11.4 / 12.6, (128, 4, 128) 8.79 /
+# 10.7, (32, 4, 128) 8.91 / 9.1, (64, 4, 256) 14.4 / 15.9, (64, 2, 32) 11.1 / 11.2. With K as
+# [keys, Dq] (each score reduced across a vector of Dq) IREE's best was 41 GFLOP/s against
+# about 190 in this form.
+CPU_STEP_LOWERING = {"backend": "cpu", "workgroup_m": 64, "vector_m": 4}
+# Elements of one vector tile (vector rows x keys x head dim) the CPU step allows; wider head dims
+# take fewer keys per step. At d256 with 128 keys (4x the elements) the step's module segfaulted
+# (2026-12-04, tests/test_dtypes.py f16 d256; its vectors are spilled to the stack).
+CPU_STEP_VECTOR = 4 * 128 * 64
+
 # CK's gfx9 fp16/bf16 table (reference doc "Tiles"), kept for the record (not a default). Through
 # IREE 3.13's VectorDistribute its kM0=128 / kN0=128 step does not fit: at d128 it asks for 96 KiB
 # of LDS (limit 64 KiB on gfx90a/gfx942, seen compiling for gfx942 on 2026-11-29).

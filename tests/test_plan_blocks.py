@@ -43,6 +43,49 @@ def test_blocks_hold_the_same_units(block, mask):
             assert ((call[:, 0] >= 0) & (call[:, 0] < blk.n_tiles)).all()
 
 
+@pytest.mark.parametrize("mask", ["0", "b", "t", "b:200,0", "t:40,300", "xb:96"])
+def test_unmasked_calls_see_every_key(mask):
+    """With ``split_unmasked`` the plan holds the same units; a call marked unmasked has only units
+    whose R rows all lie in their sequence and see every key of their C-key chunk (checked row by
+    row against the mask's own visibility), and every wave's unmasked units that are not in such
+    calls number fewer than a call holds."""
+    seqs = Sequences.batch(np.array([700, 1, 300, 1024]), np.array([650, 900, 300, 1024]))
+    m = Mask.from_str(mask)
+    R, C = CPU_TILES.m0, CPU_TILES.kv_chunk
+    plain = build_plan(seqs, m, CPU_TILES, (4, 1024), (4, 1024), 3)
+    split = build_plan(seqs, m, CPU_TILES, (4, 1024), (4, 1024), 3, 0, split_unmasked=True)
+    assert _units(split) == _units(plain)
+    assert not any(any(b.unmasked) for b in plain.blocks)
+
+    def whole(d) -> bool:
+        qrel0, krel0, qlen, klen = (int(d[i]) for i in (4, 5, 6, 7))
+        if qrel0 + R > qlen or krel0 + C > klen:
+            return False
+        i = np.arange(qrel0, qrel0 + R)[:, None]
+        j = np.arange(krel0, krel0 + C)[None, :]
+        y, x = m.coords(np.array(qlen), np.array(klen))
+        return bool(((j >= i - int(y) + 1) & (j < i + int(x))).all())
+
+    # a unit's wave is its rank among its tile's chunks
+    chunks = {}
+    for t, *rest in _units(split):
+        chunks.setdefault(t, []).append(rest[4])
+    wave = {(t, k): sorted(ks).index(k) for t, ks in chunks.items() for k in ks}
+    n_open, left = 0, {}
+    for blk in split.blocks:
+        for call, unmasked in zip(blk.calls, blk.unmasked):
+            kinds = [whole(d) for d in call]
+            if unmasked:
+                assert all(kinds) and len(call) == 3
+                n_open += len(call)
+            for d, k in zip(call, kinds):
+                w = wave[(int(d[0]) + blk.t0, int(d[5]))]
+                left[w] = left.get(w, 0) + (k and not unmasked)
+    assert all(n < 3 for n in left.values())
+    if mask in ("0", "b"):
+        assert n_open > 0, "the 1024 x 1024 sequence has whole units"
+
+
 def test_state_tiles_budget():
     """Blocks hold at least one call's units; the GPU keeps one block."""
     assert state_tiles(8, 64, CPU_TILES, "cpu") == (16 << 20) // (4 * 8 * 128 * 66)

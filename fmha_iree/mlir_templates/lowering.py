@@ -138,10 +138,11 @@ def _cpu_attrs(lw: dict, m_total: int, xb: list, x0: list, o: list) -> str:
     the op's outs that gave a sum Dv/8 times too large -- see the module docstring)."""
     wm = int(lw.get("workgroup_m", m_total))
     k2 = int(lw.get("reduction_k2", 2))
+    vm = int(lw.get("vector_m", 1))
     return (" {compilation_info = #iree_codegen.compilation_info<\n"
             "        lowering_config = #iree_cpu.lowering_config<"
             f"distribution = {_ilist(xb + [1, wm, 0, *o, 0, 0])}, "
-            f"vector_common_parallel = {_ilist(xb + [1, 1, 0, *o, 0, 0])}, "
+            f"vector_common_parallel = {_ilist(xb + [1, vm, 0, *o, 0, 0])}, "
             f"vector_reduction = {_ilist(x0 + [0, 0, 0, *[1 for _ in o], k2, 0])}>,\n"
             "        translation_info = #iree_codegen.translation_info<"
             "pipeline = #iree_cpu.pipeline<LinalgExtTileAndVectorize>>>}")

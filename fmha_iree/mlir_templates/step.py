@@ -9,13 +9,20 @@ from typing import Any, Mapping
 from .lowering import _DTYPES, _load, render_lowering_attrs
 
 def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int,
-                       dq: int, dv: int, lowering: Mapping[str, Any] | str | None = None) -> str:
+                       dq: int, dv: int, lowering: Mapping[str, Any] | str | None = None,
+                       masked: bool = True) -> str:
     """MLIR text of `util.func public @func_name` implementing one wave of the plan.
 
     Signature (dynamic: B, Sq, Sk, Hq, Hk, NT, P; M = group * r):
       (q, k, v: tensor<?x?x?xDxT> in `layout` ("bshd" or "bhsd"), scale: tensor<1xf32>,
        acc: tensor<?x?xMxDvxf32>, m: tensor<?x?xMxf32>, l: tensor<?x?xMxf32>,
        desc: tensor<?x10xi32>) -> (acc, m, l)
+
+    A CPU ``lowering`` (``{"backend": "cpu", ...}``) takes the gathers of
+    ``mlir/step_gathers_cpu.mlir.in`` (K gathered transposed, lowering configs of their own);
+    other lowerings those of ``mlir/step_gathers.mlir.in``. ``masked=False`` (CPU only) leaves
+    the visibility mask out: the function then takes only units whose rows all see every key of
+    their chunk (``plan.Block.unmasked``).
     """
     t = _DTYPES.get(str(dtype))
     if t is None:
@@ -36,14 +43,61 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
         q_index = "%b, %hq, %s, %i2"
         kv_index = "%b, %h, %s, %i2"
         q_doc, k_doc, v_doc = "[B,Hq,Sq,Dq]", "[B,Hk,Sk,Dq]", "[B,Hk,Sk,Dv]"
+    cpu = isinstance(lowering, Mapping) and lowering.get("backend") == "cpu" or lowering == "cpu"
+    st = "i16" if cpu and t == "bf16" else t  # CPU modules pass bf16 as its int16 bits
+    if cpu:
+        t = "f32"
     if t == "f32":
         scale_cast = "  %scale_t = arith.addf %scale_f32, %zero : f32"
     else:
         scale_cast = f"  %scale_t = arith.truncf %scale_f32 : f32 to {t}"
     attn_props, attn_attrs = render_lowering_attrs(lowering, m_total=m_total, dv=int(dv),
                                                    c=int(c))
+    fields = dict(T=t, ST=st, G=int(group), R=int(r), C=int(c), DQ=int(dq), DV=int(dv), M=m_total,
+                  q_index=q_index, kv_index=kv_index)
+    if not (masked or cpu):
+        raise ValueError("an unmasked step is rendered for CPU lowerings only")
+    if cpu:
+        mask = _load("step_mask_cpu.mlir.in").substitute(**fields, **_CPU_GATHER_CONFIGS) if masked else ""
+        gathers = _load("step_gathers_cpu.mlir.in").substitute(
+            iotas=_iotas({m_total, int(c), int(dq), int(dv)}), to_t=_TO_F32[st], mask=mask, **fields,
+            **_CPU_GATHER_CONFIGS)
+    else:
+        gathers = _load("step_gathers.mlir.in").substitute(**fields)
+    mask_fields = dict(mask_operand=", %mask", mask_type=f", tensor<?x{m_total}x{int(c)}xi1>",
+                       mask_map="\n        affine_map<(d0, d1, d2, d3, d4) -> (d0, d1, d3)>,") if masked else \
+        dict(mask_operand="", mask_type="", mask_map="")
+    k_tile = (int(dq), int(c)) if cpu else (int(c), int(dq))
     return _load("online_step.mlir.in").substitute(
-        func_name=func_name, T=t, G=int(group), R=int(r), C=int(c), DQ=int(dq), DV=int(dv),
-        M=m_total, layout=layout, seq_dim=seq_dim, q_index=q_index, kv_index=kv_index,
-        q_shape_doc=q_doc, k_shape_doc=k_doc, v_shape_doc=v_doc, scale_cast=scale_cast,
-        attn_props=attn_props, attn_attrs=attn_attrs)
+        func_name=func_name, layout=layout, seq_dim=seq_dim, q_shape_doc=q_doc, k_shape_doc=k_doc,
+        v_shape_doc=v_doc, scale_cast=scale_cast, attn_props=attn_props, attn_attrs=attn_attrs,
+        gathers=gathers, K_TILE=f"{k_tile[0]}x{k_tile[1]}", k_map="(d0, d2, d3)" if cpu else "(d0, d3, d2)",
+        **mask_fields, **fields)
+
+
+# A gathered element ``%raw`` (storage type) as ``%val`` in f32.
+_TO_F32 = {"f32": "    %val = arith.bitcast %raw : f32 to f32",
+           "f16": "    %val = arith.extf %raw : f16 to f32",
+           "i16": "    %rawb = arith.bitcast %raw : i16 to bf16\n    %val = arith.extf %rawb : bf16 to f32"}
+
+
+def _cpu_config(dist: list[int], vec: list[int]) -> str:
+    return ("compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
+            f"distribution = {dist}, vector_common_parallel = {vec}>, translation_info = "
+            "#iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>,")
+
+
+# Workgroups of one unit and head, 64 rows (or Dq / Dv rows of K^T / V) by whole columns; vectors
+# of 16 f32 along the contiguous dim (the mask: 64 keys).
+_CPU_GATHER_CONFIGS = {
+    "q_config": _cpu_config([1, 1, 64, 0], [1, 1, 1, 16]),
+    "k_config": _cpu_config([1, 1, 16, 0], [1, 1, 1, 16]),
+    "v_config": _cpu_config([1, 1, 64, 0], [1, 1, 1, 16]),
+    "mask_config": _cpu_config([1, 1, 64, 0], [1, 1, 1, 64]),
+}
+
+
+def _iotas(sizes: set[int]) -> str:
+    """``%iota_N = arith.constant dense<[0, ..., N - 1]> : tensor<Nxi32>`` for each size."""
+    return "\n".join(f"  %iota_{n} = arith.constant dense<[{', '.join(map(str, range(n)))}]> : tensor<{n}xi32>"
+                     for n in sorted(sizes))
