@@ -89,8 +89,11 @@ class Finalize(torch.nn.Module):
         mm = torch.index_select(m_s, 0, lidx)
         ll = torch.index_select(l_s, 0, lidx)
         lse = (mm + torch.log2(ll)) * LN2
-        lse = torch.where(torch.logical_and((lmap >= 0)[:, None], ll > 0), lse, torch.full_like(lse, NEG_INF))
-        lse = torch.where(torch.isnan(ll), ll, lse)
+        lvalid = (lmap >= 0)[:, None]
+        lse = torch.where(torch.logical_and(lvalid, ll > 0), lse, torch.full_like(lse, NEG_INF))
+        # NaN stays NaN in the rows a sequence owns; rows no sequence owns are -inf even when the
+        # slot they were clamped to holds NaN
+        lse = torch.where(torch.logical_and(lvalid, torch.isnan(ll)), ll, lse)
         lse = lse.reshape(bl, sl, hq_n).permute(0, 2, 1)
         return to_abi(out, sp.dtype), lse
 

@@ -88,3 +88,17 @@ def test_cu_seqlen_numpy():
     ck = np.array([0, 5, 38], dtype=np.int32)
     out, lse = check_fwd(qn, kn, vn, mask="t", cu_seqlen_q=cq, cu_seqlen_k=ck, what="numpy")
     assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
+
+
+def test_padded_rows_stay_clear_of_a_nan_row():
+    """A NaN query row in the first state slot (batch 0, row 0) poisons its own output and LSE;
+    the padded rows of the other batches stay 0 / -inf (finalize reads a padded row's LSE from
+    the slot its index was clamped to)."""
+    lq = [300, 131, 129]
+    q, k, v = make_qkv(seed_of("pad-nan-slot"), B=3, Hq=2, Sq=300, Sk=300, Dq=MAIN["Dq"])
+    q[0, 0, 0, 5] = float("nan")
+    out, lse = fmha_iree.fmha_fwd(q, k, v, mask="b", cu_seqlen_q=cu(lq), return_lse=True)
+    assert torch.isnan(lse[0, 0, 0]) and torch.isnan(out[0, 0, 0]).all()
+    for b, n in enumerate(lq[1:], start=1):
+        assert (out[b, :, n:] == 0).all(), f"batch {b}: padded rows must be 0"
+        assert torch.isneginf(lse[b, :, n:]).all(), f"batch {b}: padded lse must be -inf"

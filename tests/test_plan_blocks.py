@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import fmha_iree
 from fmha_iree import plan as plan_mod
@@ -12,7 +13,7 @@ from fmha_iree.mask import Mask
 from fmha_iree.plan import Sequences, build_plan, state_tiles, units_budget
 from fmha_iree.tiles import default_tiles
 from common import MAIN, check_fwd
-from reference import make_qkv, seed_of
+from reference import assert_close, attention_ref, make_qkv, seed_of
 
 CPU_TILES = fmha_iree.TileConfig(m0=128, n0=128, k0=32, n1=64, k1=32, kv_chunk=128)
 
@@ -111,3 +112,22 @@ def test_batch_mode_in_blocks(monkeypatch, name, B, sq, sk, mask):
     assert B * -(-sq // tiles.m0) > per_block, "the case must make several blocks"
     q, k, v = make_qkv(seed_of("plan-blocks", name), B=B, Hq=hq, Sq=sq, Sk=sk, dtype=MAIN["dtype"])
     check_fwd(q, k, v, mask=mask, what=name)
+
+
+def test_nan_row_in_blocks(monkeypatch):
+    """A NaN query row in the second block's first slot stays NaN in its own output and LSE and
+    reaches no other row once the blocks' states are joined."""
+    monkeypatch.setitem(plan_mod.STATE_BUDGET, "cpu", 1)
+    monkeypatch.setitem(plan_mod.SCORE_BUDGET, "cpu", 1)
+    tiles = default_tiles("cpu", 64, 64)
+    assert state_tiles(2, 64, tiles, "cpu") == 1, "one tile per block: batch 1 is the second block"
+    q, k, v = make_qkv(seed_of("plan-blocks", "nan"), B=2, Hq=2, Sq=40, Sk=40, Dq=64)
+    q[1, 0, 0, 5] = float("nan")
+    out, lse = fmha_iree.fmha_fwd(q, k, v, mask="t", return_lse=True)
+    ref_out, ref_lse = attention_ref(q, k, v, mask="t")
+    expect = np.isnan(ref_out).any(axis=-1)
+    assert expect.sum() == 1 and expect[1, 0, 0]
+    np.testing.assert_array_equal(torch.isnan(out).any(dim=-1).numpy(), expect)
+    np.testing.assert_array_equal(torch.isnan(lse).numpy(), np.isnan(ref_lse))
+    assert_close(out, ref_out, torch.float32, what="nan in blocks")
+    assert_close(lse, ref_lse, torch.float32, kind="lse", what="nan in blocks")
