@@ -31,10 +31,11 @@ blocks.
     masked           optional dict of these fields for the ops with a mask operand (``fwd``'s
                      kernels, ``kernels.attention.lowering_attrs``; ``rdna_fwd_lowering``)
 
-`lowering="cpu"` (or {"backend": "cpu", ...}) renders an llvm-cpu config that keeps N whole
-(distribution/vector tiles [1, M, 0, 0, 0] / [1, 1, 0, 0, 0]). Not required: with the fresh-outs
-structure of `mlir/online_step.mlir.in` IREE's own llvm-cpu default (which tiles N by 8) is also
-correct.
+`lowering="cpu"` (or {"backend": "cpu", "workgroup_m": ..., "vector_m": ..., "reduction_k2": ...})
+renders an llvm-cpu config that keeps N whole (distribution / vector tiles [1, workgroup_m, 0, 0, 0]
+/ [1, vector_m (default 1), 0, 0, 0], keys in steps of reduction_k2); the CPU modules' step takes
+`tiles.CPU_STEP_LOWERING`. With the fresh-outs structure of `mlir/online_step.mlir.in` IREE's own
+llvm-cpu default (which tiles N by 8) is also correct, and slow.
 
 The op starts from a fresh (0, -FLT_MAX, 0) and the chunk is merged into the old state afterwards,
 so workgroup_n < Dv is safe (chaining the old state through the op's outs is not: IREE binds those
