@@ -57,22 +57,30 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
                   q_index=q_index, kv_index=kv_index)
     if not (masked or cpu):
         raise ValueError("an unmasked step is rendered for CPU lowerings only")
-    if cpu:
-        mask = _load("step_mask_cpu.mlir.in").substitute(**fields, **_CPU_GATHER_CONFIGS) if masked else ""
-        gathers = _load("step_gathers_cpu.mlir.in").substitute(
-            iotas=_iotas({m_total, int(c), int(dq), int(dv)}), to_t=_TO_F32[st], mask=mask, **fields,
-            **_CPU_GATHER_CONFIGS)
-    else:
-        gathers = _load("step_gathers.mlir.in").substitute(**fields)
-    mask_fields = dict(mask_operand=", %mask", mask_type=f", tensor<?x{m_total}x{int(c)}xi1>",
-                       mask_map="\n        affine_map<(d0, d1, d2, d3, d4) -> (d0, d1, d3)>,") if masked else \
-        dict(mask_operand="", mask_type="", mask_map="")
     k_tile = (int(dq), int(c)) if cpu else (int(c), int(dq))
     return _load("online_step.mlir.in").substitute(
         func_name=func_name, layout=layout, seq_dim=seq_dim, q_shape_doc=q_doc, k_shape_doc=k_doc,
         v_shape_doc=v_doc, scale_cast=scale_cast, attn_props=attn_props, attn_attrs=attn_attrs,
-        gathers=gathers, K_TILE=f"{k_tile[0]}x{k_tile[1]}", k_map="(d0, d2, d3)" if cpu else "(d0, d3, d2)",
-        **mask_fields, **fields)
+        gathers=_gathers(fields, cpu, masked), K_TILE=f"{k_tile[0]}x{k_tile[1]}",
+        k_map="(d0, d2, d3)" if cpu else "(d0, d3, d2)", **_mask_fields(masked, m_total, int(c)), **fields)
+
+
+def _gathers(fields: dict, cpu: bool, masked: bool) -> str:
+    """The step's gathers of Q / K / V and its mask (``fields``: the template's static fields)."""
+    if not cpu:
+        return _load("step_gathers.mlir.in").substitute(**fields)
+    mask = _load("step_mask_cpu.mlir.in").substitute(**fields, **_CPU_GATHER_CONFIGS) if masked else ""
+    iotas = _iotas({fields["M"], fields["C"], fields["DQ"], fields["DV"]})
+    return _load("step_gathers_cpu.mlir.in").substitute(iotas=iotas, to_t=_TO_F32[fields["ST"]], mask=mask,
+                                                        **fields, **_CPU_GATHER_CONFIGS)
+
+
+def _mask_fields(masked: bool, m_total: int, c: int) -> dict:
+    """The attention op's mask operand, its type and its indexing map (empty when unmasked)."""
+    if not masked:
+        return dict(mask_operand="", mask_type="", mask_map="")
+    return dict(mask_operand=", %mask", mask_type=f", tensor<?x{m_total}x{c}xi1>",
+                mask_map="\n        affine_map<(d0, d1, d2, d3, d4) -> (d0, d1, d3)>,")
 
 
 # A gathered element ``%raw`` (storage type) as ``%val`` in f32.
@@ -87,8 +95,8 @@ def _cpu_config(dist: list[int], vec: list[int]) -> str:
             "#iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>,")
 
 
-# Workgroups of one unit and head, 64 rows (or Dq / Dv rows of K^T / V) by whole columns; vectors
-# of 16 f32 along the contiguous dim (the mask: 64 keys).
+# Workgroups of one unit and head: 64 rows of Q / the mask, 16 head-dim rows of K^T, 64 keys of V,
+# each by its whole last dim; vectors of 16 f32 along that dim (the mask: 64 keys).
 _CPU_GATHER_CONFIGS = {
     "q_config": _cpu_config([1, 1, 64, 0], [1, 1, 1, 16]),
     "k_config": _cpu_config([1, 1, 16, 0], [1, 1, 1, 16]),
