@@ -21,10 +21,12 @@ def entry_points(spec: KernelSpec) -> dict:
     seq = lambda h, d, s="?": ["?", h, s, d] if spec.layout == "bhsd" else ["?", s, h, d]  # noqa: E731
     hq = "?" if spec.group == 1 else f"{spec.group}*Hk"
     state = {"acc": [["?", "Hk", gr, spec.dv], "f32"], "m": [["?", "Hk", gr], "f32"], "l": [["?", "Hk", gr], "f32"]}
+    # the step template takes bf16 typed as bf16 on GPUs, as its int16 bits on the CPU (as the torch graphs do)
+    st = t if spec.target.backend == "llvm-cpu" else spec.dtype
     out = {
         "init": {"args": {"carrier": [["NT", "Hk"], "i32"]}, "results": state},
         "step": {
-            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+            "args": {"q": [seq(hq, spec.dq), st], "k": [seq("Hk", spec.dq), st], "v": [seq("Hk", spec.dv), st],
                      "scale": [[1], "f32"], **state, "desc": [["P", len(DESC_COLUMNS)], "i32"]},
             "results": state,
             "desc_columns": list(DESC_COLUMNS),

@@ -440,3 +440,17 @@ def test_iree_run_module_runs_a_cpu_module(tmp_path):
     ref_out, ref_lse = attention_ref(*qkv, mask="b", scale=0.125)
     assert_close(np.load(tmp_path / "out.npy"), ref_out, np.float32, what="iree-run-module out")
     assert_close(np.load(tmp_path / "lse.npy"), ref_lse, np.float32, kind="lse", what="iree-run-module lse")
+
+
+@pytest.mark.parametrize("target,expect", [("host", "i16(bf16 bits)"), ("gfx942", "bf16"), ("sm_80", "bf16")])
+def test_manifest_step_argument_types(target, expect):
+    """The manifest gives the step's q / k / v the element type the module's step takes: the MLIR
+    template reads bf16 typed on GPUs and as its int16 bits on the CPU (whose runtime passes them so)."""
+    from fmha_iree.entries import entry_points
+    from fmha_iree.spec import KernelSpec
+    from fmha_iree.tiles import default_tiles
+
+    tgt = Target.from_name(target)
+    spec = KernelSpec("bf16", "bshd", 4, 128, 128, default_tiles(tgt.family, 128, 128), tgt)
+    step = entry_points(spec)["step"]["args"]
+    assert [step[n][1] for n in ("q", "k", "v")] == [expect] * 3
