@@ -3,8 +3,9 @@
 Shared by the API (:mod:`fmha_iree.api`) and deployed modules (:mod:`fmha_iree.deploy`). A batch-
 mode problem takes a compiled-in or aligned one-call entry point that serves it (``dense_kind``;
 in a module with ``fwd``, not the generic two-block ``causal``), else ``rows`` (CPU modules, short
-queries: any lengths and mask, cu_seqlen padding too), else ``fwd`` (CUDA modules: any lengths and
-mask in one call) or, with cu_seqlen padding, ``fwd_ragged`` (:mod:`fmha_iree.frames`), else the
+queries: any lengths and mask, cu_seqlen padding too), else ``units`` (CPU modules: any lengths and
+mask in one call, the plan's units looped inside the module), else ``fwd`` (CUDA modules: any
+lengths and mask in one call) or, with cu_seqlen padding, ``fwd_ragged`` (:mod:`fmha_iree.frames`), else the
 tile plan (``init``/``step``/``finalize``). Group mode and paged caches take ``fwd_ragged`` where
 the module has it, else ``rows`` and the plan. :func:`route` says which and why.
 """
@@ -29,7 +30,7 @@ __all__ = ["Route", "route", "dense_kind", "uses_fwd", "run_batch", "run_varlen"
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """The path a batch-mode call takes: ``path`` is ``"fwd"``, ``"ragged"``, ``"rows"``,
+    """The path a batch-mode call takes: ``path`` is ``"fwd"``, ``"units"``, ``"ragged"``, ``"rows"``,
     ``"dense"``, ``"causal"``, ``"window"`` or ``"plan"``; ``entry`` the module function that runs it (None for the plan's
     ``init``/``step``/``finalize``); ``window`` the width of a ``"window"`` path; ``reason`` why
     this path and not an earlier one."""
@@ -143,8 +144,8 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     problem is empty and nothing is called), and why. A compiled-in or aligned one-call entry
     point that serves the problem (``dense_kind``), except the generic two-block ``causal`` where
     the module has ``fwd``; else ``rows`` for short queries on a CPU module (``rows_fit``, cu_seqlen
-    padding included); else ``fwd`` wherever the module has it and every batch uses the full
-    lengths; else the tile plan."""
+    padding included); else, every batch at the full lengths, ``units`` (CPU modules) or ``fwd``
+    wherever the module has them; else the tile plan."""
     if module is None:
         return Route("plan", "empty problem: no entry point is called")
     padded = bool((p.q_lens != p.sq).any() or (p.k_lens != p.sk).any())
@@ -159,6 +160,9 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
         return Route("plan", "cu_seqlen padding: the tile plan reads each batch's own lengths")
     entry = None if kind is None else module.dense_entry(p.sq, p.sk, kind[0] == "causal", with_lse, p.batch, p.hk,
                                                          kind[1])
+    if kind is None and module.has("units"):
+        return Route("units", "no one-call entry point takes these lengths and mask: the units of the tile "
+                              "plan in one call, looped inside the module", "units")
     if module.has_fwd and (kind is None or entry == "causal"):
         why = "no one-call entry point takes these lengths and mask" if kind is None else \
             "fwd replaces the generic two-block causal entry point"
@@ -393,6 +397,11 @@ def _runner(p: BatchProblem, r: Route, module, return_lse: bool, keep: bool):
             return lambda q, k, v: _empty_result(p, out_shape, lse_shape)
         call = frames.frame_call(module, frame, p.q.array.shape, p.k.array.shape, dtype=dtype, scale=scale)
         return lambda q, k, v: call.run(module, q, k, v, keep=keep)
+    if r.path == "units":
+        y, x = p.mask.clipped_coords(p.sq, p.sk)
+        tensors = lambda q, k, v: [(q, dtype), (k, dtype), (v, dtype)]  # noqa: E731
+        return lambda q, k, v: tuple(module.call("units", tensors(q, k, v), scalars=(float(scale), int(y), int(x)),
+                                                 results=(dtype, "f32"), keep_on_device=keep))
     if r.path == "rows":
         desc, padded = rows_desc(p), r.entry == "rows_kpad"
         return lambda q, k, v: module.run_rows(q, k, v, dtype, scale, desc, padded_keys=padded, keep_on_device=keep)

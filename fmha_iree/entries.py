@@ -94,6 +94,14 @@ def entry_points(spec: KernelSpec) -> dict:
                "i < qlen[b], j < klen[b] and i - y[b] + 1 <= j < i + x[b]")
         out["rows"] = {**rows, "note": why + "; klen[b] == Sk for every batch"}
         out["rows_kpad"] = {**rows, "note": why + "; V past klen[b] is never read"}
+        out["units"] = {
+            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+                     "scale": [[], "f32 scalar"], "y": [[], "i64 scalar"], "x": [[], "i64 scalar"]},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
+            "note": (f"any Sq, Sk >= 1 and any CK mask in one call: row s sees keys s - y + 1 <= j < s + x; "
+                     f"units of {spec.tiles.m0} rows x {spec.tiles.kv_chunk} keys looped inside the module "
+                     "(mlir_templates.unit_loop); batch lengths uniform (no cu_seqlen padding)"),
+        }
         out["step_open"] = {**out["step"], "note": "step for units whose R rows all see the C keys of their "
                                                    "chunk (no mask; fmha_iree.plan.Block.unmasked)"}
         if spec.layout == "bshd":

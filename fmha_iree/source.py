@@ -171,7 +171,7 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
                                spec.seqlens, spec.batch, spec.kv_heads)
     text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
     if not fused:
-        return _with_funcs(text, _cpu_step(spec) + _cpu_packed(spec))
+        return _with_funcs(text, _cpu_step(spec) + _cpu_units(spec) + _cpu_packed(spec))
     from .mlir_templates import (render_causal, render_causal_tree, render_dense, render_dense_out, render_online_step,
                                  render_window)
 
@@ -223,16 +223,33 @@ def _cpu_step(spec: KernelSpec) -> list[str]:
     chunk, no mask): ``mlir/online_step.mlir.in`` with the CPU gathers and lowering
     (``tiles.CPU_STEP_LOWERING``, keys in steps of kN0)."""
     from .mlir_templates import render_online_step
-    from .tiles import CPU_STEP_LOWERING, CPU_STEP_VECTOR
 
     t = spec.tiles
-    # at most CPU_STEP_VECTOR elements per vector tile of Q K^T / P V: wider head dims take fewer keys
-    k2 = t.n0
+    kw = dict(dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv,
+              lowering=_cpu_step_lowering(spec))
+    return [render_online_step(func_name="step", **kw), render_online_step(func_name="step_open", masked=False, **kw)]
+
+
+def _cpu_step_lowering(spec: KernelSpec) -> dict:
+    """The CPU lowering of the step's and the unit loop's attention op: ``tiles.CPU_STEP_LOWERING``
+    with keys in steps of kN0, at most ``tiles.CPU_STEP_VECTOR`` elements per vector tile of
+    Q K^T / P V (wider head dims take fewer keys)."""
+    from .tiles import CPU_STEP_LOWERING, CPU_STEP_VECTOR
+
+    k2 = spec.tiles.n0
     while k2 > 8 and CPU_STEP_LOWERING["vector_m"] * k2 * max(spec.dq, spec.dv) > CPU_STEP_VECTOR:
         k2 //= 2
-    kw = dict(dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv,
-              lowering={**CPU_STEP_LOWERING, "reduction_k2": k2})
-    return [render_online_step(func_name="step", **kw), render_online_step(func_name="step_open", masked=False, **kw)]
+    return {**CPU_STEP_LOWERING, "reduction_k2": k2}
+
+
+def _cpu_units(spec: KernelSpec) -> list[str]:
+    """``units``: a batch-mode problem in one call, the plan's units (kM0 rows x the kv chunk) as a
+    loop inside the module (``mlir_templates.unit_loop``)."""
+    from .mlir_templates.unit_loop import render_unit_loop
+
+    t = spec.tiles
+    return [render_unit_loop(func_name="units", dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0,
+                             c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=_cpu_step_lowering(spec))]
 
 
 def _cpu_packed(spec: KernelSpec) -> list[str]:

@@ -1,0 +1,53 @@
+"""The CPU's batch-mode ``units`` entry point: the tile plan's units as a loop inside the module
+(``mlir/unit_loop.mlir.in``), each unit one ``online_attention`` of static shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .lowering import _DTYPES, _load, render_lowering_attrs
+
+__all__ = ["render_unit_loop"]
+
+# A storage element (%raw) to f32 (%f), and an f32 (%ov) to the output's storage type (%res).
+_TO_F32 = {"f32": "    %f = arith.addf %raw, %zero : f32",
+           "f16": "    %f = arith.extf %raw : f16 to f32",
+           "i16": "    %rb = arith.bitcast %raw : i16 to bf16\n    %f = arith.extf %rb : bf16 to f32"}
+_FROM_F32 = {"f32": "    %res = arith.addf %ov, %zero : f32",
+             "f16": "    %res = arith.truncf %ov : f32 to f16",
+             "i16": "    %rb = arith.truncf %ov : f32 to bf16\n    %res = arith.bitcast %rb : bf16 to i16"}
+
+
+def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int, dq: int, dv: int,
+                     lowering: Mapping[str, Any]) -> str:
+    """MLIR text of ``util.func public @func_name(q, k, v, scale: f32, y: i64, x: i64) -> (out,
+    lse)``: any batch-mode problem (runtime B, Sq, Sk, heads; CK's mask coordinates ``(y, x)``)
+    as units of ``r`` rows x ``c`` keys in a loop inside the module, each unit's
+    ``online_attention`` carrying the CPU ``lowering`` (``tiles.CPU_STEP_LOWERING``). bf16 is
+    passed as its int16 bits, as the CPU's other entry points take it."""
+    t = _DTYPES.get(str(dtype))
+    if t is None:
+        raise ValueError(f"dtype {dtype!r} not in f16/bf16/f32")
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"layout {layout!r} not in bshd/bhsd")
+    for name, val in (("group", group), ("r", r), ("c", c), ("dq", dq), ("dv", dv)):
+        if int(val) <= 0:
+            raise ValueError(f"{name} must be positive, got {val}")
+    st = "i16" if t == "bf16" else t
+    g, dv = int(group), int(dv)
+    props, attrs = render_lowering_attrs(dict(lowering), m_total=int(r), dv=dv, c=int(c))
+    if layout == "bhsd":
+        fields = dict(seq_dim=2, head_dim=1, q_index="%b, %hq, %s, %d", kv_index="%b, %h, %s, %d",
+                      q_shape_doc="[B, Hq, Sq, Dq]", k_shape_doc="[B, Hk, Sk, Dq]", v_shape_doc="[B, Hk, Sk, Dv]",
+                      out5_type=f"tensor<?x?x{g}x?x{dv}x{st}>", out_empty="%B, %Hk, %Sq", out_map="b, h, g, s, d",
+                      out_collapse="[0], [1, 2], [3], [4]")
+    else:
+        fields = dict(seq_dim=1, head_dim=2, q_index="%b, %s, %hq, %d", kv_index="%b, %s, %h, %d",
+                      q_shape_doc="[B, Sq, Hq, Dq]", k_shape_doc="[B, Sk, Hk, Dq]", v_shape_doc="[B, Sk, Hk, Dv]",
+                      out5_type=f"tensor<?x?x?x{g}x{dv}x{st}>", out_empty="%B, %Sq, %Hk", out_map="b, s, h, g, d",
+                      out_collapse="[0], [1], [2, 3], [4]")
+    return _load("unit_loop.mlir.in").substitute(
+        func_name=func_name, layout=layout, ST=st, G=g, R=int(r), C=int(c), Rm1=int(r) - 1, Cm1=int(c) - 1,
+        DQ=int(dq), DV=dv, attn_props=props, attn_attrs=attrs, raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st],
+        **fields)
