@@ -187,8 +187,9 @@ def fmha_fwd(
 
 def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None, tiles=None,
           device=None, specialize=False) -> Route:
-    """The path :func:`fmha_fwd` with these arguments takes (``Route``: ``fwd``, ``ragged``
-    (cu_seqlen padding in one frame), ``rows``, a one-call entry point, or the tile plan; which
+    """The path :func:`fmha_fwd` with these arguments takes (``Route``: ``fwd``, ``units`` (CPU
+    modules), ``ragged`` (cu_seqlen padding in one frame), ``rows``, a one-call entry point, or the
+    tile plan; which
     entry point; and why), without running it. Loads (and on
     first use compiles) the module, as the call would."""
     p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)

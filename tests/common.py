@@ -93,6 +93,11 @@ def ids(values, fmt=str):
     return [fmt(v) for v in values]
 
 
+def cu(lengths):
+    """``cu_seqlen_*`` of batches of ``lengths`` (int32 torch, leading 0)."""
+    return torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+
+
 def len_id(pair):
     return f"{pair[0]}x{pair[1]}"
 

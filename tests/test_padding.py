@@ -9,12 +9,8 @@ import pytest
 import torch
 
 import fmha_iree
-from common import MAIN, check_fwd
+from common import MAIN, check_fwd, cu
 from reference import assert_close, make_qkv, seed_of
-
-
-def cu(lengths):
-    return torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
 
 
 # (id, Sq padded, Sk padded, q lengths or None, k lengths or None)

@@ -11,14 +11,11 @@ import torch
 
 import fmha_iree
 from fmha_iree import dispatch
-from common import MAIN, check_fwd, len_id
+from fmha_iree.runtime import FmhaModule
+from common import MAIN, check_fwd, cu, len_id
 from reference import make_qkv, seed_of
 
 MQA4 = dict(Hq=4, Hk=1, Dq=64, Dv=64, dtype=torch.float32)
-
-
-def cu(lengths):
-    return torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
 
 
 def test_route_takes_rows_for_short_queries_only():
@@ -26,8 +23,8 @@ def test_route_takes_rows_for_short_queries_only():
     r = fmha_iree.route(q, k, v, mask="b")
     assert (r.path, r.entry) == ("rows", "rows"), r
     assert "short queries" in r.reason
-    q33 = make_qkv(1, B=2, Hq=4, Hk=1, Sq=33, Sk=500)[0]  # 4 * 33 rows per KV head: the plan
-    assert fmha_iree.route(q33, k, v, mask="b").path == "plan"
+    q33 = make_qkv(1, B=2, Hq=4, Hk=1, Sq=33, Sk=500)[0]  # 4 * 33 rows per KV head: units
+    assert fmha_iree.route(q33, k, v, mask="b").path == "units"
     r = fmha_iree.route(q, k, v, mask="b", cu_seqlen_k=cu([500, 17]))
     assert (r.path, r.entry) == ("rows", "rows_kpad"), r
 
@@ -36,14 +33,17 @@ LENGTHS = [(1, 1), (1, 300), (5, 3), (17, 130), (64, 64), (128, 77), (3, 1000)]
 MASKS = ["0", "t", "b", "t:3,0", "b:0,5", "b:-1,2", "xt:4", "xb:9"]
 
 
-@pytest.mark.parametrize("path", ["rows", "plan"])
+@pytest.mark.parametrize("path", ["rows", "units", "plan"])
 @pytest.mark.parametrize("sq,sk", LENGTHS, ids=[len_id(p) for p in LENGTHS])
 @pytest.mark.parametrize("mask", MASKS)
 def test_short_queries_every_mask(monkeypatch, path, sq, sk, mask):
     """Sq < Sk and Sq > Sk, tails of every size, rows that see no key (0 and lse -inf), through
-    ``rows`` and through the tile plan (rows turned off)."""
-    if path == "plan":
+    ``rows``, through ``units`` (rows turned off) and through the tile plan (a module without
+    ``units``, as CPU modules built before 2026-12-04)."""
+    if path != "rows":
         monkeypatch.setattr(dispatch, "ROWS_MAX_ROWS", 0)
+    if path == "plan":
+        monkeypatch.setattr(FmhaModule, "has", lambda self, fn: fn != "units" and fn in self._fns)
     q, k, v = make_qkv(seed_of("rows", sq, sk, mask), B=2, Hq=2, Sq=sq, Sk=sk, Dq=MAIN["Dq"], dtype=MAIN["dtype"])
     assert fmha_iree.route(q, k, v, mask=mask).path == path
     check_fwd(q, k, v, mask=mask, what=f"{path} {sq}x{sk} {mask}")

@@ -23,7 +23,7 @@ SHAPES = {
 CASES = [
     # (mask, return_lse, entry point; None: the generic plan)
     ("0", True, "dense_s"), ("0", False, "dense_o_s"), ("b", True, "causal_s"), ("t", False, "causal_o_s"),
-    ("b:20,0", True, None),  # a window: the generic entry points (rows for short queries, else the plan)
+    ("b:20,0", True, None),  # a window: the generic entry points (rows for short queries, else units)
 ]
 
 
@@ -40,7 +40,7 @@ def test_specialized_cpu_entries(shape, mask, with_lse, entry):
                        Dq=c["D"], dtype=c["dtype"], layout=c["layout"])
     got = _entry(q, k, v, mask, c["layout"], with_lse)
     short = c["S"] * c["Hq"] // c["Hk"] <= dispatch.ROWS_MAX_ROWS
-    assert got == (f"{entry}{c['S']}" if entry else "rows" if short else None)
+    assert got == (f"{entry}{c['S']}" if entry else "rows" if short else "units")
     res = fmha_iree.fmha_fwd(q, k, v, mask=mask, layout=c["layout"], return_lse=with_lse, specialize=True)
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=c["layout"])
     out = res[0] if with_lse else res
@@ -67,7 +67,7 @@ def test_specialized_module_takes_other_shapes(tmp_path):
     for _ in range(3):  # the first call prepares, the others replay (DeployedFmha's PreparedCalls)
         assert_close(f(*d2, mask="b").to_torch(), ref2, torch.float32, what="deployed replay")
     q, k, v = make_qkv(seed_of("specialize-other"), B=1, **shape)
-    assert f.route(q, k, v, mask="b").path == "plan"
+    assert f.route(q, k, v, mask="b").path == "units"
     out, lse = f(q, k, v, mask="b", return_lse=True)
     ref_out, ref_lse = attention_ref(q, k, v, mask="b")
     assert_close(out, ref_out, torch.float32, what="other batch out")

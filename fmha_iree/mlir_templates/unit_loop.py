@@ -35,15 +35,17 @@ def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: 
         if int(val) <= 0:
             raise ValueError(f"{name} must be positive, got {val}")
     st = "i16" if t == "bf16" else t
-    g, dv = int(group), int(dv)
+    g, dq, dv = int(group), int(dq), int(dv)
     props, attrs = render_lowering_attrs(dict(lowering), m_total=int(r), dv=dv, c=int(c))
     if layout == "bhsd":
-        fields = dict(seq_dim=2, head_dim=1, q_index="%b, %hq, %s, %d", kv_index="%b, %h, %s, %d",
+        fields = dict(seq_dim=2, head_dim=1, q_expand="[0], [1, 2], [3], [4]", q_expand_shape=f"%B, %Hk, {g}, %Sq, {dq}",
+                      q5_type=f"tensor<?x?x{g}x?x{dq}x{st}>", q5_map="b, h, g, s, d", kt_map="b, h, j, d", v_map="b, h, j, d",
                       q_shape_doc="[B, Hq, Sq, Dq]", k_shape_doc="[B, Hk, Sk, Dq]", v_shape_doc="[B, Hk, Sk, Dv]",
                       out5_type=f"tensor<?x?x{g}x?x{dv}x{st}>", out_empty="%B, %Hk, %Sq", out_map="b, h, g, s, d",
                       out_collapse="[0], [1, 2], [3], [4]")
     else:
-        fields = dict(seq_dim=1, head_dim=2, q_index="%b, %s, %hq, %d", kv_index="%b, %s, %h, %d",
+        fields = dict(seq_dim=1, head_dim=2, q_expand="[0], [1], [2, 3], [4]", q_expand_shape=f"%B, %Sq, %Hk, {g}, {dq}",
+                      q5_type=f"tensor<?x?x?x{g}x{dq}x{st}>", q5_map="b, s, h, g, d", kt_map="b, j, h, d", v_map="b, j, h, d",
                       q_shape_doc="[B, Sq, Hq, Dq]", k_shape_doc="[B, Sk, Hk, Dq]", v_shape_doc="[B, Sk, Hk, Dv]",
                       out5_type=f"tensor<?x?x?x{g}x{dv}x{st}>", out_empty="%B, %Sq, %Hk", out_map="b, s, h, g, d",
                       out_collapse="[0], [1], [2, 3], [4]")
