@@ -201,8 +201,8 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
     """A checked group-mode problem (``check_varlen``'s two results) on a module, shared by
     ``fmha_fwd_varlen`` and deployed modules: one ``fwd_ragged`` call where the module has it
     (``bshd``); on a CPU module with host inputs, sequences of short queries in ``rows`` calls
-    (:func:`short_sequences`, each call a batch of them padded to its longest), the others in the
-    tile plan. ``memo``: given the replay of a one-call path (``prepared.PreparedCalls.memo``;
+    (:func:`short_sequences`, each call a batch of them padded to its longest), the others one
+    ``units`` call each (modules without ``units``: the tile plan). ``memo``: given the replay of a one-call path (``prepared.PreparedCalls.memo``;
     the caller's tensors in, its result out), where there is one."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     module = get_module() if p.sq and p.sk else None
@@ -214,6 +214,13 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
     long = np.ones(len(q_len), bool)
     for group in short:
         long[group] = False
+    if module is not None and module.has("units"):  # the long sequences one units call each
+        out, lse = _empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
+        for i in np.flatnonzero(long & (q_len > 0) & (k_len > 0)):
+            _units_sequence(p, module, (q_start[i], q_len[i], k_start[i], k_len[i], lse_start[i]), out, lse)
+        for group in short:
+            _rows_group(p, module, group, starts, out, lse)
+        return _returned(p, out, lse, return_lse)
     seqs = Sequences(np.zeros(int(long.sum()), np.int64), q_start[long], q_len[long], k_start[long], k_len[long],
                      lse_start[long])
     out, lse = _execute(p, seqs, (p.sq, p.hq, p.dv), (p.hq, total_q), (1, p.sq), (1, total_q), tiles, get_module, family)
@@ -336,6 +343,18 @@ def _paged_groups(p: BatchProblem, starts, module) -> list[np.ndarray] | None:
     if left.any() or not all(packed_fits(int(q_len[g].max()), p.hq // p.hk) for g in groups):
         return None
     return groups
+
+
+def _units_sequence(p: BatchProblem, module, seq, out: np.ndarray, lse: np.ndarray):
+    """One sequence ``seq`` = (q_start, q_len, k_start, k_len, lse_start) of a group-mode problem
+    as a batch of one through ``units`` (its rows and keys read in place from the packed tensors),
+    written back into the packed ``out`` ``[Tq, Hq, Dv]`` and ``lse`` ``[Hq, total]``."""
+    qs, lq, ks, lk, ls = (int(x) for x in seq)
+    y, x = p.mask.clipped_coords(lq, lk)
+    tensors = [(t.array[:, a:a + n], p.q.dtype) for t, a, n in ((p.q, qs, lq), (p.k, ks, lk), (p.v, ks, lk))]
+    o, l = module.call("units", tensors, scalars=(float(p.scale), int(y), int(x)), results=(p.q.dtype, "f32"))
+    out[qs:qs + lq] = o[0]
+    lse[:, ls:ls + lq] = l[0]
 
 
 def _rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarray, lse: np.ndarray,
