@@ -8,6 +8,7 @@ lowering configs they carry):
 - ``window.py``: ``window_s<S>``, a sliding window at a compiled-in length
 - ``ops.py`` / ``copies.py``: the attention ops, copies and views those share
 - ``rows_packed.py``: the CPU's short queries of packed sequences, K / V read in place
+- ``unit_loop.py``: the CPU's ``units``, any batch-mode problem as the plan's units looped in the module
 """
 
 from .causal_tree import render_causal_tree
