@@ -80,6 +80,9 @@ def parse_tiles(text: str) -> TileConfig:
 # (about 60%, IREE's CPU codegen at 100-140 GFLOP/s on these shapes) and passes over its scores;
 # larger units cut the per-unit gathers and state merges. On 2026-11-29 (a slower host then)
 # 128x128 had beaten 64x64 and 128 x 256.
+# CPU units of 256 rows x 512 keys: re-swept for `units` on 2026-12-04 (docs/tried.md, "Unit shapes
+# for `units`": 256-key chunks a third slower everywhere, 512-row tiles 1.5x slower on the chunked
+# prefill Sq256 Sk2048)
 _CPU = {d: TileConfig(256, 128, 32, 128, 32, kv_chunk=512) for d in (32, 64, 96, 128, 192, 256)}
 
 # The CPU step's attention op (``mlir_templates.step``, K gathered transposed): workgroups of 64
