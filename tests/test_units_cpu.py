@@ -56,3 +56,18 @@ def test_units_head_dims_differ():
     q, k, v = make_qkv(seed_of("units-dv"), B=1, Hq=2, Hk=2, Sq=260, Sk=530, Dq=64, Dv=32)
     assert fmha_iree.route(q, k, v, mask="b").path == "units"
     check_fwd(q, k, v, mask="b", what="units dq64 dv32")
+
+
+def test_units_device_tensors_replayed():
+    """DeviceTensors on the CPU device take ``units`` too, prepared once and replayed
+    (``dispatch.prepare``); results stay DeviceTensors."""
+    from reference import assert_close, attention_ref
+
+    q, k, v = make_qkv(seed_of("units-device"), B=2, Hq=4, Hk=2, Sq=300, Sk=700)
+    ref_out, ref_lse = attention_ref(q, k, v, mask="b")
+    d = [fmha_iree.to_device(x) for x in (q, k, v)]
+    assert fmha_iree.route(*d, mask="b").path == "units"
+    for _ in range(3):  # the first call prepares, the others replay
+        out, lse = fmha_iree.fmha_fwd(*d, mask="b", return_lse=True)
+        assert_close(out.to_torch(), ref_out, torch.float32, what="units device out")
+        assert_close(lse.to_torch(), ref_lse, torch.float32, kind="lse", what="units device lse")
