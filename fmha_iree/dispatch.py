@@ -350,9 +350,8 @@ def _units_sequence(p: BatchProblem, module, seq, out: np.ndarray, lse: np.ndarr
     as a batch of one through ``units`` (its rows and keys read in place from the packed tensors),
     written back into the packed ``out`` ``[Tq, Hq, Dv]`` and ``lse`` ``[Hq, total]``."""
     qs, lq, ks, lk, ls = (int(x) for x in seq)
-    y, x = p.mask.clipped_coords(lq, lk)
-    tensors = [(t.array[:, a:a + n], p.q.dtype) for t, a, n in ((p.q, qs, lq), (p.k, ks, lk), (p.v, ks, lk))]
-    o, l = module.call("units", tensors, scalars=(float(p.scale), int(y), int(x)), results=(p.q.dtype, "f32"))
+    q, k, v = (t.array[:, a:a + n] for t, a, n in ((p.q, qs, lq), (p.k, ks, lk), (p.v, ks, lk)))
+    o, l = module.run_fwd(q, k, v, p.q.dtype, p.scale, p.mask.clipped_coords(lq, lk), fn="units")
     out[qs:qs + lq] = o[0]
     lse[:, ls:ls + lq] = l[0]
 
@@ -405,9 +404,9 @@ def _runner(p: BatchProblem, r: Route, module, return_lse: bool, keep: bool):
     """``(q, k, v) -> (out, lse)`` on the one-call entry point of the route ``r`` (not the plan),
     with everything but the tensors fixed now (results left on the device with ``keep``)."""
     dtype, scale, layout = p.q.dtype, p.scale, p.layout
-    if r.path == "fwd":
+    if r.path in ("fwd", "units"):
         coords = p.mask.clipped_coords(p.sq, p.sk)
-        return lambda q, k, v: module.run_fwd(q, k, v, dtype, scale, coords, keep_on_device=keep)
+        return lambda q, k, v: module.run_fwd(q, k, v, dtype, scale, coords, keep_on_device=keep, fn=r.entry)
     if r.path == "ragged":
         frame = frames.batch_frame(p.mask, p.q_lens, p.k_lens, p.sq, p.sk)
         if frame.empty:
@@ -416,11 +415,6 @@ def _runner(p: BatchProblem, r: Route, module, return_lse: bool, keep: bool):
             return lambda q, k, v: _empty_result(p, out_shape, lse_shape)
         call = frames.frame_call(module, frame, p.q.array.shape, p.k.array.shape, dtype=dtype, scale=scale)
         return lambda q, k, v: call.run(module, q, k, v, keep=keep)
-    if r.path == "units":
-        y, x = p.mask.clipped_coords(p.sq, p.sk)
-        tensors = lambda q, k, v: [(q, dtype), (k, dtype), (v, dtype)]  # noqa: E731
-        return lambda q, k, v: tuple(module.call("units", tensors(q, k, v), scalars=(float(scale), int(y), int(x)),
-                                                 results=(dtype, "f32"), keep_on_device=keep))
     if r.path == "rows":
         desc, padded = rows_desc(p), r.entry == "rows_kpad"
         return lambda q, k, v: module.run_rows(q, k, v, dtype, scale, desc, padded_keys=padded, keep_on_device=keep)

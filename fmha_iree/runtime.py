@@ -358,12 +358,14 @@ class FmhaModule:
                 read_by(fence)
             return [self._result(bv, fence, dtype, keep_on_device) for bv, dtype in zip(rets, results)]
 
-    def run_fwd(self, q, k, v, dtype: str, scale: float, coords: tuple[int, int], *, keep_on_device: bool = False):
-        """One ``fwd`` call: q/k/v in the module's layout (4-D), ``coords`` CK's (y, x) for this
-        problem, already clipped to the lengths (``Mask.clipped_coords``). Returns (out, lse [B, Hq, Sq])."""
+    def run_fwd(self, q, k, v, dtype: str, scale: float, coords: tuple[int, int], *, keep_on_device: bool = False,
+                fn: str = "fwd"):
+        """One call of ``fn``, ``fwd`` or the CPU's ``units`` (any lengths and mask, one call): q/k/v
+        in the module's layout (4-D), ``coords`` CK's (y, x) for this problem, already clipped to
+        the lengths (``Mask.clipped_coords``). Returns (out, lse [B, Hq, Sq])."""
         with self._lock:
             args = [self._put(x, dtype) for x in (q, k, v)]
-            (out, lse), fence = self._call("fwd", args, 2, scalars=(float(scale), int(coords[0]), int(coords[1])))
+            (out, lse), fence = self._call(fn, args, 2, scalars=(float(scale), int(coords[0]), int(coords[1])))
             return self._result(out, fence, dtype, keep_on_device), self._result(lse, fence, "f32", keep_on_device)
 
 

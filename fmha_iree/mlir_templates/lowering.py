@@ -72,6 +72,20 @@ _DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32", "float16": "f16",
            "bfloat16": "bf16", "float32": "f32"}
 
 
+def checked_fields(dtype, layout: str, **sizes) -> str:
+    """The MLIR element type of ``dtype`` after checking a template's common fields: ``layout``
+    bshd or bhsd, every size in ``sizes`` positive."""
+    t = _DTYPES.get(str(dtype))
+    if t is None:
+        raise ValueError(f"dtype {dtype!r} not in f16/bf16/f32")
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"layout {layout!r} not in bshd/bhsd")
+    for name, val in sizes.items():
+        if int(val) <= 0:
+            raise ValueError(f"{name} must be positive, got {val}")
+    return t
+
+
 def _load(name: str) -> string.Template:
     return string.Template((_TEMPLATE_DIR / name).read_text())
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .lowering import _DTYPES, _load, render_lowering_attrs
+from .lowering import _load, checked_fields, render_lowering_attrs
 
 def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int,
                        dq: int, dv: int, lowering: Mapping[str, Any] | str | None = None,
@@ -24,14 +24,7 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
     the visibility mask out: the function then takes only units whose rows all see every key of
     their chunk (``plan.Block.unmasked``).
     """
-    t = _DTYPES.get(str(dtype))
-    if t is None:
-        raise ValueError(f"dtype {dtype!r} not in f16/bf16/f32")
-    if layout not in ("bshd", "bhsd"):
-        raise ValueError(f"layout {layout!r} not in bshd/bhsd")
-    for name, val in (("group", group), ("r", r), ("c", c), ("dq", dq), ("dv", dv)):
-        if int(val) <= 0:
-            raise ValueError(f"{name} must be positive, got {val}")
+    t = checked_fields(dtype, layout, group=group, r=r, c=c, dq=dq, dv=dv)
     m_total = int(group) * int(r)
     if layout == "bshd":
         seq_dim = 1

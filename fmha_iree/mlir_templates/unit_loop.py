@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .lowering import _DTYPES, _load, render_lowering_attrs
+from .lowering import _load, checked_fields, render_lowering_attrs
+from .step import _TO_F32
 
 __all__ = ["render_unit_loop"]
 
-# A storage element (%raw) to f32 (%f), and an f32 (%ov) to the output's storage type (%res).
-_TO_F32 = {"f32": "    %f = arith.addf %raw, %zero : f32",
-           "f16": "    %f = arith.extf %raw : f16 to f32",
-           "i16": "    %rb = arith.bitcast %raw : i16 to bf16\n    %f = arith.extf %rb : bf16 to f32"}
+# An f32 (%ov) to the output's storage type (%res); a storage element (%raw) to f32 (%val) is
+# the step's ``_TO_F32``.
 _FROM_F32 = {"f32": "    %res = arith.addf %ov, %zero : f32",
              "f16": "    %res = arith.truncf %ov : f32 to f16",
              "i16": "    %rb = arith.truncf %ov : f32 to bf16\n    %res = arith.bitcast %rb : bf16 to i16"}
@@ -26,14 +25,7 @@ def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: 
     as units of ``r`` rows x ``c`` keys in a loop inside the module, each unit's
     ``online_attention`` carrying the CPU ``lowering`` (``tiles.CPU_STEP_LOWERING``). bf16 is
     passed as its int16 bits, as the CPU's other entry points take it."""
-    t = _DTYPES.get(str(dtype))
-    if t is None:
-        raise ValueError(f"dtype {dtype!r} not in f16/bf16/f32")
-    if layout not in ("bshd", "bhsd"):
-        raise ValueError(f"layout {layout!r} not in bshd/bhsd")
-    for name, val in (("group", group), ("r", r), ("c", c), ("dq", dq), ("dv", dv)):
-        if int(val) <= 0:
-            raise ValueError(f"{name} must be positive, got {val}")
+    t = checked_fields(dtype, layout, group=group, r=r, c=c, dq=dq, dv=dv)
     st = "i16" if t == "bf16" else t
     g, dq, dv = int(group), int(dq), int(dv)
     props, attrs = render_lowering_attrs(dict(lowering), m_total=int(r), dv=dv, c=int(c))
