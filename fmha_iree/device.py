@@ -15,7 +15,7 @@ import numpy as np
 
 from .allocation import AllocatorPolicy, CacheKeeper, allocator_policy
 
-__all__ = ["DeviceRegistry", "DEVICES", "get_device", "DeviceTensor", "element_type", "exhausted", "memory_errors",
+__all__ = ["DeviceRegistry", "DEVICES", "get_device", "DeviceTensor", "host_buffer", "element_type", "exhausted", "memory_errors",
            "HOST_DTYPES"]
 
 
@@ -136,6 +136,17 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     buf = np.empty(n + 64, np.uint8)
     off = (-buf.ctypes.data) % 64
     return buf[off:off + n].view(dt).reshape(shape)
+
+
+def host_buffer(a: np.ndarray):
+    """``a``'s bytes in a new IREE ``VmBuffer`` (a module's ``!util.buffer`` argument, read by its
+    host code; at least 8 bytes)."""
+    import iree.runtime as rt
+
+    raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    buf = rt.VmBuffer(max(raw.size, 8), alignment=64, mutable=True)
+    np.frombuffer(memoryview(buf), np.uint8)[:raw.size] = raw
+    return buf
 
 
 class DeviceTensor:

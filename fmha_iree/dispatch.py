@@ -20,7 +20,7 @@ import numpy as np
 from . import frames
 from .frames import has_ragged
 from .device import DeviceTensor, aligned_empty
-from .plan import Plan, Sequences, build_plan, runs, state_tiles, units_budget
+from .plan import Plan, Sequences, build_plan, runs, state_tiles, unit_tiles, units_budget
 from .runtime import dense_entry
 from .paged import PagedCache
 from .spec import BatchProblem, Operand, check_varlen
@@ -201,8 +201,9 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
     """A checked group-mode problem (``check_varlen``'s two results) on a module, shared by
     ``fmha_fwd_varlen`` and deployed modules: one ``fwd_ragged`` call where the module has it
     (``bshd``); on a CPU module with host inputs, sequences of short queries in ``rows`` calls
-    (:func:`short_sequences`, each call a batch of them padded to its longest), the others one
-    ``units`` call each (modules without ``units``: the tile plan). ``memo``: given the replay of a one-call path (``prepared.PreparedCalls.memo``;
+    (:func:`short_sequences`, each call a batch of them padded to its longest), the others in one
+    ``units_varlen`` call (modules built before it: one ``units`` call each; without ``units``:
+    the tile plan). ``memo``: given the replay of a one-call path (``prepared.PreparedCalls.memo``;
     the caller's tensors in, its result out), where there is one."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     module = get_module() if p.sq and p.sk else None
@@ -214,6 +215,11 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
     long = np.ones(len(q_len), bool)
     for group in short:
         long[group] = False
+    if module is not None and module.has("units_varlen"):  # the long sequences in one call
+        out, lse = _units_varlen(p, module, np.flatnonzero(long & (q_len > 0)), starts, tiles.m0)
+        for group in short:
+            _rows_group(p, module, group, starts, out, lse)
+        return _returned(p, out, lse, return_lse)
     if module is not None and module.has("units"):  # the long sequences one units call each
         out, lse = _empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
         for i in np.flatnonzero(long & (q_len > 0) & (k_len > 0)):
@@ -343,6 +349,30 @@ def _paged_groups(p: BatchProblem, starts, module) -> list[np.ndarray] | None:
     if left.any() or not all(packed_fits(int(q_len[g].max()), p.hq // p.hk) for g in groups):
         return None
     return groups
+
+
+def _units_varlen(p: BatchProblem, module, seqs: np.ndarray, starts, rows: int):
+    """The sequences ``seqs`` of a group-mode problem (with query rows; one without keys gets out 0
+    and lse -inf from its tiles) in one ``units_varlen`` call over the packed tensors. Returns (out
+    ``[Tq, Hq, Dv]``, lse ``[Hq, total]``): the call's own arrays where the problem's sequences
+    fill the packed rows in order (the rows of sequences not in ``seqs`` are the caller's to
+    write), else ``seqs``' rows copied into zeros / -inf."""
+    q_start, q_len, k_start, k_len, lse_start, total_q = starts
+    ends = np.cumsum(q_len)
+    packed = p.sq == total_q == int(ends[-1]) and np.array_equal(q_start, ends - q_len) and \
+        np.array_equal(lse_start, q_start)  # every packed row is some sequence's, in order
+    q_start, q_len, k_start, k_len, lse_start = (x[seqs] for x in starts[:5])
+    desc = frames.descriptors(p.mask, q_len, k_len)
+    table = unit_tiles((q_start, q_len, k_start, k_len), (desc[:, 2], desc[:, 3]), rows=rows,
+                       group=p.hq // p.hk, head_rows=p.sq + rows)
+    o, l = module.run_units_varlen(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, table)
+    if packed:
+        return o[0], l[0]
+    out, lse = _empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
+    seq, rel = runs(q_len)
+    out[q_start[seq] + rel] = o[0, q_start[seq] + rel]
+    lse[:, lse_start[seq] + rel] = l[0][:, q_start[seq] + rel]
+    return out, lse
 
 
 def _units_sequence(p: BatchProblem, module, seq, out: np.ndarray, lse: np.ndarray):

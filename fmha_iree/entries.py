@@ -82,6 +82,7 @@ def entry_points(spec: KernelSpec) -> dict:
                              "note": note + "; the table and scalars as fmha_iree.frames.Pieces writes them "
                                             "(fmha_iree/kernels/packed.py)"}
     if spec.target.backend == "llvm-cpu":
+        from .mlir_templates.unit_varlen import TILE_COLUMNS
         from .rows import ROWS_DESC_COLUMNS
 
         rows = {
@@ -102,6 +103,16 @@ def entry_points(spec: KernelSpec) -> dict:
                      f"units of {spec.tiles.m0} rows x {spec.tiles.kv_chunk} keys looped inside the module "
                      "(mlir_templates.unit_loop); batch lengths uniform (no cu_seqlen padding)"),
         }
+        if spec.layout == "bshd":
+            out["units_varlen"] = {
+                "args": {"q": [[1, "Tq", hq, spec.dq], t], "k": [[1, "Tk", "Hk", spec.dq], t],
+                         "v": [[1, "Tk", "Hk", spec.dv], t], "tiles": [["N", 8], "i64 host buffer"],
+                         "scale": [[], "f32 scalar"]},
+                "results": {"out": [[1, "Tq", hq, spec.dv], t], "lse": [[1, hq, "Tq"], "f32"]},
+                "tile_columns": list(TILE_COLUMNS),
+                "note": (f"group mode's packed sequences in one call: a table of {spec.tiles.m0}-row tiles "
+                         "(fmha_iree.plan.unit_tiles) looped inside the module, rows of no tile 0 (lse -inf)"),
+            }
         out["step_open"] = {**out["step"], "note": "step for units whose R rows all see the C keys of their "
                                                    "chunk (no mask; fmha_iree.plan.Block.unmasked)"}
         if spec.layout == "bshd":

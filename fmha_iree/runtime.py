@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from .device import DEVICES, DeviceTensor, exhausted, get_device, memory_errors
+from .device import DEVICES, DeviceTensor, exhausted, get_device, host_buffer, memory_errors
 from .plan import Block, Plan
 from .staging import UploadRing
 
@@ -340,6 +340,15 @@ class FmhaModule:
                 args.append(self._i32(np.ascontiguousarray(table, np.int32)))
             fn = "rows_packed" if table is None else "rows_packed_pages"
             (out, lse), fence = self._call(fn, args, 2, scalars=(int(mq), int(mk)))
+            return self._result(out, fence, dtype, False), self._result(lse, fence, "f32", False)
+
+    def run_units_varlen(self, q, k, v, dtype: str, scale: float, tiles: np.ndarray):
+        """One ``units_varlen`` call on packed ``q`` ``[1, Tq, Hq, Dq]`` and ``k`` / ``v``: ``tiles``
+        the int64 tile table (``plan.unit_tiles``), passed as a host buffer the module reads in
+        its own host code. Returns numpy (out ``[1, Tq, Hq, Dv]``, lse ``[1, Hq, Tq]``)."""
+        with self._lock:
+            args = [self._put(x, dtype) for x in (q, k, v)] + [(host_buffer(tiles), None)]
+            (out, lse), fence = self._call("units_varlen", args, 2, scalars=(float(scale),))
             return self._result(out, fence, dtype, False), self._result(lse, fence, "f32", False)
 
     def call(self, fn: str, tensors, *, staged=(), scalars: tuple = (), results=(), keep_on_device: bool = False) -> list:

@@ -244,12 +244,20 @@ def _cpu_step_lowering(spec: KernelSpec) -> dict:
 
 def _cpu_units(spec: KernelSpec) -> list[str]:
     """``units``: a batch-mode problem in one call, the plan's units (kM0 rows x the kv chunk) as a
-    loop inside the module (``mlir_templates.unit_loop``)."""
+    loop inside the module (``mlir_templates.unit_loop``); bshd modules also get ``units_varlen``
+    (group mode's sequences in one call, masked steps of kN0 keys: ``mlir_templates.unit_varlen``)."""
     from .mlir_templates.unit_loop import render_unit_loop
 
     t = spec.tiles
-    return [render_unit_loop(func_name="units", dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0,
-                             c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=_cpu_step_lowering(spec))]
+    funcs = [render_unit_loop(func_name="units", dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0,
+                              c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=_cpu_step_lowering(spec))]
+    if spec.layout == "bshd":  # group mode's packed sequences
+        from .mlir_templates.unit_varlen import render_unit_varlen
+
+        funcs.append(render_unit_varlen(func_name="units_varlen", dtype=spec.dtype, group=spec.group, r=t.m0,
+                                        c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv,
+                                        lowering=_cpu_step_lowering(spec)))
+    return funcs
 
 
 def _cpu_packed(spec: KernelSpec) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from .lowering import _load, checked_fields, render_lowering_attrs
 from .step import _TO_F32
 
-__all__ = ["render_unit_loop"]
+__all__ = ["render_unit_loop", "render_step", "LOOP_AFFINITY"]
 
 # An f32 (%ov) to the output's storage type (%res); a storage element (%raw) to f32 (%val) is
 # the step's ``_TO_F32``.
@@ -18,17 +18,43 @@ _FROM_F32 = {"f32": "    %res = arith.addf %ov, %zero : f32",
              "i16": "    %rb = arith.truncf %ov : f32 to bf16\n    %res = arith.bitcast %rb : bf16 to i16"}
 
 
-def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int, dq: int, dv: int,
-                     lowering: Mapping[str, Any]) -> str:
+# The tiles' loop placed on the module's device (``--iree-hal-target-device=local`` names it
+# ``__device_0``). Without it IREE 3.13 gives the loop-carried state no affinity and copies all of
+# it into a fresh buffer at every tile (``stream.async.transfer`` to the same device): 20 MB per
+# tile for 9.4 k packed rows (H8, D64), 1.1 GB of fresh pages per call on the dev CPU (2026-12-04;
+# a loop whose steps sat under an scf.if then failed at run time: the steps are loops of one kind).
+LOOP_AFFINITY = " {stream.affinity = #hal.device.affinity<@__device_0>}"
+
+
+def render_step(tag: str, width: int, masked: bool, *, batch: str, r: int, dq: int, dv: int, props: str,
+                attrs: str, own_keys: bool = False) -> str:
+    """The body of a unit loop's step loop (``mlir/unit_step.mlir.in``): one ``online_attention``
+    over ``width`` keys from ``%kg`` on, ``batch`` (an SSA name) heads, masked by ``%mask``;
+    ``own_keys``: keys from the sequence's ``%lk`` on read as zeros (``mlir/unit_slices_own.mlir.in``)."""
+    slices = _load("unit_slices_own.mlir.in" if own_keys else "unit_slices.mlir.in").substitute(
+        tag=tag, W=width, BATCH=batch, DQ=dq, DV=dv)
+    return _load("unit_step.mlir.in").substitute(
+        tag=tag, W=width, what="masked" if masked else "every row sees every key", R=r, DQ=dq, DV=dv,
+        slices=slices, attn_props=props, attn_attrs=attrs,
+        mask_map="\n              affine_map<(d0, d1, d2, d3, d4) -> (d1, d3)>," if masked else "",
+        mask_arg=", %mask" if masked else "", mask_type=f", tensor<{r}x{width}xi1>" if masked else "")
+
+
+def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int, c_narrow: int, dq: int,
+                     dv: int, lowering: Mapping[str, Any]) -> str:
     """MLIR text of ``util.func public @func_name(q, k, v, scale: f32, y: i64, x: i64) -> (out,
     lse)``: any batch-mode problem (runtime B, Sq, Sk, heads; CK's mask coordinates ``(y, x)``)
-    as units of ``r`` rows x ``c`` keys in a loop inside the module, each unit's
-    ``online_attention`` carrying the CPU ``lowering`` (``tiles.CPU_STEP_LOWERING``). bf16 is
-    passed as its int16 bits, as the CPU's other entry points take it."""
-    t = checked_fields(dtype, layout, group=group, r=r, c=c, dq=dq, dv=dv)
+    as tiles of ``r`` rows in a loop inside the module, each over open steps of ``c`` keys and
+    masked ones of ``c_narrow``, each step's ``online_attention`` carrying the CPU ``lowering``
+    (``tiles.CPU_STEP_LOWERING``). bf16 is passed as its int16 bits, as the CPU's other entry
+    points take it."""
+    t = checked_fields(dtype, layout, group=group, r=r, c=c, c_narrow=c_narrow, dq=dq, dv=dv)
+    if c % c_narrow:
+        raise ValueError(f"c ({c}) must be a multiple of c_narrow ({c_narrow})")
     st = "i16" if t == "bf16" else t
     g, dq, dv = int(group), int(dq), int(dv)
-    props, attrs = render_lowering_attrs(dict(lowering), m_total=int(r), dv=dv, c=int(c))
+    props, attrs = render_lowering_attrs(dict(lowering), m_total=int(r), dv=dv, c=int(c_narrow))
+    kw = dict(batch="%BH", r=int(r), dq=dq, dv=dv, props=props, attrs=attrs)
     if layout == "bhsd":
         fields = dict(seq_dim=2, head_dim=1, q_expand="[0], [1, 2], [3], [4]", q_expand_shape=f"%B, %Hk, {g}, %Sq, {dq}",
                       q5_type=f"tensor<?x?x{g}x?x{dq}x{st}>", q5_map="b, h, g, s, d", kt_map="b, h, j, d", v_map="b, h, j, d",
@@ -42,6 +68,7 @@ def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: 
                       out5_type=f"tensor<?x?x?x{g}x{dv}x{st}>", out_empty="%B, %Sq, %Hk", out_map="b, s, h, g, d",
                       out_collapse="[0], [1], [2, 3], [4]")
     return _load("unit_loop.mlir.in").substitute(
-        func_name=func_name, layout=layout, ST=st, G=g, R=int(r), C=int(c), Rm1=int(r) - 1, Cm1=int(c) - 1,
-        DQ=int(dq), DV=dv, attn_props=props, attn_attrs=attrs, raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st],
-        **fields)
+        func_name=func_name, layout=layout, ST=st, G=g, R=int(r), C=int(c), CN=int(c_narrow), Rm1=int(r) - 1,
+        Cm1=int(c) - 1, DQ=int(dq), DV=dv, raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st],
+        open_wide=render_step("w", int(c), False, **kw), masked_narrow=render_step("m", int(c_narrow), True, **kw),
+        loop_affinity=LOOP_AFFINITY, **fields)

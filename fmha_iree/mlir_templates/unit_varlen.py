@@ -1,0 +1,40 @@
+"""The CPU's ``units_varlen`` entry point: group mode's long sequences in one call, every
+sequence's row tiles looped inside the module from a table the host builds
+(``mlir/unit_varlen.mlir.in``; each step one ``online_attention`` of static shape,
+``mlir/unit_step.mlir.in``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .lowering import _load, checked_fields, render_lowering_attrs
+from .step import _TO_F32
+from .unit_loop import _FROM_F32, LOOP_AFFINITY, render_step
+
+__all__ = ["render_unit_varlen", "TILE_COLUMNS"]
+
+# The columns of the tile table (one row per R-row tile, in the order of their rows): the tile's
+# first state row (g * (Tq + R) + q_start + s0), its first row within the sequence, the sequence's
+# query count, first key, key count, and CK's (y, x) for its lengths; one spare.
+TILE_COLUMNS = ("row", "s0", "q_len", "k_start", "k_len", "y", "x", "spare")
+
+
+def render_unit_varlen(*, func_name: str, dtype: str, group: int, r: int, c: int, c_narrow: int, dq: int, dv: int,
+                       lowering: Mapping[str, Any]) -> str:
+    """MLIR text of ``util.func public @func_name(q, k, v, tiles, scale: f32) -> (out, lse)``: packed
+    sequences (bshd ``[1, T, H, D]``) whose R-row tiles the ``tiles`` table lists
+    (``TILE_COLUMNS``), keys in open chunks of ``c`` and masked or open ones of ``c_narrow``, each
+    step's ``online_attention`` carrying the CPU ``lowering`` (``tiles.CPU_STEP_LOWERING``)."""
+    t = checked_fields(dtype, "bshd", group=group, r=r, c=c, c_narrow=c_narrow, dq=dq, dv=dv)
+    if c % c_narrow:
+        raise ValueError(f"c ({c}) must be a multiple of c_narrow ({c_narrow})")
+    st = "i16" if t == "bf16" else t
+    r, dq, dv = int(r), int(dq), int(dv)
+    props, attrs = render_lowering_attrs(dict(lowering), m_total=r, dv=dv, c=int(c_narrow))
+    kw = dict(batch="%Hk", r=r, dq=dq, dv=dv, props=props, attrs=attrs)
+    return _load("unit_varlen.mlir.in").substitute(
+        func_name=func_name, ST=st, G=int(group), R=r, C=int(c), CN=int(c_narrow), DQ=dq, DV=dv,
+        raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st],
+        open_wide=render_step("w", int(c), False, **kw), masked_narrow=render_step("m", int(c_narrow), True, own_keys=True, **kw),
+        loop_affinity=LOOP_AFFINITY)

@@ -1,0 +1,95 @@
+"""The CPU's ``units_varlen`` entry point (``mlir_templates.unit_varlen``: group mode's long
+sequences in one call, a table of row tiles looped inside the module), checked against the
+float64 group-mode reference.
+
+Covered: many sequences with tails of 1..255 rows past a 256-row tile and keys past a 128-key
+step, Sq != Sk per sequence under every mask kind, zero-length q or k, short sequences (``rows``)
+packed between long ones (a long one's last tile runs past its rows into theirs), padded starts
+and ``seqlen_k`` (the results copied out row by row), GQA / MQA, f32 / f16 / bf16, Dq != Dv, LSE;
+NaN in one sequence's keys reaching no other sequence; one call per problem; and modules built
+before ``units_varlen`` (one ``units`` call per sequence).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import fmha_iree
+from fmha_iree.runtime import FmhaModule
+from reference import make_qkv, seed_of, varlen_ref
+from test_varlen import check_varlen, packed, starts
+
+# (id, query lengths, key lengths): tails past 256-row tiles and 128-key steps, Sq != Sk, short
+# sequences (<= 128 rows: ``rows``) between long ones, zero-length q and k
+SEQS = [
+    ("tails", [257, 300, 511, 129, 383], [257, 700, 129, 1000, 385]),
+    ("mixed", [1, 600, 20, 0, 140, 7, 260, 2], [5, 600, 333, 4, 0, 128, 900, 2]),
+]
+MASKS = ["0", "b", "t", "b:20,0", "t:3,40", "b:0,0", "xb:9", "t:-1,5"]
+
+
+def _spy(monkeypatch):
+    """Count units_varlen calls (and fail on the per-sequence fallback)."""
+    calls = []
+    orig = FmhaModule.run_units_varlen
+
+    def run(self, *a, **kw):
+        calls.append(a[-1].shape[0])
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(FmhaModule, "run_units_varlen", run)
+    return calls
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("name,lq,lk", SEQS, ids=[s[0] for s in SEQS])
+def test_every_mask_one_call(monkeypatch, name, lq, lk, mask):
+    calls = _spy(monkeypatch)
+    q, k, v = packed(seed_of("units-varlen", name, mask), sum(lq), sum(lk))
+    check_varlen(q, k, v, starts(lq), starts(lk), mask=mask, what=f"units_varlen {name} {mask}")
+    assert len(calls) == 1, f"{len(calls)} units_varlen calls"
+
+
+@pytest.mark.parametrize("dtype,hq,hk,dv", [(torch.float16, 4, 1, 64), (torch.bfloat16, 4, 2, 64),
+                                            (torch.float32, 2, 2, 32)],
+                         ids=["f16-mqa4", "bf16-gqa2", "f32-dv32"])
+@pytest.mark.parametrize("mask", ["b", "t:100,0"])
+def test_gqa_dtypes_head_dims(dtype, hq, hk, dv, mask):
+    lq, lk = [300, 5, 129], [290, 700, 260]
+    q, k, v = packed(seed_of("units-varlen-gqa", str(dtype), hq, mask), sum(lq), sum(lk), Hq=hq, Hk=hk, Dv=dv,
+                     dtype=dtype)
+    check_varlen(q, k, v, starts(lq), starts(lk), mask=mask, what=f"units_varlen {dtype} {hq}/{hk} dv{dv} {mask}")
+
+
+@pytest.mark.parametrize("mask", ["b", "0"])
+def test_padded_starts_and_seqlen_k(mask):
+    """Gaps before sequences and keys past seqlen_k: the rows copied out one sequence at a time."""
+    lq, lk, used = [260, 3, 400], [270, 9, 500], [200, 9, 499]
+    pq, pk = starts(lq, [2, 3, 0, 4]), starts(lk, [0, 5, 2, 6])
+    q, k, v = packed(seed_of("units-varlen-padded", mask), int(pq[-1]), int(pk[-1]))
+    check_varlen(q, k, v, starts(lq), starts(lk), seqstart_padded_q=pq, seqstart_padded_k=pk,
+                 seqlen_k=torch.tensor(used, dtype=torch.int32), mask=mask, what=f"units_varlen padded {mask}")
+
+
+def test_nan_keys_stay_in_their_sequence():
+    """NaN in sequence 1's keys and values: sequences 0 and 2 (whose last key steps run into
+    sequence 1's and 3's keys) stay exact."""
+    lq = lk = [300, 200, 260, 150]
+    q, k, v = packed(seed_of("units-varlen-nan"), sum(lq), sum(lk))
+    ref_out, ref_lse = varlen_ref(q, k, v, starts(lq), starts(lk), mask="b")
+    k[300:500], v[300:500] = float("nan"), float("nan")
+    out, lse = fmha_iree.fmha_fwd_varlen(q, k, v, starts(lq), starts(lk), mask="b", return_lse=True)
+    for a, b in ((0, 300), (500, 760), (760, 910)):
+        assert torch.isfinite(out[a:b]).all(), f"NaN leaked into rows {a}:{b}"
+        np.testing.assert_allclose(out[a:b].double().numpy(), ref_out[a:b], atol=2e-5)
+        np.testing.assert_allclose(lse[:, a:b].double().numpy(), ref_lse[:, a:b], atol=2e-5)
+
+
+def test_modules_without_units_varlen(monkeypatch):
+    """Modules built before ``units_varlen``: the long sequences one ``units`` call each."""
+    monkeypatch.setattr(FmhaModule, "has", lambda self, fn: fn != "units_varlen" and fn in self._fns)
+    calls = _spy(monkeypatch)
+    lq, lk = [300, 7, 260], [300, 40, 700]
+    q, k, v = packed(seed_of("units-varlen-old"), sum(lq), sum(lk))
+    check_varlen(q, k, v, starts(lq), starts(lk), mask="b", what="units per sequence")
+    assert not calls
