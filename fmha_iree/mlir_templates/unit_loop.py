@@ -70,5 +70,6 @@ def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: 
     return _load("unit_loop.mlir.in").substitute(
         func_name=func_name, layout=layout, ST=st, G=g, R=int(r), C=int(c), CN=int(c_narrow), Rm1=int(r) - 1,
         Cm1=int(c) - 1, DQ=int(dq), DV=dv, raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st],
-        open_wide=render_step("w", int(c), False, **kw), masked_narrow=render_step("m", int(c_narrow), True, **kw),
+        open_wide=render_step("w", int(c), False, **kw),
+        open_narrow=render_step("n", int(c_narrow), False, **kw), masked_narrow=render_step("m", int(c_narrow), True, **kw),
         loop_affinity=LOOP_AFFINITY, **fields)

@@ -36,5 +36,6 @@ def render_unit_varlen(*, func_name: str, dtype: str, group: int, r: int, c: int
     return _load("unit_varlen.mlir.in").substitute(
         func_name=func_name, ST=st, G=int(group), R=r, C=int(c), CN=int(c_narrow), DQ=dq, DV=dv,
         raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st],
-        open_wide=render_step("w", int(c), False, **kw), masked_narrow=render_step("m", int(c_narrow), True, own_keys=True, **kw),
+        open_wide=render_step("w", int(c), False, **kw),
+        open_narrow=render_step("n", int(c_narrow), False, **kw), masked_narrow=render_step("m", int(c_narrow), True, own_keys=True, **kw),
         loop_affinity=LOOP_AFFINITY)
