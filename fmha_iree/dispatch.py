@@ -202,8 +202,7 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
     ``fmha_fwd_varlen`` and deployed modules: one ``fwd_ragged`` call where the module has it
     (``bshd``); on a CPU module with host inputs, sequences of short queries in ``rows`` calls
     (:func:`short_sequences`, each call a batch of them padded to its longest), the others in one
-    ``units_varlen`` call (modules built before it: one ``units`` call each; without ``units``:
-    the tile plan). ``memo``: given the replay of a one-call path (``prepared.PreparedCalls.memo``;
+    ``units_varlen`` call (CPU modules built before 2026-12-04 evening: the tile plan). ``memo``: given the replay of a one-call path (``prepared.PreparedCalls.memo``;
     the caller's tensors in, its result out), where there is one."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     module = get_module() if p.sq and p.sk else None
@@ -217,13 +216,6 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
         long[group] = False
     if module is not None and module.has("units_varlen"):  # the long sequences in one call
         out, lse = _units_varlen(p, module, np.flatnonzero(long & (q_len > 0)), starts, tiles.m0)
-        for group in short:
-            _rows_group(p, module, group, starts, out, lse)
-        return _returned(p, out, lse, return_lse)
-    if module is not None and module.has("units"):  # the long sequences one units call each
-        out, lse = _empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
-        for i in np.flatnonzero(long & (q_len > 0) & (k_len > 0)):
-            _units_sequence(p, module, (q_start[i], q_len[i], k_start[i], k_len[i], lse_start[i]), out, lse)
         for group in short:
             _rows_group(p, module, group, starts, out, lse)
         return _returned(p, out, lse, return_lse)
@@ -358,6 +350,8 @@ def _units_varlen(p: BatchProblem, module, seqs: np.ndarray, starts, rows: int):
     fill the packed rows in order (the rows of sequences not in ``seqs`` are the caller's to
     write), else ``seqs``' rows copied into zeros / -inf."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
+    if not len(seqs):
+        return _empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
     ends = np.cumsum(q_len)
     packed = p.sq == total_q == int(ends[-1]) and np.array_equal(q_start, ends - q_len) and \
         np.array_equal(lse_start, q_start)  # every packed row is some sequence's, in order
@@ -373,17 +367,6 @@ def _units_varlen(p: BatchProblem, module, seqs: np.ndarray, starts, rows: int):
     out[q_start[seq] + rel] = o[0, q_start[seq] + rel]
     lse[:, lse_start[seq] + rel] = l[0][:, q_start[seq] + rel]
     return out, lse
-
-
-def _units_sequence(p: BatchProblem, module, seq, out: np.ndarray, lse: np.ndarray):
-    """One sequence ``seq`` = (q_start, q_len, k_start, k_len, lse_start) of a group-mode problem
-    as a batch of one through ``units`` (its rows and keys read in place from the packed tensors),
-    written back into the packed ``out`` ``[Tq, Hq, Dv]`` and ``lse`` ``[Hq, total]``."""
-    qs, lq, ks, lk, ls = (int(x) for x in seq)
-    q, k, v = (t.array[:, a:a + n] for t, a, n in ((p.q, qs, lq), (p.k, ks, lk), (p.v, ks, lk)))
-    o, l = module.run_fwd(q, k, v, p.q.dtype, p.scale, p.mask.clipped_coords(lq, lk), fn="units")
-    out[qs:qs + lq] = o[0]
-    lse[:, ls:ls + lq] = l[0]
 
 
 def _rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarray, lse: np.ndarray,

@@ -7,7 +7,7 @@ step, Sq != Sk per sequence under every mask kind, zero-length q or k, short seq
 packed between long ones (a long one's last tile runs past its rows into theirs), padded starts
 and ``seqlen_k`` (the results copied out row by row), GQA / MQA, f32 / f16 / bf16, Dq != Dv, LSE;
 NaN in one sequence's keys reaching no other sequence; one call per problem; and modules built
-before ``units_varlen`` (one ``units`` call per sequence).
+before ``units_varlen`` (the tile plan).
 """
 
 import numpy as np
@@ -86,10 +86,10 @@ def test_nan_keys_stay_in_their_sequence():
 
 
 def test_modules_without_units_varlen(monkeypatch):
-    """Modules built before ``units_varlen``: the long sequences one ``units`` call each."""
+    """Modules built before ``units_varlen``: the tile plan."""
     monkeypatch.setattr(FmhaModule, "has", lambda self, fn: fn != "units_varlen" and fn in self._fns)
     calls = _spy(monkeypatch)
     lq, lk = [300, 7, 260], [300, 40, 700]
     q, k, v = packed(seed_of("units-varlen-old"), sum(lq), sum(lk))
-    check_varlen(q, k, v, starts(lq), starts(lk), mask="b", what="units per sequence")
+    check_varlen(q, k, v, starts(lq), starts(lk), mask="b", what="the plan")
     assert not calls
