@@ -30,7 +30,7 @@ __all__ = ["Route", "route", "dense_kind", "uses_fwd", "run_batch", "run_varlen"
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """The path a batch-mode call takes: ``path`` is ``"fwd"``, ``"units"``, ``"ragged"``, ``"rows"``,
+    """The path a batch-mode call takes: ``path`` is ``"fwd"``, ``"units"``, ``"units_varlen"``, ``"ragged"``, ``"rows"``,
     ``"dense"``, ``"causal"``, ``"window"`` or ``"plan"``; ``entry`` the module function that runs it (None for the plan's
     ``init``/``step``/``finalize``); ``window`` the width of a ``"window"`` path; ``reason`` why
     this path and not an earlier one."""
@@ -156,6 +156,9 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
                              "each batch's own lengths and mask", entry)
     if padded and has_ragged(module, p.layout):
         return Route("ragged", "cu_seqlen padding: one padded frame, each batch its own lengths and mask", "fwd_ragged")
+    if padded and p.layout == "bshd" and not p.q.on_device and module.has("units_varlen"):
+        return Route("units_varlen", "cu_seqlen padding: each batch entry a sequence of the tokens, the tiles of "
+                                     "all of them in one call", "units_varlen")
     if padded:
         return Route("plan", "cu_seqlen padding: the tile plan reads each batch's own lengths")
     entry = None if kind is None else module.dense_entry(p.sq, p.sk, kind[0] == "causal", with_lse, p.batch, p.hk,
@@ -188,7 +191,9 @@ def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str)
     out_shape = (p.batch, p.hq, p.sq, p.dv) if p.layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
     module = get_module() if p.sq and p.sk and p.batch else None
     r = route(p, module, return_lse)
-    if r.path != "plan":
+    if r.path == "units_varlen":
+        out, lse = _padded_batch_units(p, module, tiles.m0)
+    elif r.path != "plan":
         out, lse = _runner(p, r, module, return_lse, p.q.on_device)(p.q.array, p.k.array, p.v.array)
     else:
         seqs = Sequences.batch(p.q_lens, p.k_lens)
@@ -394,6 +399,22 @@ def _rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndar
     rows, rel = runs(q_len)
     out[q_start[rows] + rel] = o[rows, rel]
     lse[:, lse_start[rows] + rel] = l[rows, :, rel].T
+
+
+def _padded_batch_units(p: BatchProblem, module, rows: int):
+    """A bshd batch with ``cu_seqlen`` padding in one ``units_varlen`` call: batch entry ``b`` is
+    the sequence of tokens ``[b Sq, b Sq + q_len[b])`` (keys ``[b Sk, b Sk + k_len[b])``) of the
+    batch viewed as ``[1, B S, H, D]``. Returns (out, lse), rows past ``q_len[b]`` 0 and -inf."""
+    b, sq, sk = p.batch, p.sq, p.sk
+    desc = frames.descriptors(p.mask, p.q_lens, p.k_lens)
+    table = unit_tiles((np.arange(b) * sq, p.q_lens, np.arange(b) * sk, p.k_lens), (desc[:, 2], desc[:, 3]),
+                       rows=rows, group=p.hq // p.hk, head_rows=b * sq + rows)
+    flat = [x.array.reshape((1, -1) + x.array.shape[2:]) for x in (p.q, p.k, p.v)]
+    o, l = module.run_units_varlen(*flat, p.q.dtype, p.scale, table)
+    out, lse = o.reshape(b, sq, p.hq, p.dv), l.reshape(p.hq, b, sq).transpose(1, 0, 2)
+    unused = np.arange(sq)[None, :] >= np.asarray(p.q_lens)[:, None]  # [B, Sq]
+    out[unused] = 0
+    return out, np.where(unused[:, None, :], np.float32(-np.inf), lse)
 
 
 def prepare(p: BatchProblem, return_lse: bool, module):

@@ -6,7 +6,8 @@ Covered: many sequences with tails of 1..255 rows past a 256-row tile and keys p
 step, Sq != Sk per sequence under every mask kind, zero-length q or k, short sequences (``rows``)
 packed between long ones (a long one's last tile runs past its rows into theirs), padded starts
 and ``seqlen_k`` (the results copied out row by row), GQA / MQA, f32 / f16 / bf16, Dq != Dv, LSE;
-NaN in one sequence's keys reaching no other sequence; one call per problem; and modules built
+NaN in one sequence's keys reaching no other sequence; one call per problem; batch mode with
+cu_seqlen padding in bshd (each batch entry a sequence); and modules built
 before ``units_varlen`` (the tile plan).
 """
 
@@ -16,6 +17,7 @@ import torch
 
 import fmha_iree
 from fmha_iree.runtime import FmhaModule
+from common import check_fwd, cu
 from reference import make_qkv, seed_of, varlen_ref
 from test_varlen import check_varlen, packed, starts
 
@@ -93,3 +95,16 @@ def test_modules_without_units_varlen(monkeypatch):
     q, k, v = packed(seed_of("units-varlen-old"), sum(lq), sum(lk))
     check_varlen(q, k, v, starts(lq), starts(lk), mask="b", what="the plan")
     assert not calls
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_batch_cu_seqlen_bshd(monkeypatch, mask):
+    """Batch mode with cu_seqlen padding in bshd: each batch entry one sequence of units_varlen
+    (rows past its length 0, lse -inf; an entry without keys too), rows too many for ``rows``."""
+    calls = _spy(monkeypatch)
+    lq, lk = [300, 0, 140, 257], [280, 9, 0, 512]
+    q, k, v = make_qkv(seed_of("units-varlen-batch", mask), B=4, Hq=4, Hk=2, Sq=320, Sk=512, layout="bshd")
+    cq, ck = cu(lq), cu(lk)
+    assert fmha_iree.route(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cq, cu_seqlen_k=ck).path == "units_varlen"
+    check_fwd(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cq, cu_seqlen_k=ck, what=f"units_varlen batch {mask}")
+    assert len(calls) == 1
