@@ -350,10 +350,11 @@ def _paged_groups(p: BatchProblem, starts, module) -> list[np.ndarray] | None:
 
 def _units_varlen(p: BatchProblem, module, seqs: np.ndarray, starts, rows: int):
     """The sequences ``seqs`` of a group-mode problem (with query rows; one without keys gets out 0
-    and lse -inf from its tiles) in one ``units_varlen`` call over the packed tensors. Returns (out
-    ``[Tq, Hq, Dv]``, lse ``[Hq, total]``): the call's own arrays where the problem's sequences
-    fill the packed rows in order (the rows of sequences not in ``seqs`` are the caller's to
-    write), else ``seqs``' rows copied into zeros / -inf."""
+    and lse -inf from its tiles) in one ``units_varlen`` call over the span of packed rows and keys
+    they occupy, read in place. Returns (out ``[Tq, Hq, Dv]``, lse ``[Hq, total]``) with ``seqs``'
+    rows written (the call's own arrays where they are all of the packed rows); where the problem's
+    sequences fill the packed rows in order, other sequences' rows are left for the caller to
+    write, else they are 0 / -inf."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     if not len(seqs):
         return _empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
@@ -361,16 +362,22 @@ def _units_varlen(p: BatchProblem, module, seqs: np.ndarray, starts, rows: int):
     packed = p.sq == total_q == int(ends[-1]) and np.array_equal(q_start, ends - q_len) and \
         np.array_equal(lse_start, q_start)  # every packed row is some sequence's, in order
     q_start, q_len, k_start, k_len, lse_start = (x[seqs] for x in starts[:5])
+    qa, qb = int(q_start.min()), int((q_start + q_len).max())
+    ka, kb = int(k_start.min()), max(int((k_start + k_len).max()), int(k_start.min()) + 1)
     desc = frames.descriptors(p.mask, q_len, k_len)
-    table = unit_tiles((q_start, q_len, k_start, k_len), (desc[:, 2], desc[:, 3]), rows=rows,
-                       group=p.hq // p.hk, head_rows=p.sq + rows)
-    o, l = module.run_units_varlen(p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale, table)
-    if packed:
+    table = unit_tiles((q_start - qa, q_len, k_start - ka, k_len), (desc[:, 2], desc[:, 3]), rows=rows,
+                       group=p.hq // p.hk, head_rows=qb - qa + rows)
+    o, l = module.run_units_varlen(p.q.array[:, qa:qb], p.k.array[:, ka:kb], p.v.array[:, ka:kb], p.q.dtype,
+                                   p.scale, table)
+    if packed and (qa, qb) == (0, p.sq):
         return o[0], l[0]
     out, lse = _empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
+    if packed:
+        out[qa:qb], lse[:, qa:qb] = o[0], l[0]
+        return out, lse
     seq, rel = runs(q_len)
-    out[q_start[seq] + rel] = o[0, q_start[seq] + rel]
-    lse[:, lse_start[seq] + rel] = l[0][:, q_start[seq] + rel]
+    out[q_start[seq] + rel] = o[0, q_start[seq] - qa + rel]
+    lse[:, lse_start[seq] + rel] = l[0][:, q_start[seq] - qa + rel]
     return out, lse
 
 
