@@ -24,7 +24,7 @@ class Rows(torch.nn.Module):
     past ``klen`` is never read (0 * NaN would leak); without it (``rows``) every batch's ``klen``
     must be ``Sk``, which saves a pass over V (decode B4 Hq32 Hk8 Sk4096 on the dev CPU: about
     25 -> 15 ms, 2026-12-01). Holds ``B * Hq * Sq * Sk`` scores, so the dispatcher sends it short
-    queries only (``dispatch.rows_fit``)."""
+    queries only (``cpu_calls.rows_fit``)."""
 
     def __init__(self, spec: KernelSpec, padded_keys: bool):
         super().__init__()

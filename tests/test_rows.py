@@ -1,5 +1,5 @@
 """The CPU's ``rows`` entry point (short queries: decode, chunked prefill): any lengths and CK
-mask in one call, routed by ``dispatch.rows_fit``; checked against the float64 reference, and the
+mask in one call, routed by ``cpu_calls.rows_fit``; checked against the float64 reference, and the
 tile plan it replaces checked on the same short cases.
 
 Kernel keys: MAIN and f32-mqa4-bhsd (shared with test_layouts_gqa.py).
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fmha_iree
-from fmha_iree import dispatch
+from fmha_iree import cpu_calls
 from fmha_iree.runtime import FmhaModule
 from common import MAIN, check_fwd, cu, len_id
 from reference import make_qkv, seed_of
@@ -41,7 +41,7 @@ def test_short_queries_every_mask(monkeypatch, path, sq, sk, mask):
     ``rows``, through ``units`` (rows turned off) and through the tile plan (a module without
     ``units``, as CPU modules built before 2026-12-04)."""
     if path != "rows":
-        monkeypatch.setattr(dispatch, "ROWS_MAX_ROWS", 0)
+        monkeypatch.setattr(cpu_calls, "ROWS_MAX_ROWS", 0)
     if path == "plan":
         monkeypatch.setattr(FmhaModule, "has", lambda self, fn: fn != "units" and fn in self._fns)
     q, k, v = make_qkv(seed_of("rows", sq, sk, mask), B=2, Hq=2, Sq=sq, Sk=sk, Dq=MAIN["Dq"], dtype=MAIN["dtype"])
@@ -94,7 +94,7 @@ def test_group_mode_short_sequences(monkeypatch, path, mask):
     from reference import varlen_ref
 
     if path == "plan":
-        monkeypatch.setattr(dispatch, "ROWS_MAX_ROWS", 0)
+        monkeypatch.setattr(cpu_calls, "ROWS_MAX_ROWS", 0)
     sq = np.concatenate([[0], np.cumsum(GROUP_LQ)]).astype(np.int32)
     sk = np.concatenate([[0], np.cumsum(GROUP_LK)]).astype(np.int32)
     used = np.array([max(n - 3, 0) if i % 3 == 0 else n for i, n in enumerate(GROUP_LK)], np.int32)
@@ -120,15 +120,15 @@ def test_group_mode_short_sequences_in_key_buckets(monkeypatch):
     sequence against its own keys (float64 reference), LSE too."""
     from reference import assert_close, varlen_ref
 
-    monkeypatch.setattr(dispatch, "GROUP_KEYS", 40)
+    monkeypatch.setattr(cpu_calls, "GROUP_KEYS", 40)
     lk = np.array([3, 200, 17, 64, 1, 130, 90, 9, 33, 250, 41, 5], np.int64)
     lq = np.array([1, 1, 2, 1, 1, 3, 1, 1, 2, 1, 1, 1], np.int64)
     p = type("P", (), {"hq": 4, "hk": 1})()
-    groups = dispatch.short_sequences(p, lq, lk)
+    groups = cpu_calls.short_sequences(p, lq, lk)
     assert len(groups) > 2 and sorted(np.concatenate(groups).tolist()) == list(range(len(lk)))
     for grp in groups:  # a group grows past the bound only while it holds fewer than GROUP_KEYS
         keys = np.sort(lk[grp])
-        assert keys[:-1].sum() < 40 or len(keys) * keys[-1] <= dispatch.PAD_LIMIT * keys.sum(), keys
+        assert keys[:-1].sum() < 40 or len(keys) * keys[-1] <= cpu_calls.PAD_LIMIT * keys.sum(), keys
     sq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
     sk = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
     q, k, v = make_qkv(seed_of("group-buckets"), B=1, Hq=4, Hk=1, Sq=int(sq[-1]), Sk=int(sk[-1]), layout="bshd")
@@ -143,7 +143,7 @@ def test_group_mode_short_sequences_in_key_buckets(monkeypatch):
 @pytest.mark.parametrize("hq,hk,qlen,packed", [(4, 1, 16, True), (4, 1, 17, False), (2, 2, 8, True), (2, 2, 9, False)])
 def test_group_mode_short_queries_choose_packed_by_group(monkeypatch, hq, hk, qlen, packed):
     """Sequences of up to 16 query rows take ``rows_packed`` with GQA (up to 64 rows per KV head),
-    up to 8 without (``dispatch.packed_fits``), ``rows_kpad`` above; either way each sequence
+    up to 8 without (``cpu_calls.packed_fits``), ``rows_kpad`` above; either way each sequence
     against its own keys (float64 reference)."""
     from fmha_iree import runtime
     from reference import assert_close, varlen_ref

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fmha_iree
-from fmha_iree import dispatch
+from fmha_iree import cpu_calls
 
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
@@ -39,7 +39,7 @@ def test_specialized_cpu_entries(shape, mask, with_lse, entry):
     q, k, v = make_qkv(seed_of("specialize", shape, mask), B=c["B"], Hq=c["Hq"], Hk=c["Hk"], Sq=c["S"], Sk=c["S"],
                        Dq=c["D"], dtype=c["dtype"], layout=c["layout"])
     got = _entry(q, k, v, mask, c["layout"], with_lse)
-    short = c["S"] * c["Hq"] // c["Hk"] <= dispatch.ROWS_MAX_ROWS
+    short = c["S"] * c["Hq"] // c["Hk"] <= cpu_calls.ROWS_MAX_ROWS
     assert got == (f"{entry}{c['S']}" if entry else "rows" if short else "units")
     res = fmha_iree.fmha_fwd(q, k, v, mask=mask, layout=c["layout"], return_lse=with_lse, specialize=True)
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=c["layout"])

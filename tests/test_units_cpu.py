@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fmha_iree
-from fmha_iree import dispatch
+from fmha_iree import cpu_calls, dispatch
 from common import MAIN, check_fwd, cu, len_id
 from reference import make_qkv, seed_of
 
@@ -33,7 +33,7 @@ MASKS = ["0", "b", "t", "b:20,0", "t:3,40", "b:0,0", "xb:9", "t:-1,5", "b:-1,2"]
 @pytest.mark.parametrize("mask", MASKS)
 def test_units_every_mask_and_tail(monkeypatch, sq, sk, mask):
     """Every mask over tails, Sq < Sk and Sq > Sk (short queries too: ``rows`` turned off)."""
-    monkeypatch.setattr(dispatch, "ROWS_MAX_ROWS", 0)
+    monkeypatch.setattr(cpu_calls, "ROWS_MAX_ROWS", 0)
     q, k, v = make_qkv(seed_of("units", sq, sk, mask), B=2, Hq=2, Sq=sq, Sk=sk, Dq=MAIN["Dq"], dtype=MAIN["dtype"])
     assert fmha_iree.route(q, k, v, mask=mask).path == "units"
     check_fwd(q, k, v, mask=mask, what=f"units {sq}x{sk} {mask}")

@@ -1,0 +1,196 @@
+"""What a CPU module's calls need beyond the one-call routes (the dispatch stage, below ``dispatch``):
+which queries ``rows`` takes (``rows_fit``), group mode's short sequences in ``rows`` /
+``rows_packed`` groups of similar key counts, its long sequences (and a bshd batch with
+``cu_seqlen`` padding) in one ``units_varlen`` call, and the results of an empty problem.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import frames
+from .device import DeviceTensor, aligned_empty
+from .paged import PagedCache
+from .plan import runs, unit_tiles
+from .spec import BatchProblem
+
+__all__ = ["ROWS_MAX_ROWS", "ROWS_MAX_SCORES", "PAD_LIMIT", "GROUP_KEYS", "empty_result", "packed_fits", "rows_fit",
+           "rows_desc", "short_sequences", "paged_groups", "units_varlen_call", "rows_group", "padded_batch_units"]
+
+
+def empty_result(p: BatchProblem, out_shape, lse_shape):
+    dt = {"f16": np.float16, "bf16": np.int16, "f32": np.float32}[p.q.dtype]
+    out, lse = np.zeros(out_shape, dt), np.full(lse_shape, -np.inf, np.float32)
+    if p.q.on_device:
+        uri = p.q.array.device_uri
+        return DeviceTensor.from_host(out, p.q.dtype, uri), DeviceTensor.from_host(lse, "f32", uri)
+    return out, lse
+
+
+# The CPU's ``rows`` entry point (rows.Rows) holds every score of a call, so it takes short
+# queries: at most ROWS_MAX_ROWS query rows per KV head (G * Sq). Dev CPU (2 cores, f32 D=64,
+# 2026-12-01, docs/BENCHMARKS.md): decode B4 Hq32 Hk8 Sq1 Sk4096 17 ms against 412 through the
+# tile plan; H8 Sk2048 against the plan: Sq64 13 vs 17 ms, Sq128 21 vs 20, Sq256 40 vs 31, Sq512
+# 94 vs 49 (every key of every row is scored, no block is skipped).
+ROWS_MAX_ROWS = 128
+ROWS_MAX_SCORES = 1 << 25  # 128 MiB of f32 scores (and as much for their exponentials)
+# Group mode's short sequences take ``rows_packed`` up to this many query rows per sequence
+# (``packed_fits``), ``rows_kpad`` above. Dev CPU (f32 D64, 32 sequences, 2026-12-04, after
+# rows_packed's 64-wide vectors and rows' batched P V; docs/BENCHMARKS.md), rows_packed /
+# rows_kpad ms by query rows per KV head, keys 256..4096 / 64..512: G=1 (H8) 4 rows 137 / 313,
+# 8 rows 240 / 368 and 36 / 58, 16 rows 441 / 344 and 63 / 57; G=2 (H16 Hk8) 16 rows 192 / 395
+# and 33 / 68, 32 rows 408 / 504 and 59 / 77; G=4 (H32 Hk8) 16 rows 184 / 419, 32 rows 274 / 468
+# and 39 / 72, 64 rows 476 / 603 and 92 / 131. rows_packed computes each query row against its
+# keys alone (its P V gathers V per row: docs/tried.md), so without GQA it loses sooner
+# (docs/bench/cpu_2026-12-04_packed_crossover.txt).
+PACKED_MAX_QUERIES = 16
+PACKED_MAX_QUERIES_MHA = 8  # G = 1
+PACKED_MAX_ROWS = 64  # query rows per KV head: the most measured
+
+
+def packed_fits(max_qlen: int, group: int) -> bool:
+    """Whether sequences of at most ``max_qlen`` query rows take ``rows_packed`` (``PACKED_MAX_QUERIES``)."""
+    most = PACKED_MAX_QUERIES if group > 1 else PACKED_MAX_QUERIES_MHA
+    return max_qlen <= most and max_qlen * group <= PACKED_MAX_ROWS
+
+
+def rows_fit(p: BatchProblem, module) -> bool:
+    """Whether ``module``'s ``rows`` entry point takes the problem: a CPU module, short queries
+    (``ROWS_MAX_ROWS`` rows per KV head) and at most ``ROWS_MAX_SCORES`` scores."""
+    return bool(getattr(module, "has_rows", False)) and p.sq * (p.hq // p.hk) <= ROWS_MAX_ROWS and \
+        p.batch * p.hq * p.sq * p.sk <= ROWS_MAX_SCORES
+
+
+def rows_desc(p: BatchProblem) -> np.ndarray:
+    """``rows``' per-batch descriptor: (qlen, klen, y, x) with CK's coordinates for the batch's
+    own lengths (``rows.ROWS_DESC_COLUMNS``)."""
+    return frames.descriptors(p.mask, p.q_lens, p.k_lens)
+
+
+def short_sequences(p: BatchProblem, q_len: np.ndarray, k_len: np.ndarray) -> list[np.ndarray]:
+    """Group mode: the sequences ``rows`` serves (at most ``ROWS_MAX_ROWS`` query rows per KV
+    head, at least one query and one key), in groups of similar key counts (a call computes every
+    sequence of its group up to the group's longest keys: ``_closes_group``), each group's padded
+    batch within ``ROWS_MAX_SCORES`` scores. Returns index arrays, one per ``rows`` call."""
+    g = p.hq // p.hk
+    ok = np.flatnonzero((q_len * g <= ROWS_MAX_ROWS) & (q_len > 0) & (k_len > 0)
+                        & (p.hq * q_len * k_len <= ROWS_MAX_SCORES))
+    groups, cur, most_q, keys = [], [], 0, 0
+    for i in ok[np.argsort(k_len[ok], kind="stable")]:  # ascending keys: the last one is the longest
+        k_i = int(k_len[i])
+        if cur and ((len(cur) + 1) * p.hq * max(most_q, int(q_len[i])) * k_i > ROWS_MAX_SCORES
+                    or _closes_group(len(cur), keys, k_i)):
+            groups.append(np.array(cur))
+            cur, most_q, keys = [], 0, 0
+        cur.append(i)
+        most_q, keys = max(most_q, int(q_len[i])), keys + k_i
+    return groups + ([np.array(cur)] if cur else [])
+
+
+# A group of short sequences is computed up to its longest keys (padding keys read the sequence's
+# last key, cached, so the cost is compute, not memory). Dev CPU, 2026-12-04 (f32 D64 Hq32 Hk8, a
+# decode of 32 sequences with keys 256..4096, min of 5 calls; a script outside the repository):
+# one group 68.9 / 69.3 ms; PAD_LIMIT / GROUP_KEYS 1.25 / 8192 (3 groups) 63.0 / 63.5, 1.25 / 4096
+# (4) 64.7 / 62.5, 1.5 / 8192 (2) 64.9, 1.25 / 16384 (2) 64.7, 1.1 / 4096 (6) 62.4.
+PAD_LIMIT = 1.25
+GROUP_KEYS = 8192
+
+
+def _closes_group(n: int, keys: int, k_next: int) -> bool:
+    """Whether a group of ``n`` sequences with ``keys`` keys in all stops before a sequence of
+    ``k_next`` keys (at least as many as any in the group): padding all of them to ``k_next``
+    would compute more than ``PAD_LIMIT`` times their own keys, and the group already holds
+    ``GROUP_KEYS`` keys (a call's fixed cost is then small against its work)."""
+    return (n + 1) * k_next > PAD_LIMIT * (keys + k_next) and keys >= GROUP_KEYS
+
+
+def paged_groups(p: BatchProblem, starts, module) -> list[np.ndarray] | None:
+    """The ``rows_packed_pages`` calls of a group-mode problem over a paged cache on a CPU module
+    (:func:`short_sequences`' groups), or None where the module lacks it or a sequence with work
+    needs the tile plan (more query rows than ``packed_fits`` takes)."""
+    if module is None or not module.has("rows_packed_pages") or p.q.on_device:
+        return None
+    q_len, k_len = starts[1], starts[3]
+    groups = short_sequences(p, q_len, k_len)
+    left = (q_len > 0) & (k_len > 0)
+    for group in groups:
+        left[group] = False
+    if left.any() or not all(packed_fits(int(q_len[g].max()), p.hq // p.hk) for g in groups):
+        return None
+    return groups
+
+
+def units_varlen_call(p: BatchProblem, module, seqs: np.ndarray, starts, rows: int):
+    """The sequences ``seqs`` of a group-mode problem (with query rows; one without keys gets out 0
+    and lse -inf from its tiles) in one ``units_varlen`` call over the span of packed rows and keys
+    they occupy, read in place. Returns (out ``[Tq, Hq, Dv]``, lse ``[Hq, total]``) with ``seqs``'
+    rows written (the call's own arrays where they are all of the packed rows); where the problem's
+    sequences fill the packed rows in order, other sequences' rows are left for the caller to
+    write, else they are 0 / -inf."""
+    q_start, q_len, k_start, k_len, lse_start, total_q = starts
+    if not len(seqs):
+        return empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
+    ends = np.cumsum(q_len)
+    packed = p.sq == total_q == int(ends[-1]) and np.array_equal(q_start, ends - q_len) and \
+        np.array_equal(lse_start, q_start)  # every packed row is some sequence's, in order
+    q_start, q_len, k_start, k_len, lse_start = (x[seqs] for x in starts[:5])
+    qa, qb = int(q_start.min()), int((q_start + q_len).max())
+    ka, kb = int(k_start.min()), max(int((k_start + k_len).max()), int(k_start.min()) + 1)
+    desc = frames.descriptors(p.mask, q_len, k_len)
+    table = unit_tiles((q_start - qa, q_len, k_start - ka, k_len), (desc[:, 2], desc[:, 3]), rows=rows,
+                       group=p.hq // p.hk, head_rows=qb - qa + rows)
+    o, l = module.run_units_varlen(p.q.array[:, qa:qb], p.k.array[:, ka:kb], p.v.array[:, ka:kb], p.q.dtype,
+                                   p.scale, table)
+    if packed and (qa, qb) == (0, p.sq):
+        return o[0], l[0]
+    out, lse = empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
+    if packed:
+        out[qa:qb], lse[:, qa:qb] = o[0], l[0]
+        return out, lse
+    seq, rel = runs(q_len)
+    out[q_start[seq] + rel] = o[0, q_start[seq] - qa + rel]
+    lse[:, lse_start[seq] + rel] = l[0][:, q_start[seq] - qa + rel]
+    return out, lse
+
+
+def rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarray, lse: np.ndarray,
+                cache: PagedCache | None = None):
+    """Run the sequences ``group`` of a group-mode problem in one call, written back into the
+    packed ``out`` ``[Tq, Hq, Dv]`` and ``lse`` ``[Hq, total]``: ``rows_packed`` where the module has
+    it and the queries are few (``packed_fits``; K / V read where they lie, a paged ``cache``
+    through its block table), else ``rows_kpad`` on copies gathered into a batch padded to their
+    longest (rows past a sequence's lengths are masked, never read into the output)."""
+    q_start, q_len, k_start, k_len, lse_start, _ = (x[group] if isinstance(x, np.ndarray) else x for x in starts)
+    mq, mk = int(q_len.max()), int(k_len.max())
+    desc = frames.descriptors(p.mask, q_len, k_len)
+    if module.has("rows_packed") and packed_fits(mq, p.hq // p.hk):
+        packed = np.concatenate([np.stack([q_start, q_len, k_start, k_len], 1), desc[:, 2:]], 1).astype(np.int32)
+        kv = (cache.k.array, cache.v.array) if cache is not None else (p.k.array, p.v.array)
+        table = cache.block_table[group] if cache is not None else None
+        o, l = module.run_rows_packed(p.q.array, *kv, p.q.dtype, p.scale, packed, mq, mk, table)
+    else:
+        assert cache is None, "a paged cache's groups are all short (paged_groups)"
+        qi = np.minimum(q_start[:, None] + np.arange(mq), p.sq - 1)
+        ki = np.minimum(k_start[:, None] + np.arange(mk), p.sk - 1)
+        q, k, v = (np.take(x.array[0], idx, axis=0, out=aligned_empty(idx.shape + x.array.shape[2:], x.array.dtype))
+                   for x, idx in ((p.q, qi), (p.k, ki), (p.v, ki)))  # [n, S, H, D], bshd, read in place
+        o, l = module.run_rows(q, k, v, p.q.dtype, p.scale, desc, padded_keys=True)
+    rows, rel = runs(q_len)
+    out[q_start[rows] + rel] = o[rows, rel]
+    lse[:, lse_start[rows] + rel] = l[rows, :, rel].T
+
+
+def padded_batch_units(p: BatchProblem, module, rows: int):
+    """A bshd batch with ``cu_seqlen`` padding in one ``units_varlen`` call: batch entry ``b`` is
+    the sequence of tokens ``[b Sq, b Sq + q_len[b])`` (keys ``[b Sk, b Sk + k_len[b])``) of the
+    batch viewed as ``[1, B S, H, D]``. Returns (out, lse), rows past ``q_len[b]`` 0 and -inf."""
+    b, sq, sk = p.batch, p.sq, p.sk
+    desc = frames.descriptors(p.mask, p.q_lens, p.k_lens)
+    table = unit_tiles((np.arange(b) * sq, p.q_lens, np.arange(b) * sk, p.k_lens), (desc[:, 2], desc[:, 3]),
+                       rows=rows, group=p.hq // p.hk, head_rows=b * sq + rows)
+    flat = [x.array.reshape((1, -1) + x.array.shape[2:]) for x in (p.q, p.k, p.v)]
+    o, l = module.run_units_varlen(*flat, p.q.dtype, p.scale, table)
+    out, lse = o.reshape(b, sq, p.hq, p.dv), l.reshape(p.hq, b, sq).transpose(1, 0, 2)
+    unused = np.arange(sq)[None, :] >= np.asarray(p.q_lens)[:, None]  # [B, Sq]
+    out[unused] = 0
+    return out, np.where(unused[:, None, :], np.float32(-np.inf), lse)
