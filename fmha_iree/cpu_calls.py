@@ -138,7 +138,7 @@ def units_varlen_call(p: BatchProblem, module, seqs: np.ndarray, starts, rows: i
     ka, kb = int(k_start.min()), max(int((k_start + k_len).max()), int(k_start.min()) + 1)
     desc = frames.descriptors(p.mask, q_len, k_len)
     table = unit_tiles((q_start - qa, q_len, k_start - ka, k_len), (desc[:, 2], desc[:, 3]), rows=rows,
-                       group=p.hq // p.hk, head_rows=qb - qa + rows)
+                       group=p.hq // p.hk)
     o, l = module.run_units_varlen(p.q.array[:, qa:qb], p.k.array[:, ka:kb], p.v.array[:, ka:kb], p.q.dtype,
                                    p.scale, table)
     if packed and (qa, qb) == (0, p.sq):
@@ -187,7 +187,7 @@ def padded_batch_units(p: BatchProblem, module, rows: int):
     b, sq, sk = p.batch, p.sq, p.sk
     desc = frames.descriptors(p.mask, p.q_lens, p.k_lens)
     table = unit_tiles((np.arange(b) * sq, p.q_lens, np.arange(b) * sk, p.k_lens), (desc[:, 2], desc[:, 3]),
-                       rows=rows, group=p.hq // p.hk, head_rows=b * sq + rows)
+                       rows=rows, group=p.hq // p.hk)
     flat = [x.array.reshape((1, -1) + x.array.shape[2:]) for x in (p.q, p.k, p.v)]
     o, l = module.run_units_varlen(*flat, p.q.dtype, p.scale, table)
     out, lse = o.reshape(b, sq, p.hq, p.dv), l.reshape(p.hq, b, sq).transpose(1, 0, 2)

@@ -198,17 +198,18 @@ def _calls(desc: np.ndarray, group: np.ndarray, max_units: int) -> tuple[list, l
     return calls, unmasked
 
 
-def unit_tiles(starts: tuple, coords: tuple, *, rows: int, group: int, head_rows: int) -> np.ndarray:
+def unit_tiles(starts: tuple, coords: tuple, *, rows: int, group: int) -> np.ndarray:
     """The tile table of ``units_varlen`` (``mlir_templates.unit_varlen.TILE_COLUMNS``): one row
-    per ``rows``-row tile of every sequence and query head of a KV head, in the order of their
-    state rows. ``starts`` = (q_start, q_len, k_start, k_len) per sequence, ``coords`` = CK's (y,
-    x) for each sequence's lengths (``frames.descriptors``); query head ``g``'s rows start at
-    ``g * head_rows``. int64 ``[N, 8]``."""
+    per ``rows``-row tile of every sequence and query head of a KV head, ordered by head, then
+    row (a tile's rows past its sequence's end are the next sequence's, which writes them later).
+    ``starts`` = (q_start, q_len, k_start, k_len) per sequence, ``coords`` = CK's (y, x) for each
+    sequence's lengths (``frames.descriptors``). int64 ``[N, 8]``."""
     q_start, q_len, k_start, k_len = (np.asarray(a, np.int64).reshape(-1) for a in starts)
     y, x = (np.asarray(a, np.int64).reshape(-1) for a in coords)
     seq, i = runs(-(-q_len // rows))
     s0 = i * rows
-    first = (np.arange(group, dtype=np.int64)[:, None] * head_rows + (q_start[seq] + s0)[None]).ravel()
-    per_tile = [np.tile(a, group) for a in (s0, q_len[seq], k_start[seq], k_len[seq], y[seq], x[seq])]
-    table = np.stack([first, *per_tile, np.zeros_like(first)], axis=1)
-    return np.ascontiguousarray(table[np.argsort(first, kind="stable")])
+    first = q_start[seq] + s0
+    per_tile = [np.tile(a, group) for a in (first, s0, q_len[seq], k_start[seq], k_len[seq], y[seq], x[seq])]
+    g = np.repeat(np.arange(group, dtype=np.int64), len(first))
+    table = np.stack([*per_tile, g], axis=1)
+    return np.ascontiguousarray(table[np.lexsort((table[:, 0], g))])

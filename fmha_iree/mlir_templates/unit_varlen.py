@@ -14,10 +14,12 @@ from .unit_loop import _FROM_F32, LOOP_AFFINITY, render_step
 
 __all__ = ["render_unit_varlen", "TILE_COLUMNS"]
 
-# The columns of the tile table (one row per R-row tile, in the order of their rows): the tile's
-# first state row (g * (Tq + R) + q_start + s0), its first row within the sequence, the sequence's
-# query count, first key, key count, and CK's (y, x) for its lengths; one spare.
-TILE_COLUMNS = ("row", "s0", "q_len", "k_start", "k_len", "y", "x", "spare")
+# The columns of the tile table (one row per R-row tile and query head of a KV head, ordered by
+# head, then row): the tile's first packed row (q_start + s0), its first row within the sequence,
+# the sequence's query count, first key, key count, CK's (y, x) for its lengths, the query head g.
+TILE_COLUMNS = ("row", "s0", "q_len", "k_start", "k_len", "y", "x", "g")
+
+_ZERO = {"f32": "0.0 : f32", "f16": "0.0 : f16", "i16": "0 : i16"}
 
 
 def render_unit_varlen(*, func_name: str, dtype: str, group: int, r: int, c: int, c_narrow: int, dq: int, dv: int,
@@ -35,7 +37,7 @@ def render_unit_varlen(*, func_name: str, dtype: str, group: int, r: int, c: int
     kw = dict(batch="%Hk", r=r, dq=dq, dv=dv, props=props, attrs=attrs)
     return _load("unit_varlen.mlir.in").substitute(
         func_name=func_name, ST=st, G=int(group), R=r, C=int(c), CN=int(c_narrow), DQ=dq, DV=dv,
-        raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st],
+        raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st], zero_st=_ZERO[st],
         open_wide=render_step("w", int(c), False, **kw),
         open_narrow=render_step("n", int(c_narrow), False, **kw), masked_narrow=render_step("m", int(c_narrow), True, own_keys=True, **kw),
         loop_affinity=LOOP_AFFINITY)
