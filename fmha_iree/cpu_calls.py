@@ -135,7 +135,8 @@ def units_varlen_call(p: BatchProblem, module, seqs: np.ndarray, starts, rows: i
         np.array_equal(lse_start, q_start)  # every packed row is some sequence's, in order
     q_start, q_len, k_start, k_len, lse_start = (x[seqs] for x in starts[:5])
     qa, qb = int(q_start.min()), int((q_start + q_len).max())
-    ka, kb = int(k_start.min()), max(int((k_start + k_len).max()), int(k_start.min()) + 1)
+    ka = min(int(k_start.min()), p.sk - 1)  # at least one key row in the span, inside the keys
+    kb = max(int((k_start + k_len).max()), ka + 1)
     desc = frames.descriptors(p.mask, q_len, k_len)
     table = unit_tiles((q_start - qa, q_len, k_start - ka, k_len), (desc[:, 2], desc[:, 3]), rows=rows,
                        group=p.hq // p.hk)
@@ -188,6 +189,8 @@ def padded_batch_units(p: BatchProblem, module, rows: int):
     desc = frames.descriptors(p.mask, p.q_lens, p.k_lens)
     table = unit_tiles((np.arange(b) * sq, p.q_lens, np.arange(b) * sk, p.k_lens), (desc[:, 2], desc[:, 3]),
                        rows=rows, group=p.hq // p.hk)
+    if not len(table):  # no batch entry has query rows
+        return empty_result(p, (b, sq, p.hq, p.dv), (b, p.hq, sq))
     flat = [x.array.reshape((1, -1) + x.array.shape[2:]) for x in (p.q, p.k, p.v)]
     o, l = module.run_units_varlen(*flat, p.q.dtype, p.scale, table)
     out, lse = o.reshape(b, sq, p.hq, p.dv), l.reshape(p.hq, b, sq).transpose(1, 0, 2)

@@ -26,6 +26,7 @@ from test_varlen import check_varlen, packed, starts
 SEQS = [
     ("tails", [257, 300, 511, 129, 383], [257, 700, 129, 1000, 385]),
     ("mixed", [1, 600, 20, 0, 140, 7, 260, 2], [5, 600, 333, 4, 0, 128, 900, 2]),
+    ("last-without-keys", [300, 260], [290, 0]),
 ]
 MASKS = ["0", "b", "t", "b:20,0", "t:3,40", "b:0,0", "xb:9", "t:-1,5"]
 
@@ -95,6 +96,12 @@ def test_modules_without_units_varlen(monkeypatch):
     q, k, v = packed(seed_of("units-varlen-old"), sum(lq), sum(lk))
     check_varlen(q, k, v, starts(lq), starts(lk), mask="b", what="the plan")
     assert not calls
+
+
+def test_batch_cu_seqlen_without_query_rows():
+    """cu_seqlen_q all zero in a bshd batch: out 0, lse -inf, nothing called."""
+    q, k, v = make_qkv(seed_of("units-varlen-batch-empty"), B=2, Hq=2, Hk=2, Sq=300, Sk=400, layout="bshd")
+    check_fwd(q, k, v, mask="b", layout="bshd", cu_seqlen_q=cu([0, 0]), cu_seqlen_k=cu([400, 3]), what="no rows")
 
 
 @pytest.mark.parametrize("mask", MASKS)
