@@ -24,6 +24,7 @@ from .cpu_calls import (empty_result, padded_batch_units, paged_groups, rows_des
                         rows_group, short_sequences, units_varlen_call)
 from .plan import Plan, Sequences, build_plan, state_tiles, units_budget
 from .runtime import dense_entry
+from .tiles import varlen_rows
 from .paged import PagedCache
 from .spec import BatchProblem, Operand, check_varlen
 
@@ -145,7 +146,7 @@ def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str)
     module = get_module() if p.sq and p.sk and p.batch else None
     r = route(p, module, return_lse)
     if r.path == "units_varlen":
-        out, lse = padded_batch_units(p, module, tiles.m0)
+        out, lse = padded_batch_units(p, module, varlen_rows(tiles))
     elif r.path != "plan":
         out, lse = _runner(p, r, module, return_lse, p.q.on_device)(p.q.array, p.k.array, p.v.array)
     else:
@@ -173,7 +174,7 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
     for group in short:
         long[group] = False
     if module is not None and module.has("units_varlen"):  # the long sequences in one call
-        out, lse = units_varlen_call(p, module, np.flatnonzero(long & (q_len > 0)), starts, tiles.m0)
+        out, lse = units_varlen_call(p, module, np.flatnonzero(long & (q_len > 0)), starts, varlen_rows(tiles))
         for group in short:
             rows_group(p, module, group, starts, out, lse)
         return _returned(p, out, lse, return_lse)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .source import dense_params, fwd_plan
 from .spec import KernelSpec
+from .tiles import varlen_rows
 
 __all__ = ["entry_points"]
 
@@ -110,7 +111,7 @@ def entry_points(spec: KernelSpec) -> dict:
                          "scale": [[], "f32 scalar"]},
                 "results": {"out": [[1, "Tq", hq, spec.dv], t], "lse": [[1, hq, "Tq"], "f32"]},
                 "tile_columns": list(TILE_COLUMNS),
-                "note": (f"group mode's packed sequences in one call: a table of {spec.tiles.m0}-row tiles "
+                "note": (f"group mode's packed sequences in one call: a table of {varlen_rows(spec.tiles)}-row tiles "
                          "(fmha_iree.plan.unit_tiles) looped inside the module, rows of no tile 0 (lse -inf)"),
             }
         out["step_open"] = {**out["step"], "note": "step for units whose R rows all see the C keys of their "

@@ -253,8 +253,9 @@ def _cpu_units(spec: KernelSpec) -> list[str]:
                               c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=_cpu_step_lowering(spec))]
     if spec.layout == "bshd":  # group mode's packed sequences
         from .mlir_templates.unit_varlen import render_unit_varlen
+        from .tiles import varlen_rows
 
-        funcs.append(render_unit_varlen(func_name="units_varlen", dtype=spec.dtype, group=spec.group, r=t.m0,
+        funcs.append(render_unit_varlen(func_name="units_varlen", dtype=spec.dtype, group=spec.group, r=varlen_rows(t),
                                         c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv,
                                         lowering=_cpu_step_lowering(spec)))
     return funcs

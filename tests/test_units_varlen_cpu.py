@@ -2,7 +2,7 @@
 sequences in one call, a table of row tiles looped inside the module), checked against the
 float64 group-mode reference.
 
-Covered: many sequences with tails of 1..255 rows past a 256-row tile and keys past a 128-key
+Covered: many sequences with tails of 1..255 rows past a 128- or 256-row tile and keys past a 128-key
 step, Sq != Sk per sequence under every mask kind, zero-length q or k, short sequences (``rows``)
 packed between long ones (a long one's last tile runs past its rows into theirs), padded starts
 and ``seqlen_k`` (the results copied out row by row), GQA / MQA, f32 / f16 / bf16, Dq != Dv, LSE;
