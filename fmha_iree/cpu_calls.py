@@ -186,7 +186,7 @@ def padded_batch_units(p: BatchProblem, module, rows: int):
     the sequence of tokens ``[b Sq, b Sq + q_len[b])`` (keys ``[b Sk, b Sk + k_len[b])``) of the
     batch viewed as ``[1, B S, H, D]``. Returns (out, lse), rows past ``q_len[b]`` 0 and -inf."""
     b, sq, sk = p.batch, p.sq, p.sk
-    desc = frames.descriptors(p.mask, p.q_lens, p.k_lens)
+    desc = rows_desc(p)
     table = unit_tiles((np.arange(b) * sq, p.q_lens, np.arange(b) * sk, p.k_lens), (desc[:, 2], desc[:, 3]),
                        rows=rows, group=p.hq // p.hk)
     if not len(table):  # no batch entry has query rows
