@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from .lowering import _load, checked_fields, render_lowering_attrs
 from .step import _TO_F32
 
-__all__ = ["render_unit_loop", "render_step", "LOOP_AFFINITY"]
+__all__ = ["render_unit_loop", "render_tile_steps", "LOOP_AFFINITY"]
 
 # An f32 (%ov) to the output's storage type (%res); a storage element (%raw) to f32 (%val) is
 # the step's ``_TO_F32``.
@@ -40,6 +40,21 @@ def render_step(tag: str, width: int, masked: bool, *, batch: str, r: int, dq: i
         mask_arg=", %mask" if masked else "", mask_type=f", tensor<{r}x{width}xi1>" if masked else "")
 
 
+def render_tile_steps(*, batch: str, kbase: str, kmax: str, klen: str, r: int, c: int, c_narrow: int, dq: int,
+                      dv: int, props: str, attrs: str, own_keys: bool = False) -> tuple[str, str]:
+    """The text both unit loops share (``mlir/unit_counts.mlir.in``, ``mlir/unit_steps.mlir.in``):
+    a tile's step counts and its three step loops (open ``c``-key, open ``c_narrow``-key, masked
+    ``c_narrow``-key). SSA names: ``batch`` heads per op, ``kbase`` the sequence's first key in K^T
+    / V, ``kmax`` the largest first key a masked step may read from, ``klen`` its key count."""
+    kw = dict(batch=batch, r=r, dq=dq, dv=dv, props=props, attrs=attrs)
+    counts = _load("unit_counts.mlir.in").substitute(KLEN=klen)
+    steps = _load("unit_steps.mlir.in").substitute(
+        BATCH=batch, KBASE=kbase, KMAX=kmax, KLEN=klen, R=r, DV=dv, CN=c_narrow,
+        open_wide=render_step("w", c, False, **kw), open_narrow=render_step("n", c_narrow, False, **kw),
+        masked_narrow=render_step("m", c_narrow, True, own_keys=own_keys, **kw))
+    return counts, steps
+
+
 def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int, c_narrow: int, dq: int,
                      dv: int, lowering: Mapping[str, Any]) -> str:
     """MLIR text of ``util.func public @func_name(q, k, v, scale: f32, y: i64, x: i64) -> (out,
@@ -54,7 +69,8 @@ def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: 
     st = "i16" if t == "bf16" else t
     g, dq, dv = int(group), int(dq), int(dv)
     props, attrs = render_lowering_attrs(dict(lowering), m_total=int(r), dv=dv, c=int(c_narrow))
-    kw = dict(batch="%BH", r=int(r), dq=dq, dv=dv, props=props, attrs=attrs)
+    counts, steps = render_tile_steps(batch="%BH", kbase="%c0", kmax="%Skc", klen="%Sk", r=int(r), c=int(c),
+                                      c_narrow=int(c_narrow), dq=dq, dv=dv, props=props, attrs=attrs)
     if layout == "bhsd":
         fields = dict(seq_dim=2, head_dim=1, q_expand="[0], [1, 2], [3], [4]", q_expand_shape=f"%B, %Hk, {g}, %Sq, {dq}",
                       q5_type=f"tensor<?x?x{g}x?x{dq}x{st}>", q5_map="b, h, g, s, d", kt_map="b, h, j, d", v_map="b, h, j, d",
@@ -70,6 +86,4 @@ def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: 
     return _load("unit_loop.mlir.in").substitute(
         func_name=func_name, layout=layout, ST=st, G=g, R=int(r), C=int(c), CN=int(c_narrow), Rm1=int(r) - 1,
         Cm1=int(c) - 1, DQ=int(dq), DV=dv, raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st],
-        open_wide=render_step("w", int(c), False, **kw),
-        open_narrow=render_step("n", int(c_narrow), False, **kw), masked_narrow=render_step("m", int(c_narrow), True, **kw),
-        loop_affinity=LOOP_AFFINITY, **fields)
+        tile_counts=counts, tile_steps=steps, loop_affinity=LOOP_AFFINITY, **fields)

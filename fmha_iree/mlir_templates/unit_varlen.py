@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 from .lowering import _load, checked_fields, render_lowering_attrs
 from .step import _TO_F32
-from .unit_loop import _FROM_F32, LOOP_AFFINITY, render_step
+from .unit_loop import _FROM_F32, LOOP_AFFINITY, render_tile_steps
 
 __all__ = ["render_unit_varlen", "TILE_COLUMNS"]
 
@@ -34,10 +34,9 @@ def render_unit_varlen(*, func_name: str, dtype: str, group: int, r: int, c: int
     st = "i16" if t == "bf16" else t
     r, dq, dv = int(r), int(dq), int(dv)
     props, attrs = render_lowering_attrs(dict(lowering), m_total=r, dv=dv, c=int(c_narrow))
-    kw = dict(batch="%Hk", r=r, dq=dq, dv=dv, props=props, attrs=attrs)
+    counts, steps = render_tile_steps(batch="%Hk", kbase="%ks", kmax="%Tkc", klen="%lk", r=r, c=int(c),
+                                      c_narrow=int(c_narrow), dq=dq, dv=dv, props=props, attrs=attrs, own_keys=True)
     return _load("unit_varlen.mlir.in").substitute(
         func_name=func_name, ST=st, G=int(group), R=r, C=int(c), CN=int(c_narrow), DQ=dq, DV=dv,
-        raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st], zero_st=_ZERO[st],
-        open_wide=render_step("w", int(c), False, **kw),
-        open_narrow=render_step("n", int(c_narrow), False, **kw), masked_narrow=render_step("m", int(c_narrow), True, own_keys=True, **kw),
+        raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st], zero_st=_ZERO[st], tile_counts=counts, tile_steps=steps,
         loop_affinity=LOOP_AFFINITY)
