@@ -47,12 +47,29 @@ def render_tile_steps(*, batch: str, kbase: str, kmax: str, klen: str, r: int, c
     ``c_narrow``-key). SSA names: ``batch`` heads per op, ``kbase`` the sequence's first key in K^T
     / V, ``kmax`` the largest first key a masked step may read from, ``klen`` its key count."""
     kw = dict(batch=batch, r=r, dq=dq, dv=dv, props=props, attrs=attrs)
+    fields = dict(BATCH=batch, KBASE=kbase, KMAX=kmax, KLEN=klen, R=r, DV=dv, CN=c_narrow)
     counts = _load("unit_counts.mlir.in").substitute(KLEN=klen)
+
+    def masked(name: str, first: str, last: str, init: str, own: bool) -> str:
+        return _load("unit_masked.mlir.in").substitute(
+            name=name, first=first, last=last, init=init,
+            step=render_step("p" if own else "m", c_narrow, True, own_keys=own, **kw), **fields)
+
+    if own_keys:  # the steps inside the sequence's keys read them in place, the rest (one) padded
+        loops = (_load("unit_inside.mlir.in").substitute(KLEN=klen) + masked("ui", "%c0", "%nIn", "nr", False) +
+                 _TIE.format(name="ui", batch=batch, r=r, dv=dv) + masked("u", "%nIn", "%nN", "ui", True))
+    else:
+        loops = masked("u", "%c0", "%nN", "nr", False)
     steps = _load("unit_steps.mlir.in").substitute(
-        BATCH=batch, KBASE=kbase, KMAX=kmax, KLEN=klen, R=r, DV=dv, CN=c_narrow,
         open_wide=render_step("w", c, False, **kw), open_narrow=render_step("n", c_narrow, False, **kw),
-        masked_narrow=render_step("m", c_narrow, True, own_keys=own_keys, **kw))
+        masked_loops=loops, **fields)
     return counts, steps
+
+
+_TIE = """    %{name}0 = flow.tensor.tie_shape %{name}#0 : tensor<?x{r}x{dv}xf32>{{{batch}}}
+    %{name}1 = flow.tensor.tie_shape %{name}#1 : tensor<?x{r}xf32>{{{batch}}}
+    %{name}2 = flow.tensor.tie_shape %{name}#2 : tensor<?x{r}xf32>{{{batch}}}
+"""
 
 
 def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int, c_narrow: int, dq: int,
