@@ -1,7 +1,9 @@
 """What a CPU module's calls need beyond the one-call routes (the dispatch stage, below ``dispatch``):
-which queries ``rows`` takes (``rows_fit``), group mode's short sequences in ``rows`` /
-``rows_packed`` groups of similar key counts, its long sequences (and a bshd batch with
-``cu_seqlen`` padding) in one ``units_varlen`` call, and the results of an empty problem.
+which queries ``rows`` takes (``rows_fit``); group mode (``varlen_calls``): sequences of a few
+queries in ``rows_packed`` groups of similar key counts, the others up to ``WAVE_MAX_ROWS`` rows in
+one ``waves_varlen`` call, the longer ones (and a bshd batch with ``cu_seqlen`` padding) in one
+``units_varlen`` call; modules without ``waves_varlen`` put short sequences in ``rows`` groups;
+and the results of an empty problem.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import numpy as np
 from . import frames
 from .device import DeviceTensor, aligned_empty
 from .paged import PagedCache
-from .plan import runs, unit_tiles
+from .plan import runs, unit_tiles, wave_tables
+from .tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS
 from .spec import BatchProblem
 
-__all__ = ["ROWS_MAX_ROWS", "ROWS_MAX_SCORES", "PAD_LIMIT", "GROUP_KEYS", "empty_result", "packed_fits", "rows_fit",
-           "rows_desc", "short_sequences", "paged_groups", "units_varlen_call", "rows_group", "padded_batch_units"]
+__all__ = ["ROWS_MAX_ROWS", "ROWS_MAX_SCORES", "PAD_LIMIT", "GROUP_KEYS", "WAVE_MAX_ROWS", "empty_result", "packed_fits",
+           "rows_fit", "rows_desc", "short_sequences", "paged_groups", "units_varlen_call", "waves_call", "varlen_calls",
+           "rows_group", "padded_batch_units"]
 
 
 def empty_result(p: BatchProblem, out_shape, lse_shape):
@@ -133,26 +137,96 @@ def units_varlen_call(p: BatchProblem, module, seqs: np.ndarray, starts, rows: i
     ends = np.cumsum(q_len)
     packed = p.sq == total_q == int(ends[-1]) and np.array_equal(q_start, ends - q_len) and \
         np.array_equal(lse_start, q_start)  # every packed row is some sequence's, in order
-    q_start, q_len, k_start, k_len, lse_start = (x[seqs] for x in starts[:5])
-    qa, qb = int(q_start.min()), int((q_start + q_len).max())
-    ka = min(int(k_start.min()), p.sk - 1)  # at least one key row in the span, inside the keys
-    kb = max(int((k_start + k_len).max()), ka + 1)
-    desc = frames.descriptors(p.mask, q_len, k_len)
+    (q_start, q_len, k_start, k_len, lse_start), (qa, qb, ka, kb), desc = _span(p, seqs, starts)
     table = unit_tiles((q_start - qa, q_len, k_start - ka, k_len), (desc[:, 2], desc[:, 3]), rows=rows,
                        group=p.hq // p.hk)
-    o, l = module.run_units_varlen(p.q.array[:, qa:qb], p.k.array[:, ka:kb], p.v.array[:, ka:kb], p.q.dtype,
-                                   p.scale, table)
+    o, l = module.run_tables("units_varlen", p.q.array[:, qa:qb], p.k.array[:, ka:kb], p.v.array[:, ka:kb],
+                             p.q.dtype, p.scale, host=table)
     if packed and (qa, qb) == (0, p.sq):
         return o[0], l[0]
     out, lse = empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
     if packed:
         out[qa:qb], lse[:, qa:qb] = o[0], l[0]
         return out, lse
-    seq, rel = runs(q_len)
-    out[q_start[seq] + rel] = o[0, q_start[seq] - qa + rel]
-    lse[:, lse_start[seq] + rel] = l[0][:, q_start[seq] - qa + rel]
+    _place(out, lse, o[0], l[0], qa, (q_start, q_len, lse_start))
     return out, lse
 
+
+def varlen_calls(p: BatchProblem, module, starts, rows: int):
+    """A group-mode problem on a CPU module with ``waves_varlen``: sequences of a few queries in
+    ``rows_packed`` groups (``short_sequences``, ``packed_fits``), the other sequences with query
+    rows up to ``WAVE_MAX_ROWS`` in one ``waves_varlen`` call, the longer ones in one
+    ``units_varlen`` call of ``rows``-row tiles. Returns (out ``[Tq, Hq, Dv]``, lse ``[Hq, total]``)."""
+    q_len, k_len = starts[1], starts[3]
+    g = p.hq // p.hk
+    groups = [s for s in short_sequences(p, q_len, k_len) if packed_fits(int(q_len[s].max()), g)] \
+        if module.has("rows_packed") else []
+    rest = q_len > 0
+    for s in groups:
+        rest[s] = False
+    long = _long_sequences(rest, starts[0], q_len)
+    out, lse = units_varlen_call(p, module, np.flatnonzero(long), starts, rows)
+    waves_call(p, module, np.flatnonzero(rest & ~long), starts, out, lse)
+    for s in groups:
+        rows_group(p, module, s, starts, out, lse)
+    return out, lse
+
+
+def _long_sequences(rest: np.ndarray, q_start: np.ndarray, q_len: np.ndarray) -> np.ndarray:
+    """Which of the sequences ``rest`` go to ``units_varlen``: those over ``WAVE_MAX_ROWS`` rows,
+    unless they lie among the others (each call copies K / V over the span of rows and keys its
+    sequences occupy, so interleaved calls copy them twice); then the kind with more rows takes
+    them all. Dev CPU, 2026-12-05 (f32 H8 D64 causal, min of 5 calls), ms for units_varlen only /
+    the split / waves_varlen only: 64 sequences of 200..300 rows 142 / 200 / 129, 16 of 128..1023
+    103 / 111 / 122; 1 x 2048 then 32 x 64 47 / 39 / 47."""
+    long = rest & (q_len > WAVE_MAX_ROWS)
+    short = rest & ~long
+    if not long.any() or not short.any():
+        return long
+    ends = q_start + q_len
+    spans = [(int(q_start[m].min()), int(ends[m].max())) for m in (long, short)]
+    if spans[0][1] <= spans[1][0] or spans[1][1] <= spans[0][0]:
+        return long
+    return rest if q_len[long].sum() >= q_len[short].sum() else np.zeros_like(rest)
+
+
+def waves_call(p: BatchProblem, module, seqs: np.ndarray, starts, out: np.ndarray, lse: np.ndarray):
+    """The sequences ``seqs`` of a group-mode problem in one ``waves_varlen`` call over the span of
+    packed rows and keys they occupy (read in place), their rows written into ``out`` / ``lse``."""
+    if not len(seqs):
+        return
+    (q_start, q_len, k_start, k_len, lse_start), (qa, qb, ka, kb), desc = _span(p, seqs, starts)
+    w = wave_tables((q_start - qa, q_len, k_start - ka, k_len), (desc[:, 2], desc[:, 3]), (qb - qa, kb - ka),
+                    rows=CPU_WAVE_ROWS, chunk=CPU_WAVE_KEYS, group=p.hq // p.hk)
+    o, l = module.run_tables("waves_varlen", p.q.array[:, qa:qb], p.k.array[:, ka:kb], p.v.array[:, ka:kb],
+                             p.q.dtype, p.scale, (w.chunks, w.slots, w.steps, w.rowslot), w.levels)
+    _place(out, lse, o[0], l[0], qa, (q_start, q_len, lse_start))
+
+
+def _span(p: BatchProblem, seqs: np.ndarray, starts):
+    """The sequences ``seqs``' (q_start, q_len, k_start, k_len, lse_start), the packed rows
+    ``[qa, qb)`` and keys ``[ka, kb)`` they occupy (at least one key, inside the keys), and their
+    descriptors (``frames.descriptors``)."""
+    q_start, q_len, k_start, k_len, lse_start = (x[seqs] for x in starts[:5])
+    qa, qb = int(q_start.min()), int((q_start + q_len).max())
+    ka = min(int(k_start.min()), p.sk - 1)
+    kb = max(int((k_start + k_len).max()), ka + 1)
+    return (q_start, q_len, k_start, k_len, lse_start), (qa, qb, ka, kb), frames.descriptors(p.mask, q_len, k_len)
+
+
+def _place(out: np.ndarray, lse: np.ndarray, o: np.ndarray, l: np.ndarray, qa: int, seqs: tuple):
+    """Rows of a call over packed rows from ``qa`` on (``o`` [rows, Hq, Dv], ``l`` [Hq, rows]) into
+    the problem's ``out`` / ``lse``, for sequences ``seqs`` = (q_start, q_len, lse_start): one slice
+    where they fill the call's rows in order, else row by row."""
+    q_start, q_len, lse_start = seqs
+    ends = np.cumsum(q_len)
+    if np.array_equal(q_start, qa + ends - q_len) and np.array_equal(lse_start, q_start):
+        n = int(ends[-1])
+        out[qa:qa + n], lse[:, qa:qa + n] = o[:n], l[:, :n]
+        return
+    seq, rel = runs(q_len)
+    out[q_start[seq] + rel] = o[q_start[seq] - qa + rel]
+    lse[:, lse_start[seq] + rel] = l[:, q_start[seq] - qa + rel]
 
 def rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarray, lse: np.ndarray,
                 cache: PagedCache | None = None):
@@ -192,7 +266,7 @@ def padded_batch_units(p: BatchProblem, module, rows: int):
     if not len(table):  # no batch entry has query rows
         return empty_result(p, (b, sq, p.hq, p.dv), (b, p.hq, sq))
     flat = [x.array.reshape((1, -1) + x.array.shape[2:]) for x in (p.q, p.k, p.v)]
-    o, l = module.run_units_varlen(*flat, p.q.dtype, p.scale, table)
+    o, l = module.run_tables("units_varlen", *flat, p.q.dtype, p.scale, host=table)
     out, lse = o.reshape(b, sq, p.hq, p.dv), l.reshape(p.hq, b, sq).transpose(1, 0, 2)
     unused = np.arange(sq)[None, :] >= np.asarray(p.q_lens)[:, None]  # [B, Sq]
     out[unused] = 0

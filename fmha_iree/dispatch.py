@@ -21,7 +21,7 @@ from . import frames
 from .frames import has_ragged
 from .device import DeviceTensor
 from .cpu_calls import (empty_result, padded_batch_units, paged_groups, rows_desc, rows_fit,
-                        rows_group, short_sequences, units_varlen_call)
+                        rows_group, short_sequences, units_varlen_call, varlen_calls)
 from .plan import Plan, Sequences, build_plan, state_tiles, units_budget
 from .runtime import dense_entry
 from .tiles import varlen_rows
@@ -159,9 +159,11 @@ def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str)
 def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, family: str, memo=None):
     """A checked group-mode problem (``check_varlen``'s two results) on a module, shared by
     ``fmha_fwd_varlen`` and deployed modules: one ``fwd_ragged`` call where the module has it
-    (``bshd``); on a CPU module with host inputs, sequences of short queries in ``rows`` calls
-    (:func:`short_sequences`, each call a batch of them padded to its longest), the others in one
-    ``units_varlen`` call (CPU modules built before 2026-12-04 evening: the tile plan). ``memo``: given the replay of a one-call path (``prepared.PreparedCalls.memo``;
+    (``bshd``); on a CPU module with host inputs, ``cpu_calls.varlen_calls`` (``rows_packed``
+    groups, one ``waves_varlen`` call, one ``units_varlen`` call); CPU modules built before
+    2026-12-05: sequences of short queries in ``rows`` calls (:func:`short_sequences`, each call a
+    batch of them padded to its longest), the others in one ``units_varlen`` call (before
+    2026-12-04 evening: the tile plan). ``memo``: given the replay of a one-call path (``prepared.PreparedCalls.memo``;
     the caller's tensors in, its result out), where there is one."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     module = get_module() if p.sq and p.sk else None
@@ -169,6 +171,8 @@ def run_varlen(p: BatchProblem, starts, return_lse: bool, tiles, get_module, fam
         return _frame_path(p, starts, module, None, return_lse, memo)
     if p.q.on_device:
         module = None
+    if module is not None and module.has("waves_varlen"):
+        return _returned(p, *varlen_calls(p, module, starts, varlen_rows(tiles)), return_lse)
     short = short_sequences(p, q_len, k_len) if getattr(module, "has_rows", False) else []
     long = np.ones(len(q_len), bool)
     for group in short:

@@ -213,3 +213,68 @@ def unit_tiles(starts: tuple, coords: tuple, *, rows: int, group: int) -> np.nda
     g = np.repeat(np.arange(group, dtype=np.int64), len(first))
     table = np.stack([*per_tile, g], axis=1)
     return np.ascontiguousarray(table[np.lexsort((table[:, 0], g))])
+
+
+@dataclasses.dataclass(frozen=True)
+class WaveTables:
+    """The tables of ``waves_varlen`` (``mlir/unit_waves.mlir.in`` states their layout): ``chunks``
+    [NC, 2], ``slots`` [NS, 2], ``steps`` [NT, 4, NS], ``rowslot`` [G, Tq] (int32, device inputs)
+    and ``levels`` [L, 3] (int64, read by the module's host code)."""
+
+    chunks: np.ndarray
+    slots: np.ndarray
+    steps: np.ndarray
+    rowslot: np.ndarray
+    levels: np.ndarray
+
+
+_I32 = 1 << 30  # window bounds clipped here: every comparison with a row or key of a chunk keeps its result
+
+
+def wave_tables(starts: tuple, coords: tuple, sizes: tuple[int, int], *, rows: int, chunk: int,
+                group: int) -> WaveTables:
+    """``waves_varlen``'s tables for sequences ``starts`` = (q_start, q_len, k_start, k_len) with
+    CK's ``coords`` (y, x) for each one's lengths, packed into ``sizes`` = (Tq, Tk) rows and keys:
+    each sequence's keys in ``chunk``-key chunks, its rows in ``rows``-row slots (one per query
+    head of a KV head), each slot stepping over the chunks that hold the keys its rows see, slots
+    ordered by step count, most first."""
+    q_start, q_len, k_start, k_len, y, x = (np.asarray(a, np.int64).reshape(-1) for a in (*starts, *coords))
+    tq = max(int(sizes[0]), 1)
+    nch = -(-np.maximum(k_len, 0) // chunk)
+    cbase = np.cumsum(nch) - nch
+    cseq, ci = runs(nch)
+    chunks = np.stack([k_start[cseq] + ci * chunk, np.minimum(chunk, k_len[cseq] - ci * chunk)], 1)
+    seq, t = runs(-(-np.maximum(q_len, 0) // rows))
+    s0 = t * rows
+    nrows = np.minimum(rows, q_len[seq] - s0)
+    lo = np.maximum(s0 - y[seq] + 1, 0)
+    hi = np.minimum(s0 + nrows - 1 + x[seq], k_len[seq])
+    first = lo // chunk
+    nsteps = np.where(hi > lo, -(-hi // chunk) - first, 0)
+    g = np.repeat(np.arange(group, dtype=np.int64), len(seq))
+    seq, s0, nrows, first, nsteps = (np.tile(a, group) for a in (seq, s0, nrows, first, nsteps))
+    order = np.argsort(-nsteps, kind="stable")
+    seq, s0, nrows, first, nsteps, g = (a[order] for a in (seq, s0, nrows, first, nsteps, g))
+    slots = np.stack([q_start[seq] + s0, g], 1)
+    nt = int(nsteps.max()) if len(nsteps) else 0
+    counts, first_of = np.unique(-nsteps, return_index=True)  # step counts, most first, and their first slot
+    sizes = np.diff(np.append(first_of, len(nsteps)))
+    levels = np.stack([first_of, sizes, -counts], 1)[-counts > 0].astype(np.int64)
+    n = np.arange(nt)[:, None]
+    kpos = (first[None, :] + n) * chunk
+    steps = np.stack([cbase[seq][None, :] + first[None, :] + n,
+                      np.clip(s0 - y[seq] + 1 - kpos, -_I32, _I32), np.clip(s0 + x[seq] - kpos, -_I32, _I32),
+                      np.clip(k_len[seq] - kpos, -_I32, _I32)], 1)
+    steps = np.where((n < nsteps[None, :])[:, None, :], steps, 0)  # steps a slot does not run: unread
+    rowslot = np.full((group, tq), -1, np.int64)
+    pos, rel = runs(nrows)
+    rowslot[g[pos], q_start[seq[pos]] + s0[pos] + rel] = pos * rows + rel
+    if not len(chunks):  # no keys anywhere: one chunk of zeros, which no step reads
+        chunks = np.zeros((1, 2), np.int64)
+    if not len(slots):
+        slots = np.zeros((1, 2), np.int64)
+    if not nt:  # no slot sees a key: one step of zeros, which no level runs
+        steps = np.zeros((1, 4, len(slots)), np.int64)
+    i32 = (lambda a: np.ascontiguousarray(a, np.int32))
+    return WaveTables(i32(chunks), i32(slots), i32(steps), i32(rowslot),
+                      np.ascontiguousarray(levels.reshape(-1, 3)))

@@ -342,13 +342,15 @@ class FmhaModule:
             (out, lse), fence = self._call(fn, args, 2, scalars=(int(mq), int(mk)))
             return self._result(out, fence, dtype, False), self._result(lse, fence, "f32", False)
 
-    def run_units_varlen(self, q, k, v, dtype: str, scale: float, tiles: np.ndarray):
-        """One ``units_varlen`` call on packed ``q`` ``[1, Tq, Hq, Dq]`` and ``k`` / ``v``: ``tiles``
-        the int64 tile table (``plan.unit_tiles``), passed as a host buffer the module reads in
-        its own host code. Returns numpy (out ``[1, Tq, Hq, Dv]``, lse ``[1, Hq, Tq]``)."""
+    def run_tables(self, fn: str, q, k, v, dtype: str, scale: float, tables: tuple = (), host: np.ndarray | None = None):
+        """One call of a packed-sequence entry point (``units_varlen``, ``waves_varlen``) on packed
+        ``q`` ``[1, Tq, Hq, Dq]`` and ``k`` / ``v``: then the int32 ``tables`` (device inputs), the
+        int64 ``host`` table as a host buffer the module reads in its own host code, and the scale.
+        Returns numpy (out ``[1, Tq, Hq, Dv]``, lse ``[1, Hq, Tq]``)."""
         with self._lock:
-            args = [self._put(x, dtype) for x in (q, k, v)] + [(host_buffer(tiles), None)]
-            (out, lse), fence = self._call("units_varlen", args, 2, scalars=(float(scale),))
+            args = [self._put(x, dtype) for x in (q, k, v)] + [self._i32(np.ascontiguousarray(t, np.int32)) for t in tables]
+            args += [(host_buffer(host), None)] if host is not None else []
+            (out, lse), fence = self._call(fn, args, 2, scalars=(float(scale),))
             return self._result(out, fence, dtype, False), self._result(lse, fence, "f32", False)
 
     def call(self, fn: str, tensors, *, staged=(), scalars: tuple = (), results=(), keep_on_device: bool = False) -> list:

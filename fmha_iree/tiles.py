@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["TileConfig", "CPU_VARLEN_ROWS", "varlen_rows", "default_tiles", "parse_tiles", "tuned_lowering", "TILED_HEAD_DIMS", "compute_head_dim"]
+__all__ = ["TileConfig", "CPU_VARLEN_ROWS", "CPU_WAVE_ROWS", "CPU_WAVE_KEYS", "varlen_rows", "default_tiles", "parse_tiles", "tuned_lowering", "TILED_HEAD_DIMS", "compute_head_dim"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +89,14 @@ _CPU = {d: TileConfig(256, 128, 32, 128, 32, kv_chunk=512) for d in (32, 64, 96,
 # script outside the repository): 16 causal sequences 128..1023 114.4 / 113.8 ms with 256-row tiles,
 # 100.8 / 103.8 with 128; 1 x 2048 35.7 / 34.4 and 34.6 / 34.2.
 CPU_VARLEN_ROWS = 128
+# Group mode's ``waves_varlen`` (short and middling sequences: every sequence's row tiles advance
+# together, a few large dispatches a call): slots of 64 rows, key chunks of 64. Dev CPU, 2026-12-05
+# (f32 H8 D64, causal, min of 5 calls from Python; a script outside the repository), ms with 64 x 64
+# / 128 x 128 (current path in brackets): 32 x 64 rows 5.8 / 12.0 (13.9-14.2), 32 x 1..128 rows
+# 8.4 / 11.9 (37-40), 64 x 200..300 rows 136 / 154 (163-167); 16 x 128..1023 rows 112 / 107 (100-101)
+# and 1 x 2048 42 / 36 (30-33), which keep ``units_varlen`` (``cpu_calls.WAVE_MAX_ROWS``).
+CPU_WAVE_ROWS = 64
+CPU_WAVE_KEYS = 64
 
 # The CPU step's attention op (``mlir_templates.step``, K gathered transposed): workgroups of 64
 # query rows of one unit and head, vector tiles of 4 rows x kN0 (128) keys. Dev CPU, 2026-12-04,

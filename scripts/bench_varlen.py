@@ -15,7 +15,7 @@ whose key lengths grow by one per call (``seqlen_k`` over the packed cache, 64 c
 the row's lengths: a serving system's steady state, where each call is a new batch composition;
 peers and the diff at the row's lengths); the 16-sequence
 prefill from a paged cache; the prefill and the decode as padded batches in batch mode with
-cu_seqlen_q / cu_seqlen_k (fmha_fwd). `--preset cpu` (f32 D64): 16 causal sequences 128..1023 (H8), decode
+cu_seqlen_q / cu_seqlen_k (fmha_fwd). `--preset cpu` (f32 D64): 16 causal sequences 128..1023 (H8), 32 of 1..128 and 64 of 200..300, decode
 B32 with KV 256..4096 (Hq32/Hk8), that decode paged and growing, and 1 x 2048 + 32 x 64 causal (H8) beside
 the 1 x 2048 alone and the same batch padded to 2048 in batch mode (fmha_fwd). Every row's mask is
 CK's "b" (bottom-right causal, per sequence).
@@ -96,7 +96,10 @@ def presets(name: str, scale: float = 1.0, seed: int = 0) -> list[dict]:
         long, short = max(1, round(2048 * scale)), max(1, round(64 * scale))
         mix = [long] + [short] * 32
         alone = f"mixed: 1 x {long} alone"
+        tiny, mid = lens(32, 1, 128), lens(64, 200, 300)  # drawn after the others: their lengths stay
         return [_case("prefill 16 seqs", pre, pre, 8, 8, 64, "f32"),
+                _case("prefill 32 seqs of 1..128", tiny, tiny, 8, 8, 64, "f32"),
+                _case("prefill 64 seqs of 200..300", mid, mid, 8, 8, 64, "f32"),
                 _case("decode B32", [1] * 32, kv, 32, 8, 64, "f32"),
                 _case("decode B32 paged", [1] * 32, kv, 32, 8, 64, "f32", paged=PAGE, ref="decode B32"),
                 _case("decode B32, KV growing per call", [1] * 32, kv, 32, 8, 64, "f32", mode="growing",

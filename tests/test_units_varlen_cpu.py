@@ -31,17 +31,22 @@ SEQS = [
 MASKS = ["0", "b", "t", "b:20,0", "t:3,40", "b:0,0", "xb:9", "t:-1,5"]
 
 
-def _spy(monkeypatch):
-    """Count units_varlen calls (and fail on the per-sequence fallback)."""
+def spy_tables(monkeypatch, fn: str = "units_varlen") -> list:
+    """The calls of the packed-sequence entry point ``fn`` (``FmhaModule.run_tables``)."""
     calls = []
-    orig = FmhaModule.run_units_varlen
+    orig = FmhaModule.run_tables
 
-    def run(self, *a, **kw):
-        calls.append(a[-1].shape[0])
-        return orig(self, *a, **kw)
+    def run(self, name, *a, **kw):
+        if name == fn:
+            calls.append(name)
+        return orig(self, name, *a, **kw)
 
-    monkeypatch.setattr(FmhaModule, "run_units_varlen", run)
+    monkeypatch.setattr(FmhaModule, "run_tables", run)
     return calls
+
+
+def _spy(monkeypatch):
+    return spy_tables(monkeypatch)
 
 
 @pytest.mark.parametrize("mask", MASKS)
@@ -89,13 +94,24 @@ def test_nan_keys_stay_in_their_sequence():
 
 
 def test_modules_without_units_varlen(monkeypatch):
-    """Modules built before ``units_varlen``: the tile plan."""
-    monkeypatch.setattr(FmhaModule, "has", lambda self, fn: fn != "units_varlen" and fn in self._fns)
+    """Modules built before ``units_varlen`` (and ``waves_varlen``): the tile plan."""
+    monkeypatch.setattr(FmhaModule, "has", lambda self, fn: fn not in ("units_varlen", "waves_varlen") and fn in self._fns)
     calls = _spy(monkeypatch)
     lq, lk = [300, 7, 260], [300, 40, 700]
     q, k, v = packed(seed_of("units-varlen-old"), sum(lq), sum(lk))
     check_varlen(q, k, v, starts(lq), starts(lk), mask="b", what="the plan")
     assert not calls
+
+
+def test_modules_without_waves_varlen(monkeypatch):
+    """Modules built before ``waves_varlen``: short sequences in ``rows`` groups, the others in one
+    ``units_varlen`` call."""
+    monkeypatch.setattr(FmhaModule, "has", lambda self, fn: fn != "waves_varlen" and fn in self._fns)
+    calls = _spy(monkeypatch)
+    lq, lk = [300, 70, 60], [300, 40, 700]
+    q, k, v = packed(seed_of("units-varlen-no-waves"), sum(lq), sum(lk))
+    check_varlen(q, k, v, starts(lq), starts(lk), mask="b", what="rows groups and units_varlen")
+    assert len(calls) == 1
 
 
 def test_batch_cu_seqlen_without_query_rows():

@@ -1,0 +1,83 @@
+"""The CPU's ``waves_varlen`` entry point (``mlir_templates.unit_waves``: group mode's short and
+middling sequences in one call, every sequence's 64-row slots advancing one 64-key chunk per
+step), checked against the float64 group-mode reference.
+
+Covered: many sequences with tails of 1..63 rows past a slot and keys past a chunk, Sq != Sk per
+sequence under every mask kind (slots that see no key, rows that see none), zero-length q or k,
+sequences of a few queries (``rows_packed``) among them, padded starts and ``seqlen_k``, GQA / MQA,
+f32 / f16 / bf16, Dq != Dv, LSE; NaN in one sequence's keys and values reaching no other
+sequence; one call per problem; a long sequence beside short ones (one ``units_varlen`` call and
+one ``waves_varlen`` call), and interleaved lengths going to one of them.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import fmha_iree
+from fmha_iree import cpu_calls
+from reference import seed_of, varlen_ref
+from test_units_varlen_cpu import MASKS, spy_tables
+from test_varlen import check_varlen, packed, starts
+
+# (id, query lengths, key lengths): tails past 64-row slots and 64-key chunks, Sq != Sk both
+# ways, a few-query sequence (rows_packed) and zero-length q and k among them
+SEQS = [
+    ("short", [64, 1, 65, 127, 33, 200], [64, 1, 65, 127, 33, 200]),
+    ("sq-ne-sk", [10, 130, 64, 0, 90, 255, 3], [300, 40, 64, 7, 0, 256, 900]),
+]
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("name,lq,lk", SEQS, ids=[s[0] for s in SEQS])
+def test_every_mask_one_call(monkeypatch, name, lq, lk, mask):
+    waves, units = spy_tables(monkeypatch, "waves_varlen"), spy_tables(monkeypatch, "units_varlen")
+    q, k, v = packed(seed_of("waves", name, mask), sum(lq), sum(lk))
+    check_varlen(q, k, v, starts(lq), starts(lk), mask=mask, what=f"waves_varlen {name} {mask}")
+    assert len(waves) == 1 and not units, f"{len(waves)} waves_varlen calls"
+
+
+@pytest.mark.parametrize("dtype,hq,hk,dv", [(torch.float16, 4, 1, 64), (torch.bfloat16, 4, 2, 64),
+                                            (torch.float32, 2, 2, 32)],
+                         ids=["f16-mqa4", "bf16-gqa2", "f32-dv32"])
+@pytest.mark.parametrize("mask", ["b", "t:50,0"])
+def test_gqa_dtypes_head_dims(dtype, hq, hk, dv, mask):
+    lq, lk = [100, 5, 129, 40], [90, 300, 129, 41]
+    q, k, v = packed(seed_of("waves-gqa", str(dtype), hq, mask), sum(lq), sum(lk), Hq=hq, Hk=hk, Dv=dv, dtype=dtype)
+    check_varlen(q, k, v, starts(lq), starts(lk), mask=mask, what=f"waves_varlen {dtype} {hq}/{hk} dv{dv} {mask}")
+
+
+@pytest.mark.parametrize("mask", ["b", "0"])
+def test_padded_starts_and_seqlen_k(mask):
+    """Gaps before sequences and keys past seqlen_k: the rows copied out one sequence at a time."""
+    lq, lk, used = [60, 3, 140], [70, 9, 200], [50, 9, 199]
+    pq, pk = starts(lq, [2, 3, 0, 4]), starts(lk, [0, 5, 2, 6])
+    q, k, v = packed(seed_of("waves-padded", mask), int(pq[-1]), int(pk[-1]))
+    check_varlen(q, k, v, starts(lq), starts(lk), seqstart_padded_q=pq, seqstart_padded_k=pk,
+                 seqlen_k=torch.tensor(used, dtype=torch.int32), mask=mask, what=f"waves_varlen padded {mask}")
+
+
+def test_nan_keys_stay_in_their_sequence():
+    """NaN in sequence 1's keys and values: sequences 0 and 2, whose last chunks end next to
+    them, stay exact."""
+    lq = lk = [100, 70, 90, 30]
+    q, k, v = packed(seed_of("waves-nan"), sum(lq), sum(lk))
+    ref_out, ref_lse = varlen_ref(q, k, v, starts(lq), starts(lk), mask="b")
+    k[100:170], v[100:170] = float("nan"), float("nan")
+    out, lse = fmha_iree.fmha_fwd_varlen(q, k, v, starts(lq), starts(lk), mask="b", return_lse=True)
+    for a, b in ((0, 100), (170, 260), (260, 290)):
+        assert torch.isfinite(out[a:b]).all(), f"NaN leaked into rows {a}:{b}"
+        np.testing.assert_allclose(out[a:b].double().numpy(), ref_out[a:b], atol=2e-5)
+        np.testing.assert_allclose(lse[:, a:b].double().numpy(), ref_lse[:, a:b], atol=2e-5)
+
+
+@pytest.mark.parametrize("lq,calls", [([700] + [40] * 6, (1, 1)),  # apart: each kind its call
+                                      ([40, 700, 40, 30, 300], (1, 0)),  # interleaved, long rows dominate
+                                      ([40, 30, 300, 50, 60, 40, 70, 90], (0, 1))],  # interleaved, short rows dominate
+                         ids=["apart", "interleaved-long", "interleaved-short"])
+def test_long_and_short_sequences(monkeypatch, lq, calls):
+    units, waves = spy_tables(monkeypatch, "units_varlen"), spy_tables(monkeypatch, "waves_varlen")
+    q, k, v = packed(seed_of("waves-split", len(lq)), sum(lq), sum(lq))
+    check_varlen(q, k, v, starts(lq), starts(lq), mask="b", what=f"split {lq}")
+    assert (len(units), len(waves)) == calls
+    assert cpu_calls.WAVE_MAX_ROWS < 300
