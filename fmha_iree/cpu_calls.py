@@ -152,6 +152,12 @@ def units_varlen_call(p: BatchProblem, module, seqs: np.ndarray, starts, rows: i
     return out, lse
 
 
+# Group mode's sequences of at most this many query rows take ``waves_varlen``, longer ones
+# ``units_varlen`` (``tiles.CPU_WAVE_ROWS`` gives the measurements: waves won on sequences of up to
+# 300 rows, lost on 128..1023 and 2048).
+WAVE_MAX_ROWS = 256
+
+
 def varlen_calls(p: BatchProblem, module, starts, rows: int):
     """A group-mode problem on a CPU module with ``waves_varlen``: sequences of a few queries in
     ``rows_packed`` groups (``short_sequences``, ``packed_fits``), the other sequences with query
