@@ -23,7 +23,7 @@ from .device import DeviceTensor
 from .cpu_calls import (empty_result, padded_batch_units, paged_groups, rows_desc, rows_fit,
                         rows_group, short_sequences, units_varlen_call, varlen_calls)
 from .plan import Plan, Sequences, build_plan, state_tiles, units_budget
-from .runtime import dense_entry
+from .entries import dense_entry
 from .tiles import varlen_rows
 from .paged import PagedCache
 from .spec import BatchProblem, Operand, check_varlen
@@ -73,7 +73,7 @@ def dense_kind(p: BatchProblem, dense: dict | None) -> tuple[str, int | None] | 
     (every row sees every key), ``("causal", None)`` (row i sees keys j <= i, Sq == Sk),
     ``("window", W)`` (keys i - W <= j <= i, Sq == Sk: CK's ``b:W,0``), or None (the plan).
     Needs full lengths (no cu_seqlen padding) that the module's entry points take
-    (``runtime.dense_entry``: multiples of its alignment, for causal of ``align * causal_blocks``
+    (``entries.dense_entry``: multiples of its alignment, for causal of ``align * causal_blocks``
     or one of its compiled-in ``seqlens``, for a window a compiled-in length whose block holds W)."""
     if not dense or p.sq == 0 or p.sk == 0:
         return None

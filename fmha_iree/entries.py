@@ -10,7 +10,7 @@ from .source import dense_params, fwd_plan
 from .spec import KernelSpec
 from .tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS, varlen_rows
 
-__all__ = ["entry_points"]
+__all__ = ["entry_points", "dense_entry"]
 
 
 def entry_points(spec: KernelSpec) -> dict:
@@ -202,3 +202,39 @@ def _packed_entry_points(spec: KernelSpec, t: str, hq: str) -> dict:
                               "note": why + "; key j of sequence b is row j % P of page block_table[b, j // P] "
                                             "(desc's k_start unused)"},
     }
+
+def dense_entry(dense: dict | None, sq: int, sk: int, causal: bool, with_lse: bool, batch: int | None = None,
+                kv_heads: int | None = None, window: int | None = None) -> str | None:
+    """The one-call entry point a module with the manifest record ``dense`` has for a full-length
+    (no padding) batch, or None (the plan then runs it). ``batch`` / ``kv_heads``: the problem's,
+    checked against what compiled-in entries were fixed to (None: not checked).
+
+    Lengths must be multiples of ``align``. Unmasked: ``dense_o_s<S>`` (IREE's fused attention op,
+    no LSE) when LSE is not wanted and Sq == Sk == S is a compiled-in length, else ``dense``.
+    Causal (Sq == Sk) at a compiled-in length: ``causal_o_s<S>`` (masked fused op) without LSE
+    where the module has it, else ``causal_s<S>``; other lengths: ``causal`` for multiples of
+    ``align * causal_blocks``. A sliding window (``window`` W: row i sees keys i - W <= j <= i,
+    Sq == Sk): ``window_s<S>`` at a compiled-in length whose block holds W (``dense["window"]``).
+    CPU records (``dynamic`` False) have only the compiled-in entries (``dense_s``, ``causal_s``,
+    ``dense_o_s``, ``causal_o_s``)."""
+    if not dense or sq < 1 or sk < 1:
+        return None
+    a = dense["align"]
+    if sq % a or sk % a:
+        return None
+    pinned_ok = all(not dense.get(key) or have is None or have == dense[key]
+                    for key, have in (("batch", batch), ("kv_heads", kv_heads)))
+    fixed = sq == sk and sq in dense.get("seqlens", ()) and pinned_ok
+    if window is not None:
+        c = dict(dense.get("window", ())).get(sq) if fixed else None  # None: no window_s<S> in the module
+        return f"window_s{sq}" if c is not None and 0 <= window <= c else None
+    if not dense.get("dynamic", True):
+        return f"{'causal' if causal else 'dense'}{'' if with_lse else '_o'}_s{sq}" if fixed else None
+    if not causal:
+        return f"dense_o_s{sq}" if fixed and not with_lse else "dense"
+    if sq != sk:
+        return None
+    if fixed:
+        return f"causal_o_s{sq}" if not with_lse and sq in dense.get("causal_o", ()) else f"causal_s{sq}"
+    nb = dense["causal_blocks"]
+    return "causal" if nb and sq % (a * nb) == 0 else None

@@ -306,7 +306,7 @@ def test_window_template(layout, group, dtype, w, vt, C):
 def test_window_entry_needs_a_compiled_window():
     """A window routes to `window_s<S>` only where the module's record has that S and the window
     fits its block; a record without windows (an older manifest) sends every window to the plan."""
-    from fmha_iree.runtime import dense_entry
+    from fmha_iree.entries import dense_entry
 
     old = {"align": 32, "causal_blocks": 8, "seqlens": [256], "causal_o": [256], "tiled": True, "dynamic": True}
     new = dict(old, window=[[256, 128]])
