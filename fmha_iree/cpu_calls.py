@@ -8,6 +8,8 @@ and the results of an empty problem.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from . import frames
@@ -262,18 +264,20 @@ def rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarr
 
 
 def padded_batch_units(p: BatchProblem, module, rows: int):
-    """A bshd batch with ``cu_seqlen`` padding in one ``units_varlen`` call: batch entry ``b`` is
-    the sequence of tokens ``[b Sq, b Sq + q_len[b])`` (keys ``[b Sk, b Sk + k_len[b])``) of the
-    batch viewed as ``[1, B S, H, D]``. Returns (out, lse), rows past ``q_len[b]`` 0 and -inf."""
+    """A bshd batch with ``cu_seqlen`` padding as group mode (``varlen_calls``; one ``units_varlen``
+    call in modules without ``waves_varlen``): batch entry ``b`` is the sequence of tokens
+    ``[b Sq, b Sq + q_len[b])`` (keys ``[b Sk, b Sk + k_len[b])``) of the batch viewed as ``[1, B S,
+    H, D]``. Returns (out, lse), rows past ``q_len[b]`` 0 and -inf."""
     b, sq, sk = p.batch, p.sq, p.sk
-    desc = rows_desc(p)
-    table = unit_tiles((np.arange(b) * sq, p.q_lens, np.arange(b) * sk, p.k_lens), (desc[:, 2], desc[:, 3]),
-                       rows=rows, group=p.hq // p.hk)
-    if not len(table):  # no batch entry has query rows
+    q_lens, k_lens = np.asarray(p.q_lens, np.int64), np.asarray(p.k_lens, np.int64)
+    if not q_lens.any():  # no batch entry has query rows
         return empty_result(p, (b, sq, p.hq, p.dv), (b, p.hq, sq))
-    flat = [x.array.reshape((1, -1) + x.array.shape[2:]) for x in (p.q, p.k, p.v)]
-    o, l = module.run_tables("units_varlen", *flat, p.q.dtype, p.scale, host=table)
-    out, lse = o.reshape(b, sq, p.hq, p.dv), l.reshape(p.hq, b, sq).transpose(1, 0, 2)
-    unused = np.arange(sq)[None, :] >= np.asarray(p.q_lens)[:, None]  # [B, Sq]
-    out[unused] = 0
-    return out, np.where(unused[:, None, :], np.float32(-np.inf), lse)
+    flat = [dataclasses.replace(x, array=x.array.reshape((1, -1) + x.array.shape[2:])) for x in (p.q, p.k, p.v)]
+    pf = dataclasses.replace(p, q=flat[0], k=flat[1], v=flat[2], batch=1, sq=b * sq, sk=b * sk,
+                             q_lens=q_lens.sum(keepdims=True), k_lens=k_lens.sum(keepdims=True))
+    starts = (np.arange(b) * sq, q_lens, np.arange(b) * sk, k_lens, np.arange(b) * sq, b * sq)
+    if module.has("waves_varlen"):
+        o, l = varlen_calls(pf, module, starts, rows)
+    else:
+        o, l = units_varlen_call(pf, module, np.flatnonzero(q_lens > 0), starts, rows)
+    return o.reshape(b, sq, p.hq, p.dv), l.reshape(p.hq, b, sq).transpose(1, 0, 2)

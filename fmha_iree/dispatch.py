@@ -20,7 +20,7 @@ import numpy as np
 from . import frames
 from .frames import has_ragged
 from .device import DeviceTensor
-from .cpu_calls import (empty_result, padded_batch_units, paged_groups, rows_desc, rows_fit,
+from .cpu_calls import (WAVE_MAX_ROWS, empty_result, padded_batch_units, paged_groups, rows_desc, rows_fit,
                         rows_group, short_sequences, units_varlen_call, varlen_calls)
 from .plan import Plan, Sequences, build_plan, state_tiles, units_budget
 from .entries import dense_entry
@@ -33,7 +33,7 @@ __all__ = ["Route", "route", "dense_kind", "uses_fwd", "run_batch", "run_varlen"
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """The path a batch-mode call takes: ``path`` is ``"fwd"``, ``"units"``, ``"units_varlen"``, ``"ragged"``, ``"rows"``,
+    """The path a batch-mode call takes: ``path`` is ``"fwd"``, ``"units"``, ``"varlen"``, ``"ragged"``, ``"rows"``,
     ``"dense"``, ``"causal"``, ``"window"`` or ``"plan"``; ``entry`` the module function that runs it (None for the plan's
     ``init``/``step``/``finalize``); ``window`` the width of a ``"window"`` path; ``reason`` why
     this path and not an earlier one."""
@@ -111,8 +111,9 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     if padded and has_ragged(module, p.layout):
         return Route("ragged", "cu_seqlen padding: one padded frame, each batch its own lengths and mask", "fwd_ragged")
     if padded and p.layout == "bshd" and not p.q.on_device and module.has("units_varlen"):
-        return Route("units_varlen", "cu_seqlen padding: each batch entry a sequence of the tokens, the tiles of "
-                                     "all of them in one call", "units_varlen")
+        short = module.has("waves_varlen") and int(np.max(p.q_lens)) <= WAVE_MAX_ROWS
+        return Route("varlen", "cu_seqlen padding: each batch entry a sequence of the tokens, run as group mode "
+                               "(cpu_calls.varlen_calls)", "waves_varlen" if short else "units_varlen")
     if padded:
         return Route("plan", "cu_seqlen padding: the tile plan reads each batch's own lengths")
     entry = None if kind is None else module.dense_entry(p.sq, p.sk, kind[0] == "causal", with_lse, p.batch, p.hk,
@@ -145,7 +146,7 @@ def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str)
     out_shape = (p.batch, p.hq, p.sq, p.dv) if p.layout == "bhsd" else (p.batch, p.sq, p.hq, p.dv)
     module = get_module() if p.sq and p.sk and p.batch else None
     r = route(p, module, return_lse)
-    if r.path == "units_varlen":
+    if r.path == "varlen":
         out, lse = padded_batch_units(p, module, varlen_rows(tiles))
     elif r.path != "plan":
         out, lse = _runner(p, r, module, return_lse, p.q.on_device)(p.q.array, p.k.array, p.v.array)

@@ -143,16 +143,17 @@ def test_group_mode_short_sequences_in_key_buckets(monkeypatch):
 @pytest.mark.parametrize("hq,hk,qlen,packed", [(4, 1, 16, True), (4, 1, 17, False), (2, 2, 8, True), (2, 2, 9, False)])
 def test_group_mode_short_queries_choose_packed_by_group(monkeypatch, hq, hk, qlen, packed):
     """Sequences of up to 16 query rows take ``rows_packed`` with GQA (up to 64 rows per KV head),
-    up to 8 without (``cpu_calls.packed_fits``), ``rows_kpad`` above; either way each sequence
-    against its own keys (float64 reference)."""
+    up to 8 without (``cpu_calls.packed_fits``), ``waves_varlen`` above (``rows_kpad`` in modules
+    built before it); either way each sequence against its own keys (float64 reference)."""
     from fmha_iree import runtime
     from reference import assert_close, varlen_ref
 
     seen = []
-    for name in ("run_rows_packed", "run_rows"):
+    for name in ("run_rows_packed", "run_rows", "run_tables"):
         real = getattr(runtime.FmhaModule, name)
         monkeypatch.setattr(runtime.FmhaModule, name,
-                            lambda self, *a, _n=name, _r=real, **kw: (seen.append(_n), _r(self, *a, **kw))[1])
+                            lambda self, *a, _n=name, _r=real, **kw: (seen.append(a[0] if _n == "run_tables" else _n),
+                                                                      _r(self, *a, **kw))[1])
     lq, lk = [qlen, 3, qlen, 1], [40, 300, qlen, 77]
     sq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
     sk = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
@@ -160,7 +161,7 @@ def test_group_mode_short_queries_choose_packed_by_group(monkeypatch, hq, hk, ql
                        layout="bshd")
     q, k, v = q[0], k[0], v[0]
     out, lse = fmha_iree.fmha_fwd_varlen(q, k, v, sq, sk, mask="b", return_lse=True)
-    assert ("run_rows_packed" in seen) == packed and ("run_rows" in seen) != packed, seen
+    assert ("run_rows_packed" in seen) == packed and ("waves_varlen" in seen) != packed, seen
     ref_out, ref_lse = varlen_ref(q, k, v, sq, sk, mask="b")
     assert_close(out, ref_out, torch.float32, kind="out", what=f"G={hq // hk} qlen {qlen}")
     assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"G={hq // hk} qlen {qlen}")

@@ -114,6 +114,18 @@ def test_modules_without_waves_varlen(monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("mask", ["b", "t:30,0", "0"])
+def test_batch_cu_seqlen_bshd_short(monkeypatch, mask):
+    """Batch mode with cu_seqlen padding whose entries are all short: one ``waves_varlen`` call."""
+    calls = spy_tables(monkeypatch, "waves_varlen")
+    lq, lk = [150, 0, 200, 37], [200, 9, 0, 130]
+    q, k, v = make_qkv(seed_of("waves-batch", mask), B=4, Hq=4, Hk=2, Sq=200, Sk=200, layout="bshd")
+    r = fmha_iree.route(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cu(lq), cu_seqlen_k=cu(lk))
+    assert (r.path, r.entry) == ("varlen", "waves_varlen")
+    check_fwd(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cu(lq), cu_seqlen_k=cu(lk), what=f"waves batch {mask}")
+    assert len(calls) == 1
+
+
 def test_batch_cu_seqlen_without_query_rows():
     """cu_seqlen_q all zero in a bshd batch: out 0, lse -inf, nothing called."""
     q, k, v = make_qkv(seed_of("units-varlen-batch-empty"), B=2, Hq=2, Hk=2, Sq=300, Sk=400, layout="bshd")
@@ -128,6 +140,6 @@ def test_batch_cu_seqlen_bshd(monkeypatch, mask):
     lq, lk = [300, 0, 140, 257], [280, 9, 0, 512]
     q, k, v = make_qkv(seed_of("units-varlen-batch", mask), B=4, Hq=4, Hk=2, Sq=320, Sk=512, layout="bshd")
     cq, ck = cu(lq), cu(lk)
-    assert fmha_iree.route(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cq, cu_seqlen_k=ck).path == "units_varlen"
+    assert fmha_iree.route(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cq, cu_seqlen_k=ck).path == "varlen"
     check_fwd(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cq, cu_seqlen_k=ck, what=f"units_varlen batch {mask}")
     assert len(calls) == 1
