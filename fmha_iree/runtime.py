@@ -17,7 +17,7 @@ from .entries import dense_entry
 from .plan import Block, Plan
 from .staging import UploadRing
 
-__all__ = ["FmhaModule"]
+__all__: list[str] = []  # FmhaModule is internal: deployed modules are fmha_iree.load(path)
 
 
 class FmhaModule:
