@@ -155,9 +155,10 @@ def units_varlen_call(p: BatchProblem, module, seqs: np.ndarray, starts, rows: i
 
 
 # Group mode's sequences of at most this many query rows take ``waves_varlen``, longer ones
-# ``units_varlen`` (``tiles.CPU_WAVE_ROWS`` gives the measurements: waves won on sequences of up to
-# 300 rows, lost on 128..1023 and 2048).
-WAVE_MAX_ROWS = 256
+# ``units_varlen``. Dev CPU, 2026-12-05 (f32 H8 D64 causal, min of 5 calls, a script outside the
+# repository), ms with the bound at 256 / 512: 32 x 1..128 rows 13.6 / 9.1, 64 x 200..300 120 /
+# 118, 32 x 256..512 112 / 100, 16 x 128..1023 103 / 98, 1 x 2048 28 / 27 (waves alone 40).
+WAVE_MAX_ROWS = 512
 
 
 def varlen_calls(p: BatchProblem, module, starts, rows: int):

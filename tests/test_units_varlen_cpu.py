@@ -2,9 +2,10 @@
 sequences in one call, a table of row tiles looped inside the module), checked against the
 float64 group-mode reference.
 
-Covered: many sequences with tails of 1..255 rows past a 128- or 256-row tile and keys past a 128-key
-step, Sq != Sk per sequence under every mask kind, zero-length q or k, short sequences (``rows``)
-packed between long ones (a long one's last tile runs past its rows into theirs), padded starts
+Covered: many sequences of over ``cpu_calls.WAVE_MAX_ROWS`` rows (shorter ones take
+``waves_varlen``) with tails of 1..127 rows past a 128-row tile and keys past a 128-key step,
+Sq != Sk per sequence under every mask kind, zero-length q or k, short sequences packed between
+long ones (a long one's last tile runs past its rows into theirs), padded starts
 and ``seqlen_k`` (the results copied out row by row), GQA / MQA, f32 / f16 / bf16, Dq != Dv, LSE;
 NaN in one sequence's keys reaching no other sequence; one call per problem; batch mode with
 cu_seqlen padding in bshd (each batch entry a sequence); and modules built
@@ -24,9 +25,9 @@ from test_varlen import check_varlen, packed, starts
 # (id, query lengths, key lengths): tails past 256-row tiles and 128-key steps, Sq != Sk, short
 # sequences (<= 128 rows: ``rows``) between long ones, zero-length q and k
 SEQS = [
-    ("tails", [257, 300, 511, 129, 383], [257, 700, 129, 1000, 385]),
+    ("tails", [513, 600, 767, 129, 639], [513, 700, 129, 1000, 641]),
     ("mixed", [1, 600, 20, 0, 140, 7, 260, 2], [5, 600, 333, 4, 0, 128, 900, 2]),
-    ("last-without-keys", [300, 260], [290, 0]),
+    ("last-without-keys", [600, 530], [590, 0]),
 ]
 MASKS = ["0", "b", "t", "b:20,0", "t:3,40", "b:0,0", "xb:9", "t:-1,5"]
 
@@ -63,7 +64,7 @@ def test_every_mask_one_call(monkeypatch, name, lq, lk, mask):
                          ids=["f16-mqa4", "bf16-gqa2", "f32-dv32"])
 @pytest.mark.parametrize("mask", ["b", "t:100,0"])
 def test_gqa_dtypes_head_dims(dtype, hq, hk, dv, mask):
-    lq, lk = [300, 5, 129], [290, 700, 260]
+    lq, lk = [600, 5, 129], [590, 700, 260]
     q, k, v = packed(seed_of("units-varlen-gqa", str(dtype), hq, mask), sum(lq), sum(lk), Hq=hq, Hk=hk, Dv=dv,
                      dtype=dtype)
     check_varlen(q, k, v, starts(lq), starts(lk), mask=mask, what=f"units_varlen {dtype} {hq}/{hk} dv{dv} {mask}")
@@ -72,7 +73,7 @@ def test_gqa_dtypes_head_dims(dtype, hq, hk, dv, mask):
 @pytest.mark.parametrize("mask", ["b", "0"])
 def test_padded_starts_and_seqlen_k(mask):
     """Gaps before sequences and keys past seqlen_k: the rows copied out one sequence at a time."""
-    lq, lk, used = [260, 3, 400], [270, 9, 500], [200, 9, 499]
+    lq, lk, used = [560, 3, 400], [570, 9, 500], [500, 9, 499]
     pq, pk = starts(lq, [2, 3, 0, 4]), starts(lk, [0, 5, 2, 6])
     q, k, v = packed(seed_of("units-varlen-padded", mask), int(pq[-1]), int(pk[-1]))
     check_varlen(q, k, v, starts(lq), starts(lk), seqstart_padded_q=pq, seqstart_padded_k=pk,
@@ -82,12 +83,12 @@ def test_padded_starts_and_seqlen_k(mask):
 def test_nan_keys_stay_in_their_sequence():
     """NaN in sequence 1's keys and values: sequences 0 and 2 (whose last key steps run into
     sequence 1's and 3's keys) stay exact."""
-    lq = lk = [300, 200, 260, 150]
+    lq = lk = [600, 200, 560, 150]
     q, k, v = packed(seed_of("units-varlen-nan"), sum(lq), sum(lk))
     ref_out, ref_lse = varlen_ref(q, k, v, starts(lq), starts(lk), mask="b")
-    k[300:500], v[300:500] = float("nan"), float("nan")
+    k[600:800], v[600:800] = float("nan"), float("nan")
     out, lse = fmha_iree.fmha_fwd_varlen(q, k, v, starts(lq), starts(lk), mask="b", return_lse=True)
-    for a, b in ((0, 300), (500, 760), (760, 910)):
+    for a, b in ((0, 600), (800, 1360), (1360, 1510)):
         assert torch.isfinite(out[a:b]).all(), f"NaN leaked into rows {a}:{b}"
         np.testing.assert_allclose(out[a:b].double().numpy(), ref_out[a:b], atol=2e-5)
         np.testing.assert_allclose(lse[:, a:b].double().numpy(), ref_lse[:, a:b], atol=2e-5)
@@ -137,8 +138,8 @@ def test_batch_cu_seqlen_bshd(monkeypatch, mask):
     """Batch mode with cu_seqlen padding in bshd: each batch entry one sequence of units_varlen
     (rows past its length 0, lse -inf; an entry without keys too), rows too many for ``rows``."""
     calls = _spy(monkeypatch)
-    lq, lk = [300, 0, 140, 257], [280, 9, 0, 512]
-    q, k, v = make_qkv(seed_of("units-varlen-batch", mask), B=4, Hq=4, Hk=2, Sq=320, Sk=512, layout="bshd")
+    lq, lk = [600, 0, 140, 530], [580, 9, 0, 640]
+    q, k, v = make_qkv(seed_of("units-varlen-batch", mask), B=4, Hq=4, Hk=2, Sq=640, Sk=640, layout="bshd")
     cq, ck = cu(lq), cu(lk)
     assert fmha_iree.route(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cq, cu_seqlen_k=ck).path == "varlen"
     check_fwd(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cq, cu_seqlen_k=ck, what=f"units_varlen batch {mask}")

@@ -80,4 +80,4 @@ def test_long_and_short_sequences(monkeypatch, lq, calls):
     q, k, v = packed(seed_of("waves-split", len(lq)), sum(lq), sum(lq))
     check_varlen(q, k, v, starts(lq), starts(lq), mask="b", what=f"split {lq}")
     assert (len(units), len(waves)) == calls
-    assert cpu_calls.WAVE_MAX_ROWS < 300
+    assert 300 <= cpu_calls.WAVE_MAX_ROWS < 700
