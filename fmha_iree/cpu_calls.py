@@ -19,9 +19,10 @@ from .plan import runs, unit_tiles, wave_tables
 from .tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS
 from .spec import BatchProblem
 
-__all__ = ["ROWS_MAX_ROWS", "ROWS_MAX_SCORES", "PAD_LIMIT", "GROUP_KEYS", "WAVE_MAX_ROWS", "empty_result", "packed_fits",
+__all__ = ["ROWS_MAX_ROWS", "ROWS_MAX_SCORES", "PAD_LIMIT", "GROUP_KEYS", "WAVE_MAX_ROWS", "BATCH_WAVE_MIN_ROWS",
+           "BATCH_WAVE_MAX_KEYS", "as_group_mode", "empty_result", "packed_fits",
            "rows_fit", "rows_desc", "short_sequences", "paged_groups", "units_varlen_call", "waves_call", "varlen_calls",
-           "rows_group", "padded_batch_units"]
+           "rows_group", "batch_as_group"]
 
 
 def empty_result(p: BatchProblem, out_shape, lse_shape):
@@ -65,6 +66,26 @@ def rows_fit(p: BatchProblem, module) -> bool:
     (``ROWS_MAX_ROWS`` rows per KV head) and at most ``ROWS_MAX_SCORES`` scores."""
     return bool(getattr(module, "has_rows", False)) and p.sq * (p.hq // p.hk) <= ROWS_MAX_ROWS and \
         p.batch * p.hq * p.sq * p.sk <= ROWS_MAX_SCORES
+
+
+# A bshd batch-mode problem with at least BATCH_WAVE_MIN_ROWS query rows and at most
+# BATCH_WAVE_MAX_KEYS keys runs as group mode (each batch entry a sequence; ``varlen_calls``)
+# rather than through ``rows`` or ``units``. Dev CPU, 2026-12-05 (f32 D64 causal, min of 5 calls,
+# a script outside the repository), ms as group mode / by the batch-mode route (torch's CPU SDPA):
+# B32 H8 S128 13.1 / 47.2 rows (5.0), S256 53.3 / 70.3 units (19.9), B16 S384 35.3 / 63.5 (19.6),
+# B8 S512 23.9 / 25.9 (16.4), B4 H32/8 Sq128 Sk1024 32.6 / 50.3 (23.6 with a bool mask); the
+# other way: B64 S32 9.5 / 7.1 rows (1.0), chunked prefill B1 H8 Sq256 Sk2048 10.1 / 7.2 units
+# (5.4), B2 Sq512 Sk4096 66.6 / 46.9 (42.7), B4 H32/8 Sq256 Sk2048 110 / 97 (81).
+BATCH_WAVE_MIN_ROWS = 64
+BATCH_WAVE_MAX_KEYS = 1024
+
+
+def as_group_mode(p: BatchProblem, module) -> bool:
+    """Whether a batch-mode problem runs as group mode on ``module``: a bshd batch on host
+    inputs, ``BATCH_WAVE_MIN_ROWS`` to any query rows against at most ``BATCH_WAVE_MAX_KEYS`` keys,
+    on a module with ``waves_varlen``."""
+    return (p.layout == "bshd" and not p.q.on_device and bool(getattr(module, "has_rows", False))
+            and module.has("waves_varlen") and p.sq >= BATCH_WAVE_MIN_ROWS and p.sk <= BATCH_WAVE_MAX_KEYS)
 
 
 def rows_desc(p: BatchProblem) -> np.ndarray:
@@ -264,7 +285,7 @@ def rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarr
     lse[:, lse_start[rows] + rel] = l[rows, :, rel].T
 
 
-def padded_batch_units(p: BatchProblem, module, rows: int):
+def batch_as_group(p: BatchProblem, module, rows: int):
     """A bshd batch with ``cu_seqlen`` padding as group mode (``varlen_calls``; one ``units_varlen``
     call in modules without ``waves_varlen``): batch entry ``b`` is the sequence of tokens
     ``[b Sq, b Sq + q_len[b])`` (keys ``[b Sk, b Sk + k_len[b])``) of the batch viewed as ``[1, B S,

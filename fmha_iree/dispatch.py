@@ -20,8 +20,8 @@ import numpy as np
 from . import frames
 from .frames import has_ragged
 from .device import DeviceTensor
-from .cpu_calls import (WAVE_MAX_ROWS, empty_result, padded_batch_units, paged_groups, rows_desc, rows_fit,
-                        rows_group, short_sequences, units_varlen_call, varlen_calls)
+from .cpu_calls import (WAVE_MAX_ROWS, as_group_mode, empty_result, batch_as_group, paged_groups, rows_desc,
+                        rows_fit, rows_group, short_sequences, units_varlen_call, varlen_calls)
 from .plan import Plan, Sequences, build_plan, state_tiles, units_budget
 from .entries import dense_entry
 from .tiles import varlen_rows
@@ -97,13 +97,17 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     """The path a batch-mode problem takes on ``module`` (a loaded module, or None when the
     problem is empty and nothing is called), and why. A compiled-in or aligned one-call entry
     point that serves the problem (``dense_kind``), except the generic two-block ``causal`` where
-    the module has ``fwd``; else ``rows`` for short queries on a CPU module (``rows_fit``, cu_seqlen
-    padding included); else, every batch at the full lengths, ``units`` (CPU modules) or ``fwd``
-    wherever the module has them; else the tile plan."""
+    the module has ``fwd``; else on a CPU module a bshd batch of middling lengths as group mode
+    (``cpu_calls.as_group_mode``), ``rows`` for short queries (``rows_fit``, cu_seqlen padding
+    included), a bshd batch with cu_seqlen padding as group mode; else, every batch at the full
+    lengths, ``units`` (CPU modules) or ``fwd`` wherever the module has them; else the tile plan."""
     if module is None:
         return Route("plan", "empty problem: no entry point is called")
     padded = bool((p.q_lens != p.sq).any() or (p.k_lens != p.sk).any())
     kind = None if padded else dense_kind(p, module.dense)
+    if kind is None and as_group_mode(p, module):
+        return Route("varlen", f"bshd batch of Sq={p.sq} against Sk={p.sk}: each batch entry a sequence of the "
+                               "tokens, run as group mode (cpu_calls.varlen_calls)", _group_entry(p))
     if kind is None and rows_fit(p, module):
         entry = "rows_kpad" if (p.k_lens != p.sk).any() else "rows"
         return Route("rows", f"short queries (Sq={p.sq}, {p.batch * p.hq * p.sq * p.sk} scores): whole key rows, "
@@ -111,9 +115,8 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     if padded and has_ragged(module, p.layout):
         return Route("ragged", "cu_seqlen padding: one padded frame, each batch its own lengths and mask", "fwd_ragged")
     if padded and p.layout == "bshd" and not p.q.on_device and module.has("units_varlen"):
-        short = module.has("waves_varlen") and int(np.max(p.q_lens)) <= WAVE_MAX_ROWS
         return Route("varlen", "cu_seqlen padding: each batch entry a sequence of the tokens, run as group mode "
-                               "(cpu_calls.varlen_calls)", "waves_varlen" if short else "units_varlen")
+                               "(cpu_calls.varlen_calls)", _group_entry(p) if module.has("waves_varlen") else "units_varlen")
     if padded:
         return Route("plan", "cu_seqlen padding: the tile plan reads each batch's own lengths")
     entry = None if kind is None else module.dense_entry(p.sq, p.sk, kind[0] == "causal", with_lse, p.batch, p.hk,
@@ -128,6 +131,11 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     if kind is not None:
         return Route(kind[0], f"{entry} takes Sq={p.sq}, Sk={p.sk} with this mask", entry, kind[1])
     return Route("plan", "the module has no fwd, and no one-call entry point takes these lengths and mask")
+
+
+def _group_entry(p: BatchProblem) -> str:
+    """The entry point group mode gives a batch's entries (``cpu_calls.varlen_calls``)."""
+    return "waves_varlen" if int(np.max(p.q_lens)) <= WAVE_MAX_ROWS else "units_varlen"
 
 
 def uses_fwd(p: BatchProblem, module) -> bool:
@@ -147,7 +155,7 @@ def run_batch(p: BatchProblem, return_lse: bool, tiles, get_module, family: str)
     module = get_module() if p.sq and p.sk and p.batch else None
     r = route(p, module, return_lse)
     if r.path == "varlen":
-        out, lse = padded_batch_units(p, module, varlen_rows(tiles))
+        out, lse = batch_as_group(p, module, varlen_rows(tiles))
     elif r.path != "plan":
         out, lse = _runner(p, r, module, return_lse, p.q.on_device)(p.q.array, p.k.array, p.v.array)
     else:

@@ -44,8 +44,9 @@ def test_units_every_mask_and_tail(monkeypatch, sq, sk, mask):
                          ids=["f16-mqa4-bhsd", "bf16-gqa2-bshd", "f32-bshd"])
 @pytest.mark.parametrize("mask", ["b", "t:100,0", "0"])
 def test_units_gqa_layouts_dtypes(dtype, layout, hq, hk, mask):
-    """The G query heads of a KV head as rows (g, s) of its units, in either layout and dtype."""
-    q, k, v = make_qkv(seed_of("units-gqa", str(dtype), layout, mask), B=2, Hq=hq, Hk=hk, Sq=333, Sk=777, Dq=64,
+    """The G query heads of a KV head as rows (g, s) of its units, in either layout and dtype
+    (bshd: keys past ``cpu_calls.BATCH_WAVE_MAX_KEYS``, below which the batch runs as group mode)."""
+    q, k, v = make_qkv(seed_of("units-gqa", str(dtype), layout, mask), B=2, Hq=hq, Hk=hk, Sq=333, Sk=1100, Dq=64,
                        dtype=dtype, layout=layout)
     assert fmha_iree.route(q, k, v, mask=mask, layout=layout).path == "units"
     check_fwd(q, k, v, mask=mask, layout=layout, what=f"units {dtype} {layout} {hq}/{hk} {mask}")

@@ -81,3 +81,25 @@ def test_long_and_short_sequences(monkeypatch, lq, calls):
     check_varlen(q, k, v, starts(lq), starts(lq), mask="b", what=f"split {lq}")
     assert (len(units), len(waves)) == calls
     assert 300 <= cpu_calls.WAVE_MAX_ROWS < 700
+
+
+@pytest.mark.parametrize("mask", ["b", "t", "0", "b:40,0", "xb:9"])
+@pytest.mark.parametrize("b,hq,hk,sq,sk", [(3, 4, 2, 200, 300), (2, 2, 2, 64, 64), (2, 2, 1, 130, 1024)],
+                         ids=["gqa-200x300", "mha-64", "mqa-130x1024"])
+def test_batch_mode_as_group_mode(monkeypatch, mask, b, hq, hk, sq, sk):
+    """A bshd batch of middling lengths (no padding) runs as group mode: one waves_varlen call."""
+    from common import check_fwd
+    from reference import make_qkv
+
+    calls = spy_tables(monkeypatch, "waves_varlen")
+    q, k, v = make_qkv(seed_of("waves-batch-mode", mask, sq, sk), B=b, Hq=hq, Hk=hk, Sq=sq, Sk=sk, layout="bshd")
+    r = fmha_iree.route(q, k, v, mask=mask, layout="bshd")
+    assert (r.path, r.entry) == ("varlen", "waves_varlen"), r
+    check_fwd(q, k, v, mask=mask, layout="bshd", what=f"batch as group mode {mask} {sq}x{sk}")
+    assert len(calls) == 1
+    assert cpu_calls.BATCH_WAVE_MIN_ROWS <= 64 and cpu_calls.BATCH_WAVE_MAX_KEYS >= 1024
+
+
+def test_batch_mode_short_queries_keep_rows():
+    q, k, v = (torch.randn(2, s, 2, 64) for s in (32, 300, 300))
+    assert fmha_iree.route(q, k, v, mask="b", layout="bshd").path == "rows"
