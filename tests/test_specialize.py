@@ -23,7 +23,7 @@ SHAPES = {
 CASES = [
     # (mask, return_lse, entry point; None: the generic plan)
     ("0", True, "dense_s"), ("0", False, "dense_o_s"), ("b", True, "causal_s"), ("t", False, "causal_o_s"),
-    ("b:20,0", True, None),  # a window: the generic entry points (rows for short queries, else units)
+    ("b:20,0", True, None),  # a window: the generic entry points (bshd: group mode; rows for short queries, else units)
 ]
 
 
@@ -40,7 +40,8 @@ def test_specialized_cpu_entries(shape, mask, with_lse, entry):
                        Dq=c["D"], dtype=c["dtype"], layout=c["layout"])
     got = _entry(q, k, v, mask, c["layout"], with_lse)
     short = c["S"] * c["Hq"] // c["Hk"] <= cpu_calls.ROWS_MAX_ROWS
-    assert got == (f"{entry}{c['S']}" if entry else "rows" if short else "units")
+    group = c["layout"] == "bshd" and cpu_calls.BATCH_WAVE_MIN_ROWS <= c["S"] <= cpu_calls.BATCH_WAVE_MAX_KEYS
+    assert got == (f"{entry}{c['S']}" if entry else "waves_varlen" if group else "rows" if short else "units")
     res = fmha_iree.fmha_fwd(q, k, v, mask=mask, layout=c["layout"], return_lse=with_lse, specialize=True)
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=c["layout"])
     out = res[0] if with_lse else res
