@@ -81,11 +81,13 @@ BATCH_WAVE_MAX_KEYS = 1024
 
 
 def as_group_mode(p: BatchProblem, module) -> bool:
-    """Whether a batch-mode problem runs as group mode on ``module``: a bshd batch on host
-    inputs, ``BATCH_WAVE_MIN_ROWS`` to any query rows against at most ``BATCH_WAVE_MAX_KEYS`` keys,
-    on a module with ``waves_varlen``."""
-    return (p.layout == "bshd" and not p.q.on_device and bool(getattr(module, "has_rows", False))
-            and module.has("waves_varlen") and p.sq >= BATCH_WAVE_MIN_ROWS and p.sk <= BATCH_WAVE_MAX_KEYS)
+    """Whether a batch-mode problem runs as group mode on ``module``: a batch on host inputs,
+    ``BATCH_WAVE_MIN_ROWS`` or more query rows (bhsd: at most ``WAVE_MAX_ROWS``, all in
+    ``waves_varlen``) against at most ``BATCH_WAVE_MAX_KEYS`` keys, on a module with
+    ``waves_varlen``."""
+    return (not p.q.on_device and bool(getattr(module, "has_rows", False)) and module.has("waves_varlen")
+            and BATCH_WAVE_MIN_ROWS <= p.sq and p.sk <= BATCH_WAVE_MAX_KEYS
+            and (p.layout == "bshd" or p.sq <= WAVE_MAX_ROWS))
 
 
 def rows_desc(p: BatchProblem) -> np.ndarray:
@@ -286,20 +288,29 @@ def rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarr
 
 
 def batch_as_group(p: BatchProblem, module, rows: int):
-    """A bshd batch with ``cu_seqlen`` padding as group mode (``varlen_calls``; one ``units_varlen``
-    call in modules without ``waves_varlen``): batch entry ``b`` is the sequence of tokens
-    ``[b Sq, b Sq + q_len[b])`` (keys ``[b Sk, b Sk + k_len[b])``) of the batch viewed as ``[1, B S,
-    H, D]``. Returns (out, lse), rows past ``q_len[b]`` 0 and -inf."""
+    """A batch (``cu_seqlen`` padding or not) as group mode, batch entry ``b`` the sequence of
+    tokens ``[b Sq, b Sq + q_len[b])`` (keys ``[b Sk, b Sk + k_len[b])``): one ``waves_varlen`` call
+    on the batch as it lies where every entry has at most ``WAVE_MAX_ROWS`` rows, else (bshd) the
+    batch viewed as ``[1, B S, H, D]`` through ``varlen_calls`` (one ``units_varlen`` call in
+    modules without ``waves_varlen``). Returns (out, lse ``[B, Hq, Sq]``), rows past ``q_len[b]`` 0
+    and -inf."""
     b, sq, sk = p.batch, p.sq, p.sk
     q_lens, k_lens = np.asarray(p.q_lens, np.int64), np.asarray(p.k_lens, np.int64)
+    out_shape = (b, p.hq, sq, p.dv) if p.layout == "bhsd" else (b, sq, p.hq, p.dv)
     if not q_lens.any():  # no batch entry has query rows
-        return empty_result(p, (b, sq, p.hq, p.dv), (b, p.hq, sq))
+        return empty_result(p, out_shape, (b, p.hq, sq))
+    starts = (np.arange(b) * sq, q_lens, np.arange(b) * sk, k_lens, np.arange(b) * sq, b * sq)
+    if module.has("waves_varlen") and int(q_lens.max()) <= WAVE_MAX_ROWS:
+        desc = rows_desc(p)
+        w = wave_tables(starts[:4], (desc[:, 2], desc[:, 3]), (b * sq, b * sk), rows=CPU_WAVE_ROWS,
+                        chunk=CPU_WAVE_KEYS, group=p.hq // p.hk)
+        return module.run_tables("waves_varlen", p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale,
+                                 (w.chunks, w.slots, w.steps, w.rowslot), w.levels)
     flat = [dataclasses.replace(x, array=x.array.reshape((1, -1) + x.array.shape[2:])) for x in (p.q, p.k, p.v)]
     pf = dataclasses.replace(p, q=flat[0], k=flat[1], v=flat[2], batch=1, sq=b * sq, sk=b * sk,
                              q_lens=q_lens.sum(keepdims=True), k_lens=k_lens.sum(keepdims=True))
-    starts = (np.arange(b) * sq, q_lens, np.arange(b) * sk, k_lens, np.arange(b) * sq, b * sq)
     if module.has("waves_varlen"):
         o, l = varlen_calls(pf, module, starts, rows)
     else:
         o, l = units_varlen_call(pf, module, np.flatnonzero(q_lens > 0), starts, rows)
-    return o.reshape(b, sq, p.hq, p.dv), l.reshape(p.hq, b, sq).transpose(1, 0, 2)
+    return o.reshape(out_shape), l.reshape(p.hq, b, sq).transpose(1, 0, 2)

@@ -106,17 +106,18 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     padded = bool((p.q_lens != p.sq).any() or (p.k_lens != p.sk).any())
     kind = None if padded else dense_kind(p, module.dense)
     if kind is None and as_group_mode(p, module):
-        return Route("varlen", f"bshd batch of Sq={p.sq} against Sk={p.sk}: each batch entry a sequence of the "
-                               "tokens, run as group mode (cpu_calls.varlen_calls)", _group_entry(p))
+        return Route("varlen", f"{p.layout} batch of Sq={p.sq} against Sk={p.sk}: each batch entry a sequence of "
+                               "tokens, run as group mode (cpu_calls.batch_as_group)", _group_entry(p))
     if kind is None and rows_fit(p, module):
         entry = "rows_kpad" if (p.k_lens != p.sk).any() else "rows"
         return Route("rows", f"short queries (Sq={p.sq}, {p.batch * p.hq * p.sq * p.sk} scores): whole key rows, "
                              "each batch's own lengths and mask", entry)
     if padded and has_ragged(module, p.layout):
         return Route("ragged", "cu_seqlen padding: one padded frame, each batch its own lengths and mask", "fwd_ragged")
-    if padded and p.layout == "bshd" and not p.q.on_device and module.has("units_varlen"):
-        return Route("varlen", "cu_seqlen padding: each batch entry a sequence of the tokens, run as group mode "
-                               "(cpu_calls.varlen_calls)", _group_entry(p) if module.has("waves_varlen") else "units_varlen")
+    if padded and not p.q.on_device and (p.layout == "bshd" and module.has("units_varlen") or module.has(
+            "waves_varlen") and p.sq <= WAVE_MAX_ROWS):
+        return Route("varlen", "cu_seqlen padding: each batch entry a sequence of tokens, run as group mode "
+                               "(cpu_calls.batch_as_group)", _group_entry(p) if module.has("waves_varlen") else "units_varlen")
     if padded:
         return Route("plan", "cu_seqlen padding: the tile plan reads each batch's own lengths")
     entry = None if kind is None else module.dense_entry(p.sq, p.sk, kind[0] == "causal", with_lse, p.batch, p.hk,

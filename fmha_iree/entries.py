@@ -104,6 +104,17 @@ def entry_points(spec: KernelSpec) -> dict:
                      f"units of {spec.tiles.m0} rows x {spec.tiles.kv_chunk} keys looped inside the module "
                      "(mlir_templates.unit_loop); batch lengths uniform (no cu_seqlen padding)"),
         }
+        out["waves_varlen"] = {
+            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
+                     "chunks": [["NC", 2], "i32"], "slots": [["NS", 2], "i32"], "steps": [["NT", 4, "NS"], "i32"],
+                     "rowslot": [[spec.group, "B*S"], "i32"], "levels": [["L", 3], "i64 host buffer"],
+                     "scale": [[], "f32 scalar"]},
+            "results": {"out": [seq(hq, spec.dv), t], "lse": [["B", hq, "S"], "f32"]},
+            "note": (f"sequences of packed tokens t = b S + s (group mode: B = 1) in one call, {CPU_WAVE_ROWS}-row "
+                     f"slots of every sequence advancing a {CPU_WAVE_KEYS}-key chunk per step "
+                     "(fmha_iree.plan.wave_tables; the tables' layout in mlir/unit_waves.mlir.in), rows of no slot "
+                     "0 (lse -inf)"),
+        }
         if spec.layout == "bshd":
             out["units_varlen"] = {
                 "args": {"q": [[1, "Tq", hq, spec.dq], t], "k": [[1, "Tk", "Hk", spec.dq], t],
@@ -113,16 +124,6 @@ def entry_points(spec: KernelSpec) -> dict:
                 "tile_columns": list(TILE_COLUMNS),
                 "note": (f"group mode's packed sequences in one call: a table of {varlen_rows(spec.tiles)}-row tiles "
                          "(fmha_iree.plan.unit_tiles) looped inside the module, rows of no tile 0 (lse -inf)"),
-            }
-            out["waves_varlen"] = {
-                "args": {"q": [[1, "Tq", hq, spec.dq], t], "k": [[1, "Tk", "Hk", spec.dq], t],
-                         "v": [[1, "Tk", "Hk", spec.dv], t], "chunks": [["NC", 2], "i32"], "slots": [["NS", 2], "i32"],
-                         "steps": [["NT", 4, "NS"], "i32"], "rowslot": [[spec.group, "Tq"], "i32"],
-                         "levels": [["L", 3], "i64 host buffer"], "scale": [[], "f32 scalar"]},
-                "results": {"out": [[1, "Tq", hq, spec.dv], t], "lse": [[1, hq, "Tq"], "f32"]},
-                "note": (f"group mode's packed sequences in one call, {CPU_WAVE_ROWS}-row slots of every sequence "
-                         f"advancing a {CPU_WAVE_KEYS}-key chunk per step (fmha_iree.plan.wave_tables; the tables' "
-                         "layout in mlir/unit_waves.mlir.in), rows of no slot 0 (lse -inf)"),
             }
         out["step_open"] = {**out["step"], "note": "step for units whose R rows all see the C keys of their "
                                                    "chunk (no mask; fmha_iree.plan.Block.unmasked)"}

@@ -244,26 +244,28 @@ def _cpu_step_lowering(spec: KernelSpec) -> dict:
 
 def _cpu_units(spec: KernelSpec) -> list[str]:
     """``units``: a batch-mode problem in one call, the plan's units (kM0 rows x the kv chunk) as a
-    loop inside the module (``mlir_templates.unit_loop``); bshd modules also get group mode's
-    ``units_varlen`` (long sequences: each tile's steps looped, masked steps of kN0 keys;
-    ``mlir_templates.unit_varlen``) and ``waves_varlen`` (shorter ones: all tiles a step at a time;
-    ``mlir_templates.unit_waves``)."""
+    loop inside the module (``mlir_templates.unit_loop``); ``waves_varlen`` (sequences of packed
+    tokens, all tiles a step at a time: group mode's short and middling sequences, batches of
+    middling lengths; ``mlir_templates.unit_waves``); bshd modules also get group mode's
+    ``units_varlen`` (long sequences: each tile's steps looped; ``mlir_templates.unit_varlen``)."""
     from .mlir_templates.unit_loop import render_unit_loop
 
     t = spec.tiles
+    from .mlir_templates.unit_waves import render_unit_waves
+    from .tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS
+
     funcs = [render_unit_loop(func_name="units", dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0,
-                              c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=_cpu_step_lowering(spec))]
+                              c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=_cpu_step_lowering(spec)),
+             render_unit_waves(func_name="waves_varlen", dtype=spec.dtype, group=spec.group, r=CPU_WAVE_ROWS,
+                               c=CPU_WAVE_KEYS, dq=spec.dq, dv=spec.dv, layout=spec.layout,
+                               lowering={**_cpu_step_lowering(spec), "reduction_k2": CPU_WAVE_KEYS})]
     if spec.layout == "bshd":  # group mode's packed sequences
         from .mlir_templates.unit_varlen import render_unit_varlen
-        from .mlir_templates.unit_waves import render_unit_waves
-        from .tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS, varlen_rows
+        from .tiles import varlen_rows
 
         funcs.append(render_unit_varlen(func_name="units_varlen", dtype=spec.dtype, group=spec.group, r=varlen_rows(t),
                                         c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv,
                                         lowering=_cpu_step_lowering(spec)))
-        funcs.append(render_unit_waves(func_name="waves_varlen", dtype=spec.dtype, group=spec.group, r=CPU_WAVE_ROWS,
-                                       c=CPU_WAVE_KEYS, dq=spec.dq, dv=spec.dv,
-                                       lowering={**_cpu_step_lowering(spec), "reduction_k2": CPU_WAVE_KEYS}))
     return funcs
 
 

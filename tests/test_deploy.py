@@ -92,12 +92,13 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
         has_fwd = r["dtype"] != "f32" and (fam in ("cuda", "cdna") and man["tiles"]["ck"]["kN1"] == r["hdim"]
                                           or fam == "rdna" and r["hdim"] <= 128)
         # CPU modules get rows / rows_kpad (short queries, any lengths and mask, rows.Rows),
-        # step_open (the plan's units that see every key of their chunk, no mask) and units (the
-        # plan's units looped inside the module, mlir_templates.unit_loop)
+        # step_open (the plan's units that see every key of their chunk, no mask), units (the
+        # plan's units looped inside the module, mlir_templates.unit_loop) and waves_varlen
+        # (batches of middling lengths as sequences of packed tokens, mlir_templates.unit_waves)
         has_rows = man["target"]["backend"] == "llvm-cpu"
         assert set(man["entry_points"]) == ({"init", "step", "finalize"} | ({"dense", "causal"} if has_dense else set())
                                             | ({"fwd", "fwd_ragged"} if has_fwd else set())
-                                            | ({"rows", "rows_kpad", "step_open", "units"} if has_rows else set()))
+                                            | ({"rows", "rows_kpad", "step_open", "units", "waves_varlen"} if has_rows else set()))
         assert "?" in man["entry_points"]["step"]["args"]["q"][0], "batch / sequence dims must be dynamic"
         assert man["toolchain"]["iree-base-compiler"] and any(f.startswith("--iree-hal-target-device") for f in man["flags"])
         assert (out / f"{r['module']}.vmfb").stat().st_size > 0

@@ -39,11 +39,12 @@ MASKS = ["0", "t", "b", "t:3,0", "b:0,5", "b:-1,2", "xt:4", "xb:9"]
 def test_short_queries_every_mask(monkeypatch, path, sq, sk, mask):
     """Sq < Sk and Sq > Sk, tails of every size, rows that see no key (0 and lse -inf), through
     ``rows``, through ``units`` (rows turned off) and through the tile plan (a module without
-    ``units``, as CPU modules built before 2026-12-04)."""
+    ``units``, as CPU modules built before 2026-12-04); group mode turned off (``test_waves_cpu``)."""
+    monkeypatch.setattr(cpu_calls, "BATCH_WAVE_MIN_ROWS", 1 << 30)
     if path != "rows":
         monkeypatch.setattr(cpu_calls, "ROWS_MAX_ROWS", 0)
     if path == "plan":
-        monkeypatch.setattr(FmhaModule, "has", lambda self, fn: fn != "units" and fn in self._fns)
+        monkeypatch.setattr(FmhaModule, "has", lambda self, fn: fn not in ("units", "waves_varlen") and fn in self._fns)
     q, k, v = make_qkv(seed_of("rows", sq, sk, mask), B=2, Hq=2, Sq=sq, Sk=sk, Dq=MAIN["Dq"], dtype=MAIN["dtype"])
     assert fmha_iree.route(q, k, v, mask=mask).path == path
     check_fwd(q, k, v, mask=mask, what=f"{path} {sq}x{sk} {mask}")

@@ -40,7 +40,7 @@ def test_specialized_cpu_entries(shape, mask, with_lse, entry):
                        Dq=c["D"], dtype=c["dtype"], layout=c["layout"])
     got = _entry(q, k, v, mask, c["layout"], with_lse)
     short = c["S"] * c["Hq"] // c["Hk"] <= cpu_calls.ROWS_MAX_ROWS
-    group = c["layout"] == "bshd" and cpu_calls.BATCH_WAVE_MIN_ROWS <= c["S"] <= cpu_calls.BATCH_WAVE_MAX_KEYS
+    group = cpu_calls.BATCH_WAVE_MIN_ROWS <= c["S"] <= min(cpu_calls.BATCH_WAVE_MAX_KEYS, cpu_calls.WAVE_MAX_ROWS)
     assert got == (f"{entry}{c['S']}" if entry else "waves_varlen" if group else "rows" if short else "units")
     res = fmha_iree.fmha_fwd(q, k, v, mask=mask, layout=c["layout"], return_lse=with_lse, specialize=True)
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=c["layout"])
@@ -53,7 +53,7 @@ def test_specialized_cpu_entries(shape, mask, with_lse, entry):
 
 def test_specialized_module_takes_other_shapes(tmp_path):
     """A module fixed to B=2 (``fmha-iree compile --seqlens 256 --batch 2``) runs a B=1 call on its
-    generic entry points, and a B=2 call on the compiled-in one."""
+    generic entry points (here group mode's ``waves_varlen``), and a B=2 call on the compiled-in one."""
     c = SHAPES["f32-bhsd-gqa"]
     vmfb = tmp_path / "b2.vmfb"
     subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "host", "--dtype", "f32",
@@ -68,7 +68,7 @@ def test_specialized_module_takes_other_shapes(tmp_path):
     for _ in range(3):  # the first call prepares, the others replay (DeployedFmha's PreparedCalls)
         assert_close(f(*d2, mask="b").to_torch(), ref2, torch.float32, what="deployed replay")
     q, k, v = make_qkv(seed_of("specialize-other"), B=1, **shape)
-    assert f.route(q, k, v, mask="b").path == "units"
+    assert f.route(q, k, v, mask="b").path == "varlen"
     out, lse = f(q, k, v, mask="b", return_lse=True)
     ref_out, ref_lse = attention_ref(q, k, v, mask="b")
     assert_close(out, ref_out, torch.float32, what="other batch out")

@@ -17,12 +17,17 @@ from reference import make_qkv, seed_of
 
 
 def test_route_takes_units_past_short_queries():
-    q, k, v = make_qkv(1, B=2, Hq=2, Hk=1, Sq=300, Sk=1000)
+    """units past rows' short queries and group mode's middling lengths (``cpu_calls.as_group_mode``);
+    cu_seqlen padding in bhsd: group mode up to ``WAVE_MAX_ROWS`` rows, else the plan."""
+    q, k, v = make_qkv(1, B=2, Hq=2, Hk=1, Sq=300, Sk=1100)
     r = fmha_iree.route(q, k, v, mask="b")
     assert (r.path, r.entry) == ("units", "units"), r
     assert "one call" in r.reason
     assert fmha_iree.route(q[:, :, :32], k, v, mask="b").path == "rows"
-    assert fmha_iree.route(q, k, v, mask="b", cu_seqlen_k=cu([1000, 17])).path == "plan"
+    assert fmha_iree.route(q[:, :, :, :], k[:, :, :1000], v[:, :, :1000], mask="b").path == "varlen"
+    assert fmha_iree.route(q, k, v, mask="b", cu_seqlen_k=cu([1000, 17])).path == "varlen"
+    q6 = make_qkv(2, B=2, Hq=2, Hk=1, Sq=600, Sk=1100)[0]
+    assert fmha_iree.route(q6, k, v, mask="b", cu_seqlen_k=cu([1000, 17])).path == "plan"
 
 
 LENGTHS = [(1, 129), (127, 1), (77, 130), (130, 77), (300, 1100), (600, 513), (513, 600)]
@@ -32,8 +37,10 @@ MASKS = ["0", "b", "t", "b:20,0", "t:3,40", "b:0,0", "xb:9", "t:-1,5", "b:-1,2"]
 @pytest.mark.parametrize("sq,sk", LENGTHS, ids=[len_id(p) for p in LENGTHS])
 @pytest.mark.parametrize("mask", MASKS)
 def test_units_every_mask_and_tail(monkeypatch, sq, sk, mask):
-    """Every mask over tails, Sq < Sk and Sq > Sk (short queries too: ``rows`` turned off)."""
+    """Every mask over tails, Sq < Sk and Sq > Sk (short queries too: ``rows`` and group mode
+    turned off)."""
     monkeypatch.setattr(cpu_calls, "ROWS_MAX_ROWS", 0)
+    monkeypatch.setattr(cpu_calls, "BATCH_WAVE_MIN_ROWS", 1 << 30)
     q, k, v = make_qkv(seed_of("units", sq, sk, mask), B=2, Hq=2, Sq=sq, Sk=sk, Dq=MAIN["Dq"], dtype=MAIN["dtype"])
     assert fmha_iree.route(q, k, v, mask=mask).path == "units"
     check_fwd(q, k, v, mask=mask, what=f"units {sq}x{sk} {mask}")
@@ -54,7 +61,7 @@ def test_units_gqa_layouts_dtypes(dtype, layout, hq, hk, mask):
 
 def test_units_head_dims_differ():
     """Dq != Dv."""
-    q, k, v = make_qkv(seed_of("units-dv"), B=1, Hq=2, Hk=2, Sq=260, Sk=530, Dq=64, Dv=32)
+    q, k, v = make_qkv(seed_of("units-dv"), B=1, Hq=2, Hk=2, Sq=260, Sk=1100, Dq=64, Dv=32)
     assert fmha_iree.route(q, k, v, mask="b").path == "units"
     check_fwd(q, k, v, mask="b", what="units dq64 dv32")
 

@@ -100,6 +100,23 @@ def test_batch_mode_as_group_mode(monkeypatch, mask, b, hq, hk, sq, sk):
     assert cpu_calls.BATCH_WAVE_MIN_ROWS <= 64 and cpu_calls.BATCH_WAVE_MAX_KEYS >= 1024
 
 
+@pytest.mark.parametrize("mask", ["b", "t:30,0", "0"])
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "cu_seqlen"])
+def test_batch_mode_bhsd_as_group_mode(monkeypatch, mask, padded):
+    """A bhsd batch of middling lengths, with or without cu_seqlen padding: one waves_varlen call
+    on the batch as it lies (each batch entry a sequence of tokens b S + s)."""
+    from common import check_fwd, cu
+    from reference import make_qkv
+
+    calls = spy_tables(monkeypatch, "waves_varlen")
+    q, k, v = make_qkv(seed_of("waves-bhsd", mask, padded), B=3, Hq=4, Hk=2, Sq=150, Sk=260, layout="bhsd")
+    kw = dict(cu_seqlen_q=cu([150, 0, 77]), cu_seqlen_k=cu([260, 9, 100])) if padded else {}
+    r = fmha_iree.route(q, k, v, mask=mask, **kw)
+    assert (r.path, r.entry) == ("varlen", "waves_varlen"), r
+    check_fwd(q, k, v, mask=mask, what=f"bhsd batch as group mode {mask} padded={padded}", **kw)
+    assert len(calls) == 1
+
+
 def test_batch_mode_short_queries_keep_rows():
     q, k, v = (torch.randn(2, s, 2, 64) for s in (32, 300, 300))
     assert fmha_iree.route(q, k, v, mask="b", layout="bshd").path == "rows"
