@@ -230,13 +230,14 @@ def _cpu_step(spec: KernelSpec) -> list[str]:
     return [render_online_step(func_name="step", **kw), render_online_step(func_name="step_open", masked=False, **kw)]
 
 
-def _cpu_step_lowering(spec: KernelSpec) -> dict:
-    """The CPU lowering of the step's and the unit loop's attention op: ``tiles.CPU_STEP_LOWERING``
-    with keys in steps of kN0, at most ``tiles.CPU_STEP_VECTOR`` elements per vector tile of
-    Q K^T / P V (wider head dims take fewer keys)."""
+def _cpu_step_lowering(spec: KernelSpec, keys: int | None = None) -> dict:
+    """The CPU lowering of the step's and the unit loops' attention op: ``tiles.CPU_STEP_LOWERING``
+    with keys in steps of ``keys`` (kN0 by default), at most ``tiles.CPU_STEP_VECTOR`` elements per
+    vector tile of Q K^T / P V (wider head dims take fewer keys; above it the module's vectors spill
+    to the stack, which segfaulted at d256)."""
     from .tiles import CPU_STEP_LOWERING, CPU_STEP_VECTOR
 
-    k2 = spec.tiles.n0
+    k2 = keys or spec.tiles.n0
     while k2 > 8 and CPU_STEP_LOWERING["vector_m"] * k2 * max(spec.dq, spec.dv) > CPU_STEP_VECTOR:
         k2 //= 2
     return {**CPU_STEP_LOWERING, "reduction_k2": k2}
@@ -258,7 +259,7 @@ def _cpu_units(spec: KernelSpec) -> list[str]:
                               c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=_cpu_step_lowering(spec)),
              render_unit_waves(func_name="waves_varlen", dtype=spec.dtype, group=spec.group, r=CPU_WAVE_ROWS,
                                c=CPU_WAVE_KEYS, dq=spec.dq, dv=spec.dv, layout=spec.layout,
-                               lowering={**_cpu_step_lowering(spec), "reduction_k2": CPU_WAVE_KEYS})]
+                               lowering=_cpu_step_lowering(spec, CPU_WAVE_KEYS))]
     if spec.layout == "bshd":  # group mode's packed sequences
         from .mlir_templates.unit_varlen import render_unit_varlen
         from .tiles import varlen_rows
