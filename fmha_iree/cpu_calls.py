@@ -85,8 +85,7 @@ def as_group_mode(p: BatchProblem, module) -> bool:
     ``BATCH_WAVE_MIN_ROWS`` or more query rows (bhsd: at most ``WAVE_MAX_ROWS``, all in
     ``waves_varlen``) against at most ``BATCH_WAVE_MAX_KEYS`` keys, on a module with
     ``waves_varlen``."""
-    return (not p.q.on_device and bool(getattr(module, "has_rows", False)) and module.has("waves_varlen")
-            and BATCH_WAVE_MIN_ROWS <= p.sq and p.sk <= BATCH_WAVE_MAX_KEYS
+    return (not p.q.on_device and module.has("waves_varlen") and BATCH_WAVE_MIN_ROWS <= p.sq and p.sk <= BATCH_WAVE_MAX_KEYS
             and (p.layout == "bshd" or p.sq <= WAVE_MAX_ROWS))
 
 
@@ -228,11 +227,19 @@ def waves_call(p: BatchProblem, module, seqs: np.ndarray, starts, out: np.ndarra
     if not len(seqs):
         return
     (q_start, q_len, k_start, k_len, lse_start), (qa, qb, ka, kb), desc = _span(p, seqs, starts)
-    w = wave_tables((q_start - qa, q_len, k_start - ka, k_len), (desc[:, 2], desc[:, 3]), (qb - qa, kb - ka),
-                    rows=CPU_WAVE_ROWS, chunk=CPU_WAVE_KEYS, group=p.hq // p.hk)
-    o, l = module.run_tables("waves_varlen", p.q.array[:, qa:qb], p.k.array[:, ka:kb], p.v.array[:, ka:kb],
-                             p.q.dtype, p.scale, (w.chunks, w.slots, w.steps, w.rowslot), w.levels)
+    o, l = _run_waves(p, module, (p.q.array[:, qa:qb], p.k.array[:, ka:kb], p.v.array[:, ka:kb]),
+                      (q_start - qa, q_len, k_start - ka, k_len), desc, qb - qa)
     _place(out, lse, o[0], l[0], qa, (q_start, q_len, lse_start))
+
+
+def _run_waves(p: BatchProblem, module, qkv: tuple, starts: tuple, desc: np.ndarray, total_q: int):
+    """One ``waves_varlen`` call on ``qkv`` (tokens t = b S + s) for the sequences ``starts`` =
+    (q_start, q_len, k_start, k_len) with descriptors ``desc`` (``frames.descriptors``), over
+    ``total_q`` rows. Returns (out, lse) as the module gives them."""
+    w = wave_tables(starts, (desc[:, 2], desc[:, 3]), total_q, rows=CPU_WAVE_ROWS, chunk=CPU_WAVE_KEYS,
+                    group=p.hq // p.hk)
+    return module.run_tables("waves_varlen", *qkv, p.q.dtype, p.scale, (w.chunks, w.slots, w.steps, w.rowslot),
+                             w.levels)
 
 
 def _span(p: BatchProblem, seqs: np.ndarray, starts):
@@ -259,6 +266,7 @@ def _place(out: np.ndarray, lse: np.ndarray, o: np.ndarray, l: np.ndarray, qa: i
     seq, rel = runs(q_len)
     out[q_start[seq] + rel] = o[q_start[seq] - qa + rel]
     lse[:, lse_start[seq] + rel] = l[:, q_start[seq] - qa + rel]
+
 
 def rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarray, lse: np.ndarray,
                 cache: PagedCache | None = None):
@@ -301,11 +309,7 @@ def batch_as_group(p: BatchProblem, module, rows: int):
         return empty_result(p, out_shape, (b, p.hq, sq))
     starts = (np.arange(b) * sq, q_lens, np.arange(b) * sk, k_lens, np.arange(b) * sq, b * sq)
     if module.has("waves_varlen") and int(q_lens.max()) <= WAVE_MAX_ROWS:
-        desc = rows_desc(p)
-        w = wave_tables(starts[:4], (desc[:, 2], desc[:, 3]), (b * sq, b * sk), rows=CPU_WAVE_ROWS,
-                        chunk=CPU_WAVE_KEYS, group=p.hq // p.hk)
-        return module.run_tables("waves_varlen", p.q.array, p.k.array, p.v.array, p.q.dtype, p.scale,
-                                 (w.chunks, w.slots, w.steps, w.rowslot), w.levels)
+        return _run_waves(p, module, (p.q.array, p.k.array, p.v.array), starts[:4], rows_desc(p), b * sq)
     flat = [dataclasses.replace(x, array=x.array.reshape((1, -1) + x.array.shape[2:])) for x in (p.q, p.k, p.v)]
     pf = dataclasses.replace(p, q=flat[0], k=flat[1], v=flat[2], batch=1, sq=b * sq, sk=b * sk,
                              q_lens=q_lens.sum(keepdims=True), k_lens=k_lens.sum(keepdims=True))

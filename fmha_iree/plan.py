@@ -231,15 +231,14 @@ class WaveTables:
 _I32 = 1 << 30  # window bounds clipped here: every comparison with a row or key of a chunk keeps its result
 
 
-def wave_tables(starts: tuple, coords: tuple, sizes: tuple[int, int], *, rows: int, chunk: int,
-                group: int) -> WaveTables:
+def wave_tables(starts: tuple, coords: tuple, total_q: int, *, rows: int, chunk: int, group: int) -> WaveTables:
     """``waves_varlen``'s tables for sequences ``starts`` = (q_start, q_len, k_start, k_len) with
-    CK's ``coords`` (y, x) for each one's lengths, packed into ``sizes`` = (Tq, Tk) rows and keys:
+    CK's ``coords`` (y, x) for each one's lengths, packed into ``total_q`` rows:
     each sequence's keys in ``chunk``-key chunks, its rows in ``rows``-row slots (one per query
     head of a KV head), each slot stepping over the chunks that hold the keys its rows see, slots
     ordered by step count, most first."""
     q_start, q_len, k_start, k_len, y, x = (np.asarray(a, np.int64).reshape(-1) for a in (*starts, *coords))
-    tq = max(int(sizes[0]), 1)
+    tq = max(int(total_q), 1)
     nch = -(-np.maximum(k_len, 0) // chunk)
     cbase = np.cumsum(nch) - nch
     cseq, ci = runs(nch)
@@ -257,9 +256,9 @@ def wave_tables(starts: tuple, coords: tuple, sizes: tuple[int, int], *, rows: i
     seq, s0, nrows, first, nsteps, g = (a[order] for a in (seq, s0, nrows, first, nsteps, g))
     slots = np.stack([q_start[seq] + s0, g], 1)
     nt = int(nsteps.max()) if len(nsteps) else 0
-    counts, first_of = np.unique(-nsteps, return_index=True)  # step counts, most first, and their first slot
-    sizes = np.diff(np.append(first_of, len(nsteps)))
-    levels = np.stack([first_of, sizes, -counts], 1)[-counts > 0].astype(np.int64)
+    neg_steps, first_of = np.unique(-nsteps, return_index=True)  # step counts, most first, and their first slot
+    n_slots = np.diff(np.append(first_of, len(nsteps)))
+    levels = np.stack([first_of, n_slots, -neg_steps], 1)[neg_steps < 0].astype(np.int64)
     n = np.arange(nt)[:, None]
     kpos = (first[None, :] + n) * chunk
     steps = np.stack([cbase[seq][None, :] + first[None, :] + n,

@@ -344,10 +344,11 @@ class FmhaModule:
             return self._result(out, fence, dtype, False), self._result(lse, fence, "f32", False)
 
     def run_tables(self, fn: str, q, k, v, dtype: str, scale: float, tables: tuple = (), host: np.ndarray | None = None):
-        """One call of a packed-sequence entry point (``units_varlen``, ``waves_varlen``) on packed
-        ``q`` ``[1, Tq, Hq, Dq]`` and ``k`` / ``v``: then the int32 ``tables`` (device inputs), the
-        int64 ``host`` table as a host buffer the module reads in its own host code, and the scale.
-        Returns numpy (out ``[1, Tq, Hq, Dv]``, lse ``[1, Hq, Tq]``)."""
+        """One call of a packed-sequence entry point (``units_varlen``, ``waves_varlen``) on ``q`` /
+        ``k`` / ``v`` (group mode's packed ``[1, T, H, D]``, or a batch for ``waves_varlen``), then
+        the int32 ``tables`` (device inputs), the int64 ``host`` table as a host buffer the module
+        reads in its own host code, and the scale. Returns numpy (out shaped as q with Dv, lse
+        ``[B, Hq, S]``)."""
         with self._lock:
             args = [self._put(x, dtype) for x in (q, k, v)] + [self._i32(np.ascontiguousarray(t, np.int32)) for t in tables]
             args += [(host_buffer(host), None)] if host is not None else []

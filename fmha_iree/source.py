@@ -250,11 +250,10 @@ def _cpu_units(spec: KernelSpec) -> list[str]:
     middling lengths; ``mlir_templates.unit_waves``); bshd modules also get group mode's
     ``units_varlen`` (long sequences: each tile's steps looped; ``mlir_templates.unit_varlen``)."""
     from .mlir_templates.unit_loop import render_unit_loop
-
-    t = spec.tiles
     from .mlir_templates.unit_waves import render_unit_waves
     from .tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS
 
+    t = spec.tiles
     funcs = [render_unit_loop(func_name="units", dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0,
                               c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=_cpu_step_lowering(spec)),
              render_unit_waves(func_name="waves_varlen", dtype=spec.dtype, group=spec.group, r=CPU_WAVE_ROWS,

@@ -59,39 +59,58 @@ def test_every_mask_one_call(monkeypatch, name, lq, lk, mask):
     assert len(calls) == 1, f"{len(calls)} units_varlen calls"
 
 
-@pytest.mark.parametrize("dtype,hq,hk,dv", [(torch.float16, 4, 1, 64), (torch.bfloat16, 4, 2, 64),
-                                            (torch.float32, 2, 2, 32)],
-                         ids=["f16-mqa4", "bf16-gqa2", "f32-dv32"])
+# (dtype, Hq, Hk, Dv) of the GQA / dtype / head-dim checks, shared with test_waves_cpu
+GQA_CASES = [(torch.float16, 4, 1, 64), (torch.bfloat16, 4, 2, 64), (torch.float32, 2, 2, 32)]
+GQA_IDS = ["f16-mqa4", "bf16-gqa2", "f32-dv32"]
+
+
+def check_gqa(what, lq, lk, dtype, hq, hk, dv, mask):
+    """Group mode with G query heads per KV head, storage ``dtype`` and ``dv`` (float64 reference)."""
+    q, k, v = packed(seed_of(what, str(dtype), hq, mask), sum(lq), sum(lk), Hq=hq, Hk=hk, Dv=dv, dtype=dtype)
+    check_varlen(q, k, v, starts(lq), starts(lk), mask=mask, what=f"{what} {dtype} {hq}/{hk} dv{dv} {mask}")
+
+
+def check_padded(what, lq, lk, used, mask):
+    """Gaps before sequences and keys past ``seqlen_k`` (``used``): the rows copied out one sequence
+    at a time."""
+    pq, pk = starts(lq, [2, 3, 0, 4]), starts(lk, [0, 5, 2, 6])
+    q, k, v = packed(seed_of(what, mask), int(pq[-1]), int(pk[-1]))
+    check_varlen(q, k, v, starts(lq), starts(lk), seqstart_padded_q=pq, seqstart_padded_k=pk,
+                 seqlen_k=torch.tensor(used, dtype=torch.int32), mask=mask, what=f"{what} {mask}")
+
+
+def check_nan_isolation(what, lens):
+    """NaN in sequence 1's keys and values (causal, Sq == Sk): every other sequence stays finite
+    and exact."""
+    lq = lk = list(lens)
+    q, k, v = packed(seed_of(what), sum(lq), sum(lk))
+    ref_out, ref_lse = varlen_ref(q, k, v, starts(lq), starts(lk), mask="b")
+    a1, b1 = lq[0], lq[0] + lq[1]
+    k[a1:b1], v[a1:b1] = float("nan"), float("nan")
+    out, lse = fmha_iree.fmha_fwd_varlen(q, k, v, starts(lq), starts(lk), mask="b", return_lse=True)
+    bounds = [int(x) for x in starts(lq)]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if i == 1:
+            continue
+        assert torch.isfinite(out[a:b]).all(), f"NaN leaked into rows {a}:{b}"
+        np.testing.assert_allclose(out[a:b].double().numpy(), ref_out[a:b], atol=2e-5)
+        np.testing.assert_allclose(lse[:, a:b].double().numpy(), ref_lse[:, a:b], atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype,hq,hk,dv", GQA_CASES, ids=GQA_IDS)
 @pytest.mark.parametrize("mask", ["b", "t:100,0"])
 def test_gqa_dtypes_head_dims(dtype, hq, hk, dv, mask):
-    lq, lk = [600, 5, 129], [590, 700, 260]
-    q, k, v = packed(seed_of("units-varlen-gqa", str(dtype), hq, mask), sum(lq), sum(lk), Hq=hq, Hk=hk, Dv=dv,
-                     dtype=dtype)
-    check_varlen(q, k, v, starts(lq), starts(lk), mask=mask, what=f"units_varlen {dtype} {hq}/{hk} dv{dv} {mask}")
+    check_gqa("units-varlen-gqa", [600, 5, 129], [590, 700, 260], dtype, hq, hk, dv, mask)
 
 
 @pytest.mark.parametrize("mask", ["b", "0"])
 def test_padded_starts_and_seqlen_k(mask):
-    """Gaps before sequences and keys past seqlen_k: the rows copied out one sequence at a time."""
-    lq, lk, used = [560, 3, 400], [570, 9, 500], [500, 9, 499]
-    pq, pk = starts(lq, [2, 3, 0, 4]), starts(lk, [0, 5, 2, 6])
-    q, k, v = packed(seed_of("units-varlen-padded", mask), int(pq[-1]), int(pk[-1]))
-    check_varlen(q, k, v, starts(lq), starts(lk), seqstart_padded_q=pq, seqstart_padded_k=pk,
-                 seqlen_k=torch.tensor(used, dtype=torch.int32), mask=mask, what=f"units_varlen padded {mask}")
+    check_padded("units-varlen-padded", [560, 3, 400], [570, 9, 500], [500, 9, 499], mask)
 
 
 def test_nan_keys_stay_in_their_sequence():
-    """NaN in sequence 1's keys and values: sequences 0 and 2 (whose last key steps run into
-    sequence 1's and 3's keys) stay exact."""
-    lq = lk = [600, 200, 560, 150]
-    q, k, v = packed(seed_of("units-varlen-nan"), sum(lq), sum(lk))
-    ref_out, ref_lse = varlen_ref(q, k, v, starts(lq), starts(lk), mask="b")
-    k[600:800], v[600:800] = float("nan"), float("nan")
-    out, lse = fmha_iree.fmha_fwd_varlen(q, k, v, starts(lq), starts(lk), mask="b", return_lse=True)
-    for a, b in ((0, 600), (800, 1360), (1360, 1510)):
-        assert torch.isfinite(out[a:b]).all(), f"NaN leaked into rows {a}:{b}"
-        np.testing.assert_allclose(out[a:b].double().numpy(), ref_out[a:b], atol=2e-5)
-        np.testing.assert_allclose(lse[:, a:b].double().numpy(), ref_lse[:, a:b], atol=2e-5)
+    """Sequences 0 and 2's last key steps run into sequence 1's and 3's keys."""
+    check_nan_isolation("units-varlen-nan", [600, 200, 560, 150])
 
 
 def test_modules_without_units_varlen(monkeypatch):

@@ -10,14 +10,13 @@ sequence; one call per problem; a long sequence beside short ones (one ``units_v
 one ``waves_varlen`` call), and interleaved lengths going to one of them.
 """
 
-import numpy as np
 import pytest
 import torch
 
 import fmha_iree
 from fmha_iree import cpu_calls
-from reference import seed_of, varlen_ref
-from test_units_varlen_cpu import MASKS, spy_tables
+from reference import seed_of
+from test_units_varlen_cpu import GQA_CASES, GQA_IDS, MASKS, check_gqa, check_nan_isolation, check_padded, spy_tables
 from test_varlen import check_varlen, packed, starts
 
 # (id, query lengths, key lengths): tails past 64-row slots and 64-key chunks, Sq != Sk both
@@ -37,38 +36,20 @@ def test_every_mask_one_call(monkeypatch, name, lq, lk, mask):
     assert len(waves) == 1 and not units, f"{len(waves)} waves_varlen calls"
 
 
-@pytest.mark.parametrize("dtype,hq,hk,dv", [(torch.float16, 4, 1, 64), (torch.bfloat16, 4, 2, 64),
-                                            (torch.float32, 2, 2, 32)],
-                         ids=["f16-mqa4", "bf16-gqa2", "f32-dv32"])
+@pytest.mark.parametrize("dtype,hq,hk,dv", GQA_CASES, ids=GQA_IDS)
 @pytest.mark.parametrize("mask", ["b", "t:50,0"])
 def test_gqa_dtypes_head_dims(dtype, hq, hk, dv, mask):
-    lq, lk = [100, 5, 129, 40], [90, 300, 129, 41]
-    q, k, v = packed(seed_of("waves-gqa", str(dtype), hq, mask), sum(lq), sum(lk), Hq=hq, Hk=hk, Dv=dv, dtype=dtype)
-    check_varlen(q, k, v, starts(lq), starts(lk), mask=mask, what=f"waves_varlen {dtype} {hq}/{hk} dv{dv} {mask}")
+    check_gqa("waves-gqa", [100, 5, 129, 40], [90, 300, 129, 41], dtype, hq, hk, dv, mask)
 
 
 @pytest.mark.parametrize("mask", ["b", "0"])
 def test_padded_starts_and_seqlen_k(mask):
-    """Gaps before sequences and keys past seqlen_k: the rows copied out one sequence at a time."""
-    lq, lk, used = [60, 3, 140], [70, 9, 200], [50, 9, 199]
-    pq, pk = starts(lq, [2, 3, 0, 4]), starts(lk, [0, 5, 2, 6])
-    q, k, v = packed(seed_of("waves-padded", mask), int(pq[-1]), int(pk[-1]))
-    check_varlen(q, k, v, starts(lq), starts(lk), seqstart_padded_q=pq, seqstart_padded_k=pk,
-                 seqlen_k=torch.tensor(used, dtype=torch.int32), mask=mask, what=f"waves_varlen padded {mask}")
+    check_padded("waves-padded", [60, 3, 140], [70, 9, 200], [50, 9, 199], mask)
 
 
 def test_nan_keys_stay_in_their_sequence():
-    """NaN in sequence 1's keys and values: sequences 0 and 2, whose last chunks end next to
-    them, stay exact."""
-    lq = lk = [100, 70, 90, 30]
-    q, k, v = packed(seed_of("waves-nan"), sum(lq), sum(lk))
-    ref_out, ref_lse = varlen_ref(q, k, v, starts(lq), starts(lk), mask="b")
-    k[100:170], v[100:170] = float("nan"), float("nan")
-    out, lse = fmha_iree.fmha_fwd_varlen(q, k, v, starts(lq), starts(lk), mask="b", return_lse=True)
-    for a, b in ((0, 100), (170, 260), (260, 290)):
-        assert torch.isfinite(out[a:b]).all(), f"NaN leaked into rows {a}:{b}"
-        np.testing.assert_allclose(out[a:b].double().numpy(), ref_out[a:b], atol=2e-5)
-        np.testing.assert_allclose(lse[:, a:b].double().numpy(), ref_lse[:, a:b], atol=2e-5)
+    """Sequences 0 and 2's last chunks end next to sequence 1's keys."""
+    check_nan_isolation("waves-nan", [100, 70, 90, 30])
 
 
 @pytest.mark.parametrize("lq,calls", [([700] + [40] * 6, (1, 1)),  # apart: each kind its call
