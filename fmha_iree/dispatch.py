@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from . import frames
+from . import frames, key_tiles
 from .frames import has_ragged
 from .device import DeviceTensor
 from .cpu_calls import (WAVE_MAX_ROWS, as_group_mode, empty_result, batch_as_group, paged_groups, rows_desc,
@@ -235,11 +235,16 @@ def _frame_path(p: BatchProblem, starts, module, pages, return_lse: bool, memo):
     """Group mode as one frame (:func:`frames.group_frame`; ``pages`` a paged cache's row bases
     and page size): the call's result, ``out [Tq, Hq, Dv]`` (and ``lse [Hq, total]``); its
     replay handed to ``memo`` (DeviceTensor inputs only, a composition with work)."""
-    frame = frames.group_frame(p.mask, starts, p.sq, pages)
     shapes = (p.sq, p.hq, p.dv), (p.hq, starts[-1])
-    if frame.empty:
-        return _returned(p, *empty_result(p, *shapes), return_lse)
-    call = frames.frame_call(module, frame, p.q.array.shape, p.k.array.shape, dtype=p.q.dtype, scale=p.scale)
+    call = None
+    if pages is None:  # tiles over their own keys, where the module and the mask allow
+        call = key_tiles.tiles_call(module, p.mask, starts, p.q.array.shape, p.k.array.shape, dtype=p.q.dtype,
+                                    scale=p.scale)
+    if call is None:
+        frame = frames.group_frame(p.mask, starts, p.sq, pages)
+        if frame.empty:
+            return _returned(p, *empty_result(p, *shapes), return_lse)
+        call = frames.frame_call(module, frame, p.q.array.shape, p.k.array.shape, dtype=p.q.dtype, scale=p.scale)
     if memo is not None and p.q.on_device:
         memo(_replay(call, module, shapes, return_lse))
     out, lse = call.run(module, p.q.array, p.k.array, p.v.array, keep=p.q.on_device)

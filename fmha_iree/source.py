@@ -108,9 +108,22 @@ def dense_abi(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | Non
     d = dense_params(spec, fused_step=fused_step)
     if d is None:
         return None
-    return {"align": d["align"], "causal_blocks": d["causal_blocks"], "seqlens": sorted(d["seqlens"]),
-            "causal_o": sorted(d["causal_o"]), "window": sorted(d.get("window", {}).items()),
-            "tiled": d["tiled"], "dynamic": d["dynamic"], "batch": d.get("batch", 0), "kv_heads": d.get("kv_heads", 0)}
+    abi = {"align": d["align"], "causal_blocks": d["causal_blocks"], "seqlens": sorted(d["seqlens"]),
+           "causal_o": sorted(d["causal_o"]), "window": sorted(d.get("window", {}).items()),
+           "tiled": d["tiled"], "dynamic": d["dynamic"], "batch": d.get("batch", 0), "kv_heads": d.get("kv_heads", 0)}
+    tiles = _tiles_abi(spec, fused_step)
+    if tiles:
+        abi["tiles"] = tiles
+    return abi
+
+
+def _tiles_abi(spec: KernelSpec, fused_step: bool | None) -> dict | None:
+    """``fwd_tiles``' static sizes for the host's table (``key_tiles``), where the module has it."""
+    from .kernels.tiles import STEP, tiles_shape
+
+    plan = fwd_plan(spec, fused_step=fused_step)
+    t = tiles_shape(plan) if plan is not None else None
+    return None if t is None else {"rows": t.rows, "group": t.group, "ew": t.ew, "step": STEP}
 
 
 def causal_diag(seqlen: int, align: int) -> int:
@@ -195,6 +208,7 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     if plan is not None:
         from .kernels.general import render_fwd
         from .kernels.ragged import render_packed, render_ragged
+        from .kernels.tiles import render_tiles
 
         funcs.append(render_fwd(plan, "fwd"))
         if with_ragged:
@@ -202,6 +216,9 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
             # (kernels.ragged), so finer groups skip more (H200, 2026-12-03, 16 causal sequences:
             # 3.61 ms at 512 rows, 3.13 at 256)
             funcs.append(render_ragged(dataclasses.replace(plan, ragged=True, rows=256), "fwd_ragged"))
+            tiles = render_tiles(plan)
+            if tiles is not None:
+                funcs.append(tiles)
             if plan.layout == "bshd" and not plan.pads:  # keys read in place as rows of [N, R, H, D]
                 funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed"))
                 funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed_paged", "gathered"))
@@ -333,7 +350,7 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     return Plan(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, Tier(main, wm), Tier(_short_lowering(spec, main), 16),
                 cols=cols, rows=max(512, wm), fill_wgs=fill, max_groups=4 if cpu else 16,
                 dq_arg=arg_dims[0], dv_arg=arg_dims[1], mask_blocks=spec.target.backend == "cuda",
-                banded=spec.target.backend != "rocm")
+                banded=spec.target.backend != "rocm", tiles=spec.target.backend != "rocm")
 
 
 def _padded_heads(spec: KernelSpec) -> KernelSpec:

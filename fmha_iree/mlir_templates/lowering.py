@@ -114,7 +114,8 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
     if not lowering:
         return "", ""
     lw = {"backend": lowering} if isinstance(lowering, str) else dict(lowering)
-    xb, x0 = [1] * (batch_dims - 1), [0] * (batch_dims - 1)
+    # the first batch dim's entries (tiles 1 / 0); ops with no batch dim have none
+    xb, x0 = [1] * batch_dims, [0] * batch_dims
     o = [0] if k2o else []  # an outer key dim: one per step
     if lw.get("backend") == "cpu":
         return "", _cpu_attrs(lw, m_total, xb, x0, o)
@@ -125,8 +126,8 @@ def render_lowering_attrs(lowering: Mapping[str, Any] | str | None, *, m_total: 
         raise ValueError(f"tile (M={wm}, N={wn}, K2={k2}) must divide (G*R={m_total}, "
                          f"Dv={dv}, C={c})")
     sg, sgm, sgn, wg = _threads(lw)
-    lc = (f"workgroup = {_ilist(xb + [1, wm, 0, *o, 0, wn])}, "
-          f"reduction = {_ilist(x0 + [0, 0, 0, *[1 for _ in o], k2, 0])}")
+    lc = (f"workgroup = {_ilist(xb + [wm, 0, *o, 0, wn])}, "
+          f"reduction = {_ilist(x0 + [0, 0, *[1 for _ in o], k2, 0])}")
     promote = lw.get("promote_operands", [1, 2])
     if promote is not None:
         lc += f", promote_operands = {_ilist(promote)}"
@@ -156,9 +157,9 @@ def _cpu_attrs(lw: dict, m_total: int, xb: list, x0: list, o: list) -> str:
     vm = int(lw.get("vector_m", 1))
     return (" {compilation_info = #iree_codegen.compilation_info<\n"
             "        lowering_config = #iree_cpu.lowering_config<"
-            f"distribution = {_ilist(xb + [1, wm, 0, *o, 0, 0])}, "
-            f"vector_common_parallel = {_ilist(xb + [1, vm, 0, *o, 0, 0])}, "
-            f"vector_reduction = {_ilist(x0 + [0, 0, 0, *[1 for _ in o], k2, 0])}>,\n"
+            f"distribution = {_ilist(xb + [wm, 0, *o, 0, 0])}, "
+            f"vector_common_parallel = {_ilist(xb + [vm, 0, *o, 0, 0])}, "
+            f"vector_reduction = {_ilist(x0 + [0, 0, *[1 for _ in o], k2, 0])}>,\n"
             "        translation_info = #iree_codegen.translation_info<"
             "pipeline = #iree_cpu.pipeline<LinalgExtTileAndVectorize>>>}")
 
@@ -185,7 +186,7 @@ def _decomposition(lw: dict, xb: list, batch_dims: int, sgm: int, sgn: int, nk2o
     if not pv_kind:
         return ""
     qk_kind = lw.get("qk_mma_kind", pv_kind)
-    basis = _ilist(xb + [1, sgm, 1, *[1] * nk2o, 1, sgn])
+    basis = _ilist(xb + [sgm, 1, *[1] * nk2o, 1, sgn])
     nb = batch_dims
     qk_dims, pv_dims = list(range(nb + 3 + nk2o)), list(range(nb + 1)) + list(range(nb + 2, nb + 4 + nk2o))
     qk = (f"mma_kind = {_mma_attr(qk_kind, lw.get('qk_virtual'))}, "

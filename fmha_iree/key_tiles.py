@@ -1,0 +1,89 @@
+"""The host side of ``fwd_tiles`` (``kernels.tiles``): group mode cut into tiles of query rows, each
+with its own key counts, as one index table per batch composition.
+
+A module that has the path records its sizes in its ``dense`` record (``tiles``: state rows per
+tile, the group, the edge's key bound and the interior's key step; ``source.dense_abi``). For a
+problem it takes (:func:`refusal` says why not otherwise), :func:`tiles_call` returns the call
+with everything but the tensors fixed (a ``frames.FrameCall``, replayed as the frames' calls are).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .frames import PIECE_ROWS, FrameCall, descriptors
+
+__all__ = ["TILE_FIELDS", "refusal", "tile_table", "tiles_call"]
+
+TILE_FIELDS = 8  # kernels.tiles.TILE_FIELDS: q0, k0, nk, ne, pos0, kl, x, (unused)
+
+
+def refusal(info: dict | None, mask, starts, tq: int, tk: int) -> str | None:
+    """Why ``fwd_tiles`` cannot take this group-mode problem, or None where it can. ``info``: the
+    module's ``tiles`` record; ``starts``: ``spec.check_varlen``'s; ``tq`` / ``tk``: rows of the
+    packed Q and K."""
+    if not info:
+        return "the module has no fwd_tiles (built before 2026-12-05, a bhsd layout, or a ROCm target)"
+    q_len, k_len = np.asarray(starts[1], np.int64), np.asarray(starts[3], np.int64)
+    positions = int(info["rows"]) // int(info["group"])
+    if tq < positions:
+        return f"fewer query rows ({tq}) than a tile's {positions} (the tiles read whole tiles of Q in place)"
+    if tk < 1 or not (q_len > 0).any():
+        return "no query rows or no keys"
+    if int(q_len.max()) * int(info["group"]) <= PIECE_ROWS:
+        return "decode-shaped (a few query rows per sequence): split-KV pieces (fwd_packed) serve it"
+    live = q_len > 0
+    desc = descriptors(mask, q_len[live], k_len[live])
+    if (desc[:, 2] < desc[:, 0]).any():  # y < Sq: some row's window starts after key 0
+        return f"mask {mask}: a row's keys start past its sequence's first key (a left window edge)"
+    return None
+
+
+def tile_table(info: dict, mask, starts, tq: int) -> tuple[np.ndarray, int, int]:
+    """(the index table: tiles ``[N, TILE_FIELDS]``, the out rows' map ``[tq]``, the LSE rows'
+    map ``[L]``; N; L) for a problem :func:`refusal` accepts. Tiles longest first."""
+    q_start, q_len, k_start, k_len, lse_start, total_q = starts
+    q_start, q_len = np.asarray(q_start, np.int64), np.asarray(q_len, np.int64)
+    k_start, k_len = np.asarray(k_start, np.int64), np.asarray(k_len, np.int64)
+    lse_start = np.asarray(lse_start, np.int64)
+    rows, group, ew, step = (int(info[k]) for k in ("rows", "group", "ew", "step"))
+    pos = rows // group
+    desc = descriptors(mask, q_len, k_len).astype(np.int64)  # (ql, kl, y, x) per sequence, clipped
+    x = desc[:, 3]
+    per = -(-q_len // pos)
+    b = np.repeat(np.arange(len(q_len)), per)
+    first = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
+    p0 = first * pos
+    last = np.minimum(p0 + pos, q_len[b]) - 1
+    hi_first = np.clip(np.minimum(p0 + x[b], k_len[b]), 0, None)
+    hi_last = np.clip(np.minimum(last + x[b], k_len[b]), 0, None)
+    nk = hi_first // step * step
+    ne = np.maximum(-(-hi_last // step) * step - nk, 0)
+    assert (ne <= ew).all(), "an edge wider than the module's bound"
+    q0 = np.minimum(q_start[b] + p0, tq - pos)
+    pos0 = q0 - q_start[b]
+    table = np.stack([q0, k_start[b], nk, ne, pos0, k_len[b], x[b], np.zeros_like(q0)], axis=1)
+    order = np.argsort(-(nk + ne), kind="stable")
+    table, b, p0, last, pos0 = table[order], b[order], p0[order], last[order], pos0[order]
+    n = len(table)
+    count = last - p0 + 1
+    tile = np.repeat(np.arange(n), count)
+    p = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count) + np.repeat(p0, count)
+    src = tile * pos + (p - np.repeat(pos0, count))
+    out_map = np.full(tq, -1, np.int64)
+    out_map[q_start[b][tile] + p] = src
+    lse_map = np.full(int(total_q), -1, np.int64)
+    lse_map[lse_start[b][tile] + p] = src
+    idx = np.concatenate([table.ravel(), out_map, lse_map]).astype(np.int32)
+    return idx, n, int(total_q)
+
+
+def tiles_call(module, mask, starts, q_shape, k_shape, *, dtype: str, scale: float) -> FrameCall | None:
+    """The ``fwd_tiles`` call of this group-mode problem on ``module`` (tensors ``[1, T, H, D]``),
+    or None where :func:`refusal` gives a reason."""
+    info = (getattr(module, "dense", None) or {}).get("tiles") if module.has("fwd_tiles") else None
+    tq, tk = int(q_shape[1]), int(k_shape[1])
+    if refusal(info, mask, starts, tq, tk) is not None:
+        return None
+    idx, n, total = tile_table(info, mask, starts, tq)
+    return FrameCall("fwd_tiles", idx, (float(scale), n, total), dtype)

@@ -1,0 +1,126 @@
+"""Group mode as tiles over their own keys (``fwd_tiles``, ``fmha_iree.key_tiles``): the host's
+table against a brute-force visibility count, the problems the path refuses and why, and whole
+calls on the GPU modules' formulation built for llvm-cpu (where CI runs) against the float64
+reference, with the path checked to be the one taken.
+
+Covered: tails of 1..127 rows and keys around the tiles and key steps, Sq < Sk and Sq > Sk per
+sequence, zero-length q or k, every mask the path takes (none, causal either alignment, windows
+open on the left), ``seqlen_k``, padded starts with NaN in the gaps (a neighbour's NaN stays out of
+the edge copies), GQA with Dq != Dv, f32 / f16 / bf16, LSE."""
+
+import collections
+
+import numpy as np
+import pytest
+
+from fmha_iree import frames, key_tiles
+from fmha_iree.mask import Mask
+
+import test_ragged as ragged
+
+INFO = {"rows": 64, "group": 2, "ew": 128, "step": 64}  # the llvm-cpu build's (source.dense_abi)
+TAKEN = ["0", "b", "t", "t:-1,5", "b:-1,3", "xb:0", "b:-1,0"]
+REFUSED = ["b:20,0", "t:3,40", "xb:9"]
+
+
+def _starts(lq, lk, pad_q=0, pad_k=0):
+    lq, lk = np.asarray(lq, np.int64), np.asarray(lk, np.int64)
+    qs = np.concatenate([[0], np.cumsum(lq + pad_q)[:-1]])
+    ks = np.concatenate([[0], np.cumsum(lk + pad_k)[:-1]])
+    return qs, lq, ks, lk, np.concatenate([[0], np.cumsum(lq)[:-1]]), int(lq.sum())
+
+
+@pytest.mark.parametrize("mask", TAKEN)
+@pytest.mark.parametrize("seed", range(4))
+def test_table_covers_what_each_row_sees(mask, seed):
+    """Every row of a tile sees all of the interior ``[0, nk)``; what it sees is inside
+    ``[0, nk + ne)``; counts are whole key steps within the module's bound; every query row is
+    mapped to its own tile row once, rows no sequence owns to -1."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9))
+    lq, lk = rng.integers(0, 300, n), rng.integers(0, 400, n)
+    lq[0] = max(lq[0], 40)
+    starts = _starts(lq, lk, pad_q=int(rng.integers(0, 3)))
+    tq = int(starts[0][-1] + lq[-1]) + 5
+    m = Mask.from_str(mask)
+    assert key_tiles.refusal(INFO, m, starts, tq, int(lk.sum()) + 1) is None
+    idx, n_tiles, total = key_tiles.tile_table(INFO, m, starts, tq)
+    table = idx[: n_tiles * key_tiles.TILE_FIELDS].reshape(n_tiles, -1).astype(np.int64)
+    out_map, lse_map = idx[n_tiles * key_tiles.TILE_FIELDS:][:tq], idx[n_tiles * key_tiles.TILE_FIELDS + tq:]
+    pos = INFO["rows"] // INFO["group"]
+    assert (np.diff(table[:, 2] + table[:, 3]) <= 0).all(), "tiles longest first"
+    assert ((table[:, 2] % INFO["step"]) == 0).all() and ((table[:, 3] % INFO["step"]) == 0).all()
+    assert (table[:, 3] <= INFO["ew"]).all() and (table[:, 0] + pos <= tq).all()
+    seen = np.zeros(tq, int)
+    for b in range(n):
+        vis = m.materialize(int(lq[b]), int(lk[b]))
+        for i in range(int(lq[b])):
+            r = int(out_map[starts[0][b] + i])
+            assert r >= 0 and lse_map[starts[4][b] + i] == r
+            t, row = divmod(r, pos)
+            q0, k0, nk, ne, pos0 = table[t, :5]
+            assert pos0 + row == i and q0 - pos0 == starts[0][b] and k0 == starts[2][b]
+            keys = np.flatnonzero(vis[i])
+            assert vis[i, :nk].all() and (keys < nk + ne).all()
+            seen[starts[0][b] + i] += 1
+    assert (seen[out_map >= 0] == 1).all() and (out_map[seen == 0] == -1).all()
+
+
+def test_refusals_say_why():
+    starts = _starts([100, 50], [120, 60])
+    for mask in REFUSED:
+        assert "left window edge" in key_tiles.refusal(INFO, Mask.from_str(mask), starts, 200, 200)
+    assert "decode-shaped" in key_tiles.refusal(INFO, Mask.from_str("b"), _starts([1, 2], [90, 9]), 64, 99)
+    assert "fewer query rows" in key_tiles.refusal(INFO, Mask.from_str("b"), _starts([20], [20]), 20, 20)
+    assert "no fwd_tiles" in key_tiles.refusal(None, Mask.from_str("b"), starts, 200, 200)
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """The functions the calls ran (``FrameCall.run``)."""
+    used = collections.Counter()
+    run = frames.FrameCall.run
+
+    def spy(self, *a, **k):
+        used[self.function] += 1
+        return run(self, *a, **k)
+
+    monkeypatch.setattr(frames.FrameCall, "run", spy)
+    return used
+
+
+COMPOSITIONS = [  # (id, query lengths, key lengths): tails around the 32-position tiles and 64-key steps
+    ("tails", [31, 33, 95, 127, 1, 64], [31, 65, 127, 63, 129, 64]),
+    ("chunked", [40, 17, 100], [300, 17, 420]),
+    ("longer_q", [200, 90], [70, 1]),
+    ("empty", [0, 45, 3, 60], [10, 0, 0, 61]),
+]
+
+
+@pytest.mark.parametrize("mask", TAKEN)
+@pytest.mark.parametrize("name,lq,lk", COMPOSITIONS, ids=[c[0] for c in COMPOSITIONS])
+def test_group_mode_tiles(ragged_module, taken, name, lq, lk, mask):
+    ragged._group(ragged_module(), mask, lq, lk, what=f"tiles {name}")
+    assert taken == {"fwd_tiles": 1}
+
+
+def test_seqlen_k_and_nan_gaps(ragged_module, taken):
+    """Padded starts with NaN in the gaps and a KV cache longer than used: the edges' copies zero
+    what their sequence does not own."""
+    lq, lk = [70, 33, 129], [90, 40, 200]
+    ragged._group(ragged_module(), "b", lq, lk, pad_q=[3, 0, 5], pad_k=[7, 1, 64], what="tiles gaps")
+    ragged._group(ragged_module(), "0", lq, lk, seqlen_k=[80, 40, 150], what="tiles seqlen_k")
+    assert taken == {"fwd_tiles": 2}
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_half_types(ragged_module, taken, dtype):
+    ragged._group(ragged_module(dtype, "bshd", 1, 64), "b", [70, 200, 5], [70, 260, 5], hq=2, hk=2, dtype=dtype,
+                  what=f"tiles {dtype}")
+    assert taken == {"fwd_tiles": 1}
+
+
+def test_gqa_dq_dv(ragged_module, taken):
+    ragged._group(ragged_module("f16", "bshd", 4, 64, 32), "t", [50, 9, 130], [80, 9, 100], hq=8, hk=2, dv=32,
+                  dtype="f16", what="tiles gqa")
+    assert taken == {"fwd_tiles": 1}
