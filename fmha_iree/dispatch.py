@@ -99,8 +99,10 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     point that serves the problem (``dense_kind``), except the generic two-block ``causal`` where
     the module has ``fwd``; else on a CPU module a bshd batch of middling lengths as group mode
     (``cpu_calls.as_group_mode``), ``rows`` for short queries (``rows_fit``, cu_seqlen padding
-    included), a bshd batch with cu_seqlen padding as group mode; else, every batch at the full
-    lengths, ``units`` (CPU modules) or ``fwd`` wherever the module has them; else the tile plan."""
+    included); else ``fwd_tiles`` (GPU modules: masks whose rows see from key 0, prefill-shaped,
+    cu_seqlen padding included, ``_takes_tiles``); else a bshd batch with cu_seqlen padding as
+    group mode; else, every batch at the full lengths, ``units`` (CPU modules) or ``fwd`` wherever
+    the module has them; else the tile plan."""
     if module is None:
         return Route("plan", "empty problem: no entry point is called")
     padded = bool((p.q_lens != p.sq).any() or (p.k_lens != p.sk).any())
@@ -112,6 +114,9 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
         entry = "rows_kpad" if (p.k_lens != p.sk).any() else "rows"
         return Route("rows", f"short queries (Sq={p.sq}, {p.batch * p.hq * p.sq * p.sk} scores): whole key rows, "
                              "each batch's own lengths and mask", entry)
+    if _takes_tiles(p, module, kind, with_lse):
+        return Route("tiles", "each tile of query rows over its own keys, every batch entry its own lengths "
+                              "(kernels.tiles)", "fwd_tiles")
     if padded and has_ragged(module, p.layout):
         return Route("ragged", "cu_seqlen padding: one padded frame, each batch its own lengths and mask", "fwd_ragged")
     if padded and not p.q.on_device and (p.layout == "bshd" and module.has("units_varlen") or module.has(
@@ -132,6 +137,20 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     if kind is not None:
         return Route(kind[0], f"{entry} takes Sq={p.sq}, Sk={p.sk} with this mask", entry, kind[1])
     return Route("plan", "the module has no fwd, and no one-call entry point takes these lengths and mask")
+
+
+def _takes_tiles(p: BatchProblem, module, kind, with_lse: bool) -> bool:
+    """Whether ``fwd_tiles`` serves a batch-mode problem: the module has it, ``key_tiles.refusal``
+    gives no reason, and no compiled-in entry point takes the problem (the generic two-block
+    ``causal`` aside)."""
+    info = key_tiles.module_tiles(module)
+    if info is None:
+        return False
+    if kind is not None and not (kind[0] == "causal" and module.dense_entry(p.sq, p.sk, True, with_lse, p.batch,
+                                                                           p.hk) == "causal"):
+        return False
+    starts, _ = key_tiles.batch_starts(p.q_lens, p.k_lens, p.sq)
+    return key_tiles.refusal(info, p.mask, starts, p.sq, p.sk) is None
 
 
 def _group_entry(p: BatchProblem) -> str:
@@ -292,6 +311,9 @@ def _runner(p: BatchProblem, r: Route, module, return_lse: bool, keep: bool):
     if r.path in ("fwd", "units"):
         coords = p.mask.clipped_coords(p.sq, p.sk)
         return lambda q, k, v: module.run_fwd(q, k, v, dtype, scale, coords, keep_on_device=keep, fn=r.entry)
+    if r.path == "tiles":
+        call = key_tiles.batch_call(module, p, dtype=dtype, scale=scale)
+        return lambda q, k, v: call.run(module, q, k, v, keep=keep)
     if r.path == "ragged":
         frame = frames.batch_frame(p.mask, p.q_lens, p.k_lens, p.sq, p.sk)
         if frame.empty:

@@ -1,10 +1,12 @@
-"""The host side of ``fwd_tiles`` (``kernels.tiles``): group mode cut into tiles of query rows, each
-with its own key counts, as one index table per batch composition.
+"""The host side of ``fwd_tiles`` (``kernels.tiles``): a problem's sequences (group mode's, or a
+batch's entries) cut into tiles of query rows, each with its own key counts, as one index table
+per batch composition.
 
 A module that has the path records its sizes in its ``dense`` record (``tiles``: state rows per
 tile, the group, the edge's key bound and the interior's key step; ``source.dense_abi``). For a
-problem it takes (:func:`refusal` says why not otherwise), :func:`tiles_call` returns the call
-with everything but the tensors fixed (a ``frames.FrameCall``, replayed as the frames' calls are).
+problem it takes (:func:`refusal` says why not otherwise), :func:`tiles_call` (group mode) and
+:func:`batch_call` return the call with everything but the tensors fixed (a ``frames.FrameCall``,
+replayed as the frames' calls are).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import numpy as np
 
 from .frames import PIECE_ROWS, FrameCall, descriptors
 
-__all__ = ["TILE_FIELDS", "refusal", "tile_table", "tiles_call"]
+__all__ = ["TILE_FIELDS", "refusal", "tile_table", "tiles_call", "batch_starts", "batch_call", "module_tiles"]
 
-TILE_FIELDS = 8  # kernels.tiles.TILE_FIELDS: q0, k0, nk, ne, pos0, kl, x, (unused)
+TILE_FIELDS = 8  # kernels.tiles.TILE_FIELDS: q0, k0, nk, ne, pos0, kl, x, batch entry
 
 
 def refusal(info: dict | None, mask, starts, tq: int, tk: int) -> str | None:
@@ -39,13 +41,16 @@ def refusal(info: dict | None, mask, starts, tq: int, tk: int) -> str | None:
     return None
 
 
-def tile_table(info: dict, mask, starts, tq: int) -> tuple[np.ndarray, int, int]:
-    """(the index table: tiles ``[N, TILE_FIELDS]``, the out rows' map ``[tq]``, the LSE rows'
-    map ``[L]``; N; L) for a problem :func:`refusal` accepts. Tiles longest first."""
+def tile_table(info: dict, mask, starts, tq: int, entry=None) -> tuple[np.ndarray, int]:
+    """(the index table: tiles ``[N, TILE_FIELDS]``, the out rows' map ``[B * tq]``, the LSE
+    rows' map ``[total]``; N) for a problem :func:`refusal` accepts; ``entry``: each sequence's
+    batch entry (its starts count within it; default: all in entry 0, group mode). Tiles longest
+    first."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     q_start, q_len = np.asarray(q_start, np.int64), np.asarray(q_len, np.int64)
     k_start, k_len = np.asarray(k_start, np.int64), np.asarray(k_len, np.int64)
     lse_start = np.asarray(lse_start, np.int64)
+    entry = np.zeros(len(q_len), np.int64) if entry is None else np.asarray(entry, np.int64)
     rows, group, ew, step = (int(info[k]) for k in ("rows", "group", "ew", "step"))
     pos = rows // group
     desc = descriptors(mask, q_len, k_len).astype(np.int64)  # (ql, kl, y, x) per sequence, clipped
@@ -62,7 +67,7 @@ def tile_table(info: dict, mask, starts, tq: int) -> tuple[np.ndarray, int, int]
     assert (ne <= ew).all(), "an edge wider than the module's bound"
     q0 = np.minimum(q_start[b] + p0, tq - pos)
     pos0 = q0 - q_start[b]
-    table = np.stack([q0, k_start[b], nk, ne, pos0, k_len[b], x[b], np.zeros_like(q0)], axis=1)
+    table = np.stack([q0, k_start[b], nk, ne, pos0, k_len[b], x[b], entry[b]], axis=1)
     order = np.argsort(-(nk + ne), kind="stable")
     table, b, p0, last, pos0 = table[order], b[order], p0[order], last[order], pos0[order]
     n = len(table)
@@ -70,20 +75,41 @@ def tile_table(info: dict, mask, starts, tq: int) -> tuple[np.ndarray, int, int]
     tile = np.repeat(np.arange(n), count)
     p = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count) + np.repeat(p0, count)
     src = tile * pos + (p - np.repeat(pos0, count))
-    out_map = np.full(tq, -1, np.int64)
-    out_map[q_start[b][tile] + p] = src
+    out_map = np.full((int(entry.max(initial=0)) + 1) * tq, -1, np.int64)
+    out_map[entry[b][tile] * tq + q_start[b][tile] + p] = src
     lse_map = np.full(int(total_q), -1, np.int64)
     lse_map[lse_start[b][tile] + p] = src
     idx = np.concatenate([table.ravel(), out_map, lse_map]).astype(np.int32)
-    return idx, n, int(total_q)
+    return idx, n
+
+
+def module_tiles(module) -> dict | None:
+    """The module's ``tiles`` record where it has ``fwd_tiles``."""
+    return (getattr(module, "dense", None) or {}).get("tiles") if module.has("fwd_tiles") else None
 
 
 def tiles_call(module, mask, starts, q_shape, k_shape, *, dtype: str, scale: float) -> FrameCall | None:
     """The ``fwd_tiles`` call of this group-mode problem on ``module`` (tensors ``[1, T, H, D]``),
-    or None where :func:`refusal` gives a reason."""
-    info = (getattr(module, "dense", None) or {}).get("tiles") if module.has("fwd_tiles") else None
+    or None where :func:`refusal` gives a reason. Its LSE is ``[1, Hq, total]``."""
+    info = module_tiles(module)
     tq, tk = int(q_shape[1]), int(k_shape[1])
     if refusal(info, mask, starts, tq, tk) is not None:
         return None
-    idx, n, total = tile_table(info, mask, starts, tq)
-    return FrameCall("fwd_tiles", idx, (float(scale), n, total), dtype)
+    idx, n = tile_table(info, mask, starts, tq)
+    return FrameCall("fwd_tiles", idx, (float(scale), n, 1, int(starts[-1])), dtype)
+
+
+def batch_starts(q_lens, k_lens, sq: int):
+    """A batch's entries as sequences (``check_varlen``'s starts: each at row 0 of its entry, its
+    LSE rows ``b * Sq + i``) and their entries."""
+    q_lens, k_lens = np.asarray(q_lens, np.int64), np.asarray(k_lens, np.int64)
+    zero = np.zeros(len(q_lens), np.int64)
+    return (zero, q_lens, zero, k_lens, np.arange(len(q_lens)) * sq, len(q_lens) * sq), np.arange(len(q_lens))
+
+
+def batch_call(module, p, *, dtype: str, scale: float) -> FrameCall:
+    """The ``fwd_tiles`` call of a batch-mode problem ``p`` (``spec.BatchProblem``; each entry its
+    own lengths) that :func:`refusal` accepts; its LSE is ``[B, Hq, Sq]``."""
+    starts, entry = batch_starts(p.q_lens, p.k_lens, p.sq)
+    idx, n = tile_table(module_tiles(module), p.mask, starts, p.sq, entry)
+    return FrameCall("fwd_tiles", idx, (float(scale), n, p.batch, p.sq), dtype)

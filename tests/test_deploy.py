@@ -96,8 +96,12 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
         # plan's units looped inside the module, mlir_templates.unit_loop) and waves_varlen
         # (batches of middling lengths as sequences of packed tokens, mlir_templates.unit_waves)
         has_rows = man["target"]["backend"] == "llvm-cpu"
+        # CUDA modules with fwd also get fwd_tiles (tiles of query rows over their own keys,
+        # kernels.tiles) where the head dims are not padded on the way
+        has_tiles = has_fwd and fam == "cuda" and r["hdim"] not in (96, 192)
         assert set(man["entry_points"]) == ({"init", "step", "finalize"} | ({"dense", "causal"} if has_dense else set())
                                             | ({"fwd", "fwd_ragged"} if has_fwd else set())
+                                            | ({"fwd_tiles"} if has_tiles else set())
                                             | ({"rows", "rows_kpad", "step_open", "units", "waves_varlen"} if has_rows else set()))
         assert "?" in man["entry_points"]["step"]["args"]["q"][0], "batch / sequence dims must be dynamic"
         assert man["toolchain"]["iree-base-compiler"] and any(f.startswith("--iree-hal-target-device") for f in man["flags"])

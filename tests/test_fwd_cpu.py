@@ -11,11 +11,19 @@ import numpy as np
 import pytest
 import torch
 
+from fmha_iree import dispatch
 from fmha_iree.dispatch import run_batch, uses_fwd
 from fmha_iree.spec import check_batch
 from common import RAGGED_TILES as TILES
 
 from reference import assert_close, attention_ref, make_qkv, seed_of
+
+@pytest.fixture(autouse=True)
+def no_tiles(monkeypatch):
+    """These tests are about ``fwd``: the problems ``fwd_tiles`` would take stay on it
+    (test_key_tiles.py checks the same problems through the tiles)."""
+    monkeypatch.setattr(dispatch, "_takes_tiles", lambda *a: False)
+
 
 @pytest.fixture(scope="module")
 def fwd_module(ragged_module):

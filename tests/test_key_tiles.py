@@ -6,17 +6,23 @@ reference, with the path checked to be the one taken.
 Covered: tails of 1..127 rows and keys around the tiles and key steps, Sq < Sk and Sq > Sk per
 sequence, zero-length q or k, every mask the path takes (none, causal either alignment, windows
 open on the left), ``seqlen_k``, padded starts with NaN in the gaps (a neighbour's NaN stays out of
-the edge copies), GQA with Dq != Dv, f32 / f16 / bf16, LSE."""
+the edge copies), GQA with Dq != Dv, f32 / f16 / bf16, LSE; batch mode in both layouts, with and
+without cu_seqlen padding (NaN in the padding), and the batches that keep other paths."""
 
 import collections
 
 import numpy as np
 import pytest
+import torch
 
 from fmha_iree import frames, key_tiles
+from fmha_iree.dispatch import route, run_batch
 from fmha_iree.mask import Mask
+from fmha_iree.spec import check_batch
 
 import test_ragged as ragged
+from common import RAGGED_TILES, cu
+from reference import assert_close, attention_ref, make_qkv, seed_of
 
 INFO = {"rows": 64, "group": 2, "ew": 128, "step": 64}  # the llvm-cpu build's (source.dense_abi)
 TAKEN = ["0", "b", "t", "t:-1,5", "b:-1,3", "xb:0", "b:-1,0"]
@@ -44,7 +50,7 @@ def test_table_covers_what_each_row_sees(mask, seed):
     tq = int(starts[0][-1] + lq[-1]) + 5
     m = Mask.from_str(mask)
     assert key_tiles.refusal(INFO, m, starts, tq, int(lk.sum()) + 1) is None
-    idx, n_tiles, total = key_tiles.tile_table(INFO, m, starts, tq)
+    idx, n_tiles = key_tiles.tile_table(INFO, m, starts, tq)
     table = idx[: n_tiles * key_tiles.TILE_FIELDS].reshape(n_tiles, -1).astype(np.int64)
     out_map, lse_map = idx[n_tiles * key_tiles.TILE_FIELDS:][:tq], idx[n_tiles * key_tiles.TILE_FIELDS + tq:]
     pos = INFO["rows"] // INFO["group"]
@@ -124,3 +130,59 @@ def test_gqa_dq_dv(ragged_module, taken):
     ragged._group(ragged_module("f16", "bshd", 4, 64, 32), "t", [50, 9, 130], [80, 9, 100], hq=8, hk=2, dv=32,
                   dtype="f16", what="tiles gqa")
     assert taken == {"fwd_tiles": 1}
+
+
+# Batch mode: each batch entry a sequence (``dispatch.route`` -> ``tiles``), either layout.
+BATCH = [(77, 130), (130, 77), (127, 1), (200, 200), (33, 300)]
+
+
+@pytest.mark.parametrize("mask", TAKEN)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("sq,sk", BATCH, ids=[f"{a}x{b}" for a, b in BATCH])
+def test_batch_mode_tiles(ragged_module, layout, mask, sq, sk):
+    mod = ragged_module("f32", layout, 2)
+    q, k, v = make_qkv(seed_of("tiles-batch", layout, mask, sq, sk), B=2, Hq=4, Hk=2, Sq=sq, Sk=sk, Dq=64,
+                       layout=layout)
+    p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=None, cu_seqlen_k=None)
+    assert route(p, mod).path == "tiles"
+    out, lse = run_batch(p, True, RAGGED_TILES, lambda: mod, "gpu")
+    ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout)
+    assert_close(out, ref_out, torch.float32, what=f"tiles batch {mask} {sq}x{sk} out")
+    assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"tiles batch {mask} {sq}x{sk} lse")
+
+
+@pytest.mark.parametrize("mask", ["b", "0", "t:-1,5"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_cu_seqlen_batch_tiles(ragged_module, layout, mask):
+    """cu_seqlen padding through the tiles: NaN in every padded row and key stays out (the edges'
+    copies zero the keys past each entry's own); padded rows are 0 with LSE -inf."""
+    mod = ragged_module("f32", layout, 2)
+    g = torch.Generator().manual_seed(seed_of("tiles-cu", layout, mask))
+    B, sq, sk = 3, 150, 220
+    shape = lambda s, h: (B, h, s, 64) if layout == "bhsd" else (B, s, h, 64)  # noqa: E731
+    q, k, v = torch.randn(*shape(sq, 4), generator=g), torch.randn(*shape(sk, 2), generator=g), torch.randn(*shape(sk, 2), generator=g)
+    lq, lk = [150, 10, 140], [3, 220, 77]
+    for b in range(B):
+        for x, n in ((q, lq[b]), (k, lk[b]), (v, lk[b])):
+            (x[b, :, n:] if layout == "bhsd" else x[b, n:])[...] = float("nan")
+    cq, ck = cu(lq), cu(lk)
+    p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cq, cu_seqlen_k=ck)
+    assert route(p, mod).path == "tiles"
+    out, lse = run_batch(p, True, RAGGED_TILES, lambda: mod, "gpu")
+    ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout, cu_seqlen_q=cq, cu_seqlen_k=ck)
+    assert_close(out, ref_out, torch.float32, what=f"tiles cu {layout} {mask} out")
+    assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"tiles cu {layout} {mask} lse")
+    for b, n in enumerate(lq):
+        rows = out[b, :, n:] if layout == "bhsd" else out[b, n:]
+        assert (rows == 0).all() and torch.isneginf(lse[b, :, n:]).all()
+
+
+def test_batch_routes_elsewhere(ragged_module):
+    """Decode-shaped batches keep split-KV (``fwd``), left window edges keep ``fwd``."""
+    mod = ragged_module("f32", "bhsd", 2)
+    q, k, v = make_qkv(seed_of("tiles-route"), B=2, Hq=4, Hk=2, Sq=1, Sk=300, Dq=64)
+    assert route(check_batch(q, k, v, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None),
+                 mod).path == "fwd"
+    q, k, v = make_qkv(seed_of("tiles-route", 2), B=2, Hq=4, Hk=2, Sq=200, Sk=300, Dq=64)
+    assert route(check_batch(q, k, v, mask="b:20,0", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None),
+                 mod).path == "fwd"

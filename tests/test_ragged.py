@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from fmha_iree import frames
+from fmha_iree import dispatch, frames
 from fmha_iree.device import DeviceTensor
 from fmha_iree.dispatch import has_ragged, route, run_batch, run_paged, run_varlen
 from fmha_iree.mask import Mask
@@ -145,9 +145,11 @@ def test_group_mode_dtypes_and_gqa(module, dtype, layout, group, dq, dv):
 
 @pytest.mark.parametrize("mask", ["b", "t:3,40", "0", "xb:9"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_cu_seqlen_batch_one_frame(module, layout, mask):
-    """A batch with cu_seqlen padding routes to the frame; NaN in every padded row and key never
-    reaches the result; padded rows are 0 with LSE -inf."""
+def test_cu_seqlen_batch_one_frame(module, layout, mask, monkeypatch):
+    """A batch with cu_seqlen padding routes to the frame (``fwd_tiles`` off: test_key_tiles.py
+    runs the same batches through it); NaN in every padded row and key never reaches the result;
+    padded rows are 0 with LSE -inf."""
+    monkeypatch.setattr(dispatch, "_takes_tiles", lambda *a: False)
     mod = module("f32", layout, 2)
     g = torch.Generator().manual_seed(seed_of("ragged-batch", layout, mask))
     B, sq, sk = 3, 150, 220

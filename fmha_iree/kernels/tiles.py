@@ -1,10 +1,12 @@
-"""Group mode as tiles that each run over their own keys (``fwd_tiles``): CK's one-launch form.
+"""Attention as tiles that each run over their own keys (``fwd_tiles``): CK's one-launch form, for
+group mode (packed tokens, ``[1, T, H, D]``) and batch mode (``[B, S, H, D]`` or ``[B, H, S, D]``,
+each batch entry a sequence).
 
 Every sequence's query rows are cut into tiles of ``R / G`` positions (``R`` state rows: the ``G``
 query heads of a KV head as rows, as everywhere in the package). The host writes one row per tile
 into the index table (``key_tiles.tile_table``): where its Q rows start, where its sequence's keys
-start, ``nk`` and ``ne``, its key counts, its first position, its sequence's key count and CK's
-``x``. A tile's keys are ``[0, nk + ne)`` of its sequence: ``[0, nk)`` are seen by every row of the
+start, ``nk`` and ``ne``, its key counts, its first position, its sequence's key count, CK's ``x``
+and its batch entry (rows and keys count within it). A tile's keys are ``[0, nk + ne)`` of its sequence: ``[0, nk)`` are seen by every row of the
 tile (the interior, a multiple of ``STEP``), ``[nk, nk + ne)`` by some (the edge, at most ``EW``
 keys). The table holds the tiles longest first (the GPU then starts its longest work first) and the
 grid is ``(Hk, tiles)``: each workgroup reads its tile's row and loads exactly its slices of Q, K
@@ -17,7 +19,7 @@ op's key count dynamic per workgroup, one loop whose trip count each workgroup r
 2. the interior: an unmasked ``online_attention`` over ``nk`` keys read in place -> f32 state;
 3. the edge: a masked op over ``ne`` keys chained on that state, normalized -> each tile's rows of
    out and LSE;
-4. out ``[1, Tq, Hq, Dv]`` and LSE ``[1, Hq, L]`` gathered from the tiles' rows (the table's row
+4. out (the layout of q) and LSE ``[NL, Hq, RL]`` gathered from the tiles' rows (the table's row
    maps; rows no sequence owns are 0 / -inf).
 
 Masks: those whose rows all see key 0 onward (no limit on the left within the sequence: none,
@@ -32,14 +34,14 @@ from __future__ import annotations
 import dataclasses
 
 from .attention import Operand, online_attention
-from .elementwise import copy_attrs
+from .elementwise import as_words, block_attrs, copy_attrs, from_words, word_elems
 from .ir import Fn, tensor_type
 from .operands import Plan
 from .packed_common import generic, read_idx
 
 __all__ = ["TILE_FIELDS", "STEP", "TilesShape", "tiles_shape", "render_tiles"]
 
-TILE_FIELDS = 8  # q0, k0, nk, ne, pos0, kl, x, (unused)
+TILE_FIELDS = 8  # q0, k0, nk, ne, pos0, kl, x, batch entry
 STEP = 64  # the interior's key count is a multiple of it (the ops' key steps divide it)
 # Rows and key steps of the tiles' ops on GPUs: H200, sm_80 f16 d128, 16 causal sequences of
 # 128..2047 (2026-12-05, docs/BENCHMARKS.md): 128 rows / 64 keys 0.961 ms of kernels, 128 / 32
@@ -64,11 +66,11 @@ class TilesShape:
 
 
 def tiles_shape(p: Plan) -> TilesShape | None:
-    """The path's sizes for plan ``p``, or None where the module has no such path (a ``bhsd``
-    module, head dims padded on the way, a GPU lowering IREE chooses itself, a group that does
-    not divide the rows)."""
+    """The path's sizes for plan ``p``, or None where the module has no such path (off in the plan,
+    head dims padded on the way, a GPU lowering IREE chooses itself, a group that does not divide
+    the rows)."""
     lw = p.main.lowering
-    if not p.tiles or p.layout != "bshd" or p.pads or not isinstance(lw, dict):
+    if not p.tiles or p.pads or not isinstance(lw, dict):
         return None
     if lw.get("backend") == "cpu":
         rows, low = CPU_ROWS, {"backend": "cpu", "workgroup_m": CPU_ROWS, "vector_m": 2, "reduction_k2": CPU_K2}
@@ -158,6 +160,11 @@ def _workgroups(fn: Fn, grid: tuple[str, str], operands: list[tuple[str, str, li
     return names
 
 
+def _inner(ty: str) -> int:
+    """The last (static) size of a tensor type."""
+    return int(ty[len("tensor<"):-1].split("x")[-2])
+
+
 def _tensor(ty: str) -> bool:
     return ty.startswith("tensor<")
 
@@ -181,7 +188,7 @@ def _tile_row(b: _Body, table, tile: str) -> list[str]:
     at = b.let(f"arith.muli {tile}, {b.c(TILE_FIELDS)} : index")
     row = _load(b, table, [at], [TILE_FIELDS], f"tensor<{TILE_FIELDS}xi32>")
     vals = []
-    for i in range(TILE_FIELDS - 1):
+    for i in range(TILE_FIELDS):
         e = b.let(f"tensor.extract {row}[{b.c(i)}] : tensor<{TILE_FIELDS}xi32>")
         vals.append(b.let(f"arith.index_cast {e} : i32 to index"))
     return vals
@@ -195,23 +202,96 @@ class _Tiles:
         dq, dv = p.dq, p.dv
         self.q_ty = tensor_type(["?", "?", "?", dq], p.dtype)
         self.v_ty = tensor_type(["?", "?", "?", dv], p.dtype)
-        s = {n: fn.bounded(fn.arith(f"arith.index_cast %{n} : i64 to index", n)) for n in ("N", "L")}
-        self.n, self.l = s["N"], s["L"]
-        self.tq = fn.bounded(fn.dim("%q", self.q_ty, 1))
-        self.tk = fn.bounded(fn.dim("%k", self.q_ty, 1))
-        self.hq = fn.bounded(fn.dim("%q", self.q_ty, 2))
-        self.hk = fn.bounded(fn.dim("%k", self.q_ty, 2))
-        self.one = fn.bounded(fn.dim("%q", self.q_ty, 0))
-        self.idx_n = fn.bounded(fn.dim("%idx", tensor_type(["?"], "i32"), 0))
+        s = {n: fn.bounded(fn.arith(f"arith.index_cast %{n} : i64 to index", n)) for n in ("N", "NL", "RL")}
+        self.n, self.nl, self.rl = s["N"], s["NL"], s["RL"]
+        self.bshd = p.layout == "bshd"
+        r_ax, h_ax = (1, 2) if self.bshd else (2, 1)
+        self.tq = fn.bounded(fn.dim("%q", self.q_ty, r_ax))
+        self.tk = fn.bounded(fn.dim("%k", self.q_ty, r_ax))
+        self.hq = fn.bounded(fn.dim("%q", self.q_ty, h_ax))
+        self.hk = fn.bounded(fn.dim("%k", self.q_ty, h_ax))
+        self.batch = fn.bounded(fn.dim("%q", self.q_ty, 0))
         self.at_out = fn.mul(self.n, TILE_FIELDS)
-        self.at_lse = fn.add(self.at_out, self.tq)
+        self.at_lse = fn.add(self.at_out, fn.mul(self.batch, self.tq))
         self.table = fn.let(f"tensor.extract_slice %idx[0] [{self.at_out}] [1] : {tensor_type(['?'], 'i32')} to "
                             f"{tensor_type(['?'], 'i32')}", "tt")
-        self.q_src: tuple = ("%q", self.q_ty, [self.one, self.tq, self.hq])  # _q_tiles'
+        self.q_src: tuple = ("%q", self.q_ty, self.sizes(self.tq, self.hq))  # _q_tiles'
+
+    def sizes(self, rows: str, heads: str) -> list[str]:
+        """The dynamic sizes of a q / k / v argument in the module's layout."""
+        return [self.batch, rows, heads] if self.bshd else [self.batch, heads, rows]
+
+    def at(self, bi, row, head, d) -> list:
+        """Indices of (batch entry, row, head, d) in the module's layout."""
+        return [bi, row, head, d] if self.bshd else [bi, head, row, d]
+
+    def dim_ops(self) -> list[tuple[str, str, list]]:
+        """Rows and heads of q and k, as index operands of a tiles dispatch."""
+        return [(v, "index", []) for v in (self.tq, self.tk, self.hq, self.hk)]
+
+    def dims_in(self, args: dict) -> dict:
+        """``dim_ops``' values inside a dispatch (its ``args``)."""
+        return {n: args[v] for n, v in zip(("tq", "tk", "hq", "hk"), (self.tq, self.tk, self.hq, self.hk))}
+
+    def flat(self, name: str) -> tuple[str, str, list[str]]:
+        """q / k / v as rows: ``[B * T, H, D]`` (bshd) or ``[B * H * T, D]`` (bhsd), an operand of a
+        tiles dispatch. (Loads from these are proven 16-byte aligned; from the 4-D tensors, with
+        the batch entry as a third dynamic offset, IREE 3.13 read f16 one element at a time.)"""
+        d = self.p.dq if name != "%v" else self.p.dv
+        rows, heads = (self.tq, self.hq) if name == "%q" else (self.tk, self.hk)
+        src = self.q_ty if name != "%v" else self.v_ty
+        fn = self.fn
+        if self.bshd:
+            ty = tensor_type(["?", "?", d], self.p.dtype)
+            v = fn.let(f"tensor.collapse_shape {name} [[0, 1], [2], [3]] : {src} into {ty}", "tf")
+            return v, ty, [fn.mul(self.batch, rows), heads]
+        ty = tensor_type(["?", d], self.p.dtype)
+        v = fn.let(f"tensor.collapse_shape {name} [[0, 1, 2], [3]] : {src} into {ty}", "tf")
+        return v, ty, [fn.mul(fn.mul(self.batch, heads), rows)]
+
+    def load_rows(self, b: "_Body", view, bi: str, row: str, head: str, n, rows_arg: str, heads_arg: str,
+                  ty: str) -> str:
+        """``n`` rows of head ``head`` of batch entry ``bi`` from ``row`` on, from a ``flat``
+        view (``rows_arg`` / ``heads_arg``: the tensor's rows and heads inside the dispatch)."""
+        first = b.let(f"arith.muli {bi}, {rows_arg} : index")
+        if self.bshd:
+            at = b.let(f"arith.addi {first}, {row} : index")
+            return _load(b, view, [at, head, b.c(0)], [n, 1, _inner(ty)], ty)
+        eh = b.let(f"arith.muli {bi}, {heads_arg} : index")
+        eh = b.let(f"arith.addi {eh}, {head} : index")
+        at = b.let(f"arith.muli {eh}, {rows_arg} : index")
+        at = b.let(f"arith.addi {at}, {row} : index")
+        return _load(b, view, [at, b.c(0)], [n, _inner(ty)], ty)
+
+
+def _copy(c: _Tiles, src: tuple[str, list, list[str]], out: tuple[list, list[str]], element, row_dim: int) -> str:
+    """A copy dispatch ``out[ix] = element(ix, read, zero)``: ``src`` (value, shape, dynamic sizes)
+    and ``out`` (shape, dynamic sizes) rank 4 of the plan's dtype with the head dim last, moved as
+    64-bit words where it is a whole number of them (``elementwise.word_elems``); ``read(indices)``
+    gives the source element there, ``zero`` a zero element."""
+    fn, p = c.fn, c.p
+    d = int(out[0][-1])
+    n = word_elems(p.dtype, d, int(src[1][-1]))
+    if n:
+        value, ty = as_words(fn, src[0], src[1], src[2], p.dtype)
+        elt, zero, width, vec = "i64", "0", d // n, 2
+    else:
+        value, ty, elt, zero, width, vec = src[0], tensor_type(src[1], p.dtype), p.dtype, "0.0", d, 8
+
+    def read(ix):
+        return fn.let(f"tensor.extract {value}[{', '.join(ix)}] : {ty}", "tv")
+
+    def el(ix):
+        return element(ix, read, fn.let(f"arith.constant {zero} : {elt}", "tz"), elt)
+
+    shape = [*out[0][:-1], width]
+    res = generic(fn, tensor_type(shape, elt), out[1], 4, el, copy_attrs(p.main.lowering, rank=4, row_dim=row_dim,
+                                                                         inner=width, vec=vec))
+    return from_words(fn, res, out[0], out[1], p.dtype) if n else res
 
 
 def _edge_inputs(c: _Tiles) -> tuple[str, str, str]:
-    """(mask ``[N, R, EW]`` i1, K and V edge copies ``[N, EW, Hk, D]``)."""
+    """(mask ``[N, R, EW]`` i1, K and V edge copies ``[N, Hk, EW, D]``)."""
     fn, p, t = c.fn, c.p, c.t
     G, ew = t.group, t.ew
 
@@ -225,36 +305,35 @@ def _edge_inputs(c: _Tiles) -> tuple[str, str, str]:
         key = fn.add(nk, j)
         return fn.cmp("slt", key, fn.min(fn.add(pos, x), kl))
 
-    mask = generic(fn, tensor_type(["?", t.rows, ew], "i1"), [c.n], 3, mask_el)
+    # CUDA: a block of 16 rows x 64 keys per workgroup, 16 bytes a thread (as masks.py's generators)
+    attrs = block_attrs(p.main.lowering, rank=3, block=(16, STEP), vec=16) if p.mask_blocks else ""
+    mask = generic(fn, tensor_type(["?", t.rows, ew], "i1"), [c.n], 3, mask_el, attrs)
 
     def kv(which: str, d: int) -> str:
-        src = "%k" if which == "k" else "%v"
-        ty = c.q_ty if which == "k" else c.v_ty
+        src = ("%k" if which == "k" else "%v", ["?", "?", "?", d], c.sizes(c.tk, c.hk))
 
-        def el(ix):
-            tile, j, h, dd = ix
-            k0, nk, kl = field(tile, 1), field(tile, 2), field(tile, 5)
+        def el(ix, read, zero, elt):
+            tile, h, j, dd = ix
+            k0, nk, kl, bi = field(tile, 1), field(tile, 2), field(tile, 5), field(tile, 7)
             key = fn.add(nk, j)
             ok = fn.cmp("slt", key, kl)
             row = fn.min(fn.add(k0, key), fn.sub(c.tk, 1))
-            val = fn.let(f"tensor.extract {src}[{fn.c(0)}, {row}, {h}, {dd}] : {ty}", "tv")
-            zero = fn.let(f"arith.constant 0.0 : {p.dtype}", "tz")
-            return fn.let(f"arith.select {ok}, {val}, {zero} : {p.dtype}", "tv")
+            return fn.let(f"arith.select {ok}, {read(c.at(bi, row, h, dd))}, {zero} : {elt}", "tv")
 
-        out_ty = tensor_type(["?", ew, "?", d], p.dtype)
-        return generic(fn, out_ty, [c.n, c.hk], 4, el, copy_attrs(p.main.lowering, rank=4, row_dim=1, inner=d))
+        return _copy(c, src, (["?", "?", ew, d], [c.n, c.hk]), el, row_dim=2)
 
     return mask, kv("k", p.dq), kv("v", p.dv)
 
 
-def _q_tile(b: _Body, c: _Tiles, q, q0: str, hk: str, tile: str) -> Operand:
+def _q_tile(b: _Body, c: _Tiles, q, row: list[str], hk: str, tile: str, dims: dict) -> Operand:
     """The tile's Q rows ``[R, Dq]`` (positions x the G heads of KV head ``hk``): read in place
     where ``G == 1``, else from the tiles' copy (``_q_tiles``: rows of G heads are no strided view
     of Q, and a collapse inside the dispatch fails to compile for CUDA and llvm-cpu)."""
     p, t = c.p, c.t
     ty = tensor_type([t.rows, p.dq], p.dtype)
     if t.group == 1:
-        return Operand(_load(b, q, [b.c(0), q0, hk, b.c(0)], [1, t.rows, 1, p.dq], ty), ty, ("m", "k1"))
+        loaded = c.load_rows(b, q, row[7], row[0], hk, t.rows, dims["tq"], dims["hq"], ty)
+        return Operand(loaded, ty, ("m", "k1"))
     return Operand(_load(b, q, [tile, hk, b.c(0), b.c(0)], [1, 1, t.rows, p.dq], ty), ty, ("m", "k1"))
 
 
@@ -263,19 +342,20 @@ def _q_tiles(c: _Tiles) -> tuple[str, str, list[str]]:
     tile's rows copied ``[N, Hk, R, Dq]``."""
     fn, p, t = c.fn, c.p, c.t
     if t.group == 1:
-        return "%q", c.q_ty, [c.one, c.tq, c.hq]
+        return c.flat("%q")
     G = t.group
 
-    def el(ix):
+    def el(ix, read, zero, elt):
         tile, hk, m, d = ix
         q0 = read_idx(fn, fn.c(0), fn.mul(tile, TILE_FIELDS))
+        bi = read_idx(fn, fn.c(0), fn.add(fn.mul(tile, TILE_FIELDS), 7))
         row = fn.min(fn.add(q0, fn.floordiv(m, G)), fn.sub(c.tq, 1))
         h = fn.add(fn.mul(hk, G), fn.arith(f"arith.remsi {m}, {fn.c(G)} : index", "tr"))
-        return fn.let(f"tensor.extract %q[{fn.c(0)}, {row}, {h}, {d}] : {c.q_ty}", "tv")
+        return read(c.at(bi, row, h, d))
 
-    ty = tensor_type(["?", "?", t.rows, p.dq], p.dtype)
-    out = generic(fn, ty, [c.n, c.hk], 4, el, copy_attrs(p.main.lowering, rank=4, row_dim=2, inner=p.dq))
-    return out, ty, [c.n, c.hk]
+    shape = ["?", "?", t.rows, p.dq]
+    out = _copy(c, ("%q", ["?", "?", "?", p.dq], c.sizes(c.tq, c.hq)), (shape, [c.n, c.hk]), el, row_dim=2)
+    return out, tensor_type(shape, p.dtype), [c.n, c.hk]
 
 
 def _state_types(c: _Tiles) -> list[str]:
@@ -305,20 +385,21 @@ def _interior(c: _Tiles) -> list[str]:
     R = t.rows
     grid = (c.hk, c.n)
     sizes = [c.n, c.hk]
-    ops = [c.q_src, ("%k", c.q_ty, [c.one, c.tk, c.hk]),
-           ("%v", c.v_ty, [c.one, c.tk, c.hk]), (c.table, tensor_type(["?"], "i32"), [c.at_out]), ("%scale", "f32", [])]
+    kf, vf = c.flat("%k"), c.flat("%v")
+    ops = [c.q_src, kf, vf, (c.table, tensor_type(["?"], "i32"), [c.at_out]), ("%scale", "f32", []), *c.dim_ops()]
 
     def body(b: _Body, a, outs):
         hk = b.let("flow.dispatch.workgroup.id[0] : index")
         tile = b.let("flow.dispatch.workgroup.id[1] : index")
-        q0, k0, nk0, *_ = _tile_row(b, a[c.table], tile)
-        nk = b.let(f"util.assume.int {nk0}<umin = 0, umax = 2147483647, udiv = {STEP}> : index")
-        q = _q_tile(b, c, a[c.q_src[0]], q0, hk, tile)
+        row = _tile_row(b, a[c.table], tile)
+        k0, bi = row[1], row[7]
+        nk = b.let(f"util.assume.int {row[2]}<umin = 0, umax = 2147483647, udiv = {STEP}> : index")
+        dims = c.dims_in(a)
+        q = _q_tile(b, c, a[c.q_src[0]], row, hk, tile, dims)
         kv = []
-        for name, d in (("%k", p.dq), ("%v", p.dv)):
+        for view, d, role in ((kf, p.dq, "k1"), (vf, p.dv, "n")):
             ty = tensor_type(["?", d], p.dtype)
-            kv.append(Operand(_load(b, a[name], [b.c(0), k0, hk, b.c(0)], [1, nk, 1, d], ty), ty,
-                              ("k2", "k1" if name == "%k" else "n")))
+            kv.append(Operand(c.load_rows(b, a[view[0]], bi, k0, hk, nk, dims["tk"], dims["hk"], ty), ty, ("k2", role)))
         res = online_attention(fn, q=q, k=kv[0], v=kv[1], scale=_scale(b, c, a["%scale"]), scale_type=p.dtype,
                                outs=_fresh(b, c), nb=0, lowering=t.lowering, dv=p.dv)
         for r, o, (view, shape) in zip(res, _fresh_types(c), zip(outs, ([1, 1, R, p.dv], [1, 1, R], [1, 1, R]))):
@@ -338,8 +419,8 @@ def _edge(c: _Tiles, state: list[str], mask: str, ek: str, ev: str) -> list[str]
     fn, p, t = c.fn, c.p, c.t
     R, ew = t.rows, t.ew
     st_tys = _state_types(c)
-    ops = [c.q_src, (ek, tensor_type(["?", ew, "?", p.dq], p.dtype), [c.n, c.hk]),
-           (ev, tensor_type(["?", ew, "?", p.dv], p.dtype), [c.n, c.hk]), (mask, tensor_type(["?", R, ew], "i1"), [c.n]),
+    ops = [c.q_src, *c.dim_ops(), (ek, tensor_type(["?", "?", ew, p.dq], p.dtype), [c.n, c.hk]),
+           (ev, tensor_type(["?", "?", ew, p.dv], p.dtype), [c.n, c.hk]), (mask, tensor_type(["?", R, ew], "i1"), [c.n]),
            (c.table, tensor_type(["?"], "i32"), [c.at_out]), ("%scale", "f32", [])]
     ops += [(s, ty, [c.n, c.hk]) for s, ty in zip(state, st_tys)]
     out_tys = [tensor_type(["?", "?", R, p.dv], p.dtype), tensor_type(["?", "?", R], "f32")]
@@ -347,13 +428,13 @@ def _edge(c: _Tiles, state: list[str], mask: str, ek: str, ev: str) -> list[str]
     def body(b: _Body, a, outs):
         hk = b.let("flow.dispatch.workgroup.id[0] : index")
         tile = b.let("flow.dispatch.workgroup.id[1] : index")
-        q0, _, _, ne0, *_ = _tile_row(b, a[c.table], tile)
-        ne = b.let(f"util.assume.int {ne0}<umin = 0, umax = {ew}, udiv = {STEP}> : index")
-        q = _q_tile(b, c, a[c.q_src[0]], q0, hk, tile)
+        row = _tile_row(b, a[c.table], tile)
+        ne = b.let(f"util.assume.int {row[3]}<umin = 0, umax = {ew}, udiv = {STEP}> : index")
+        q = _q_tile(b, c, a[c.q_src[0]], row, hk, tile, c.dims_in(a))
         kv = []
         for name, d, role in ((ek, p.dq, "k1"), (ev, p.dv, "n")):
             ty = tensor_type(["?", d], p.dtype)
-            kv.append(Operand(_load(b, a[name], [tile, b.c(0), hk, b.c(0)], [1, ne, 1, d], ty), ty, ("k2", role)))
+            kv.append(Operand(_load(b, a[name], [tile, hk, b.c(0), b.c(0)], [1, 1, ne, d], ty), ty, ("k2", role)))
         mty = tensor_type([R, "?"], "i1")
         m = Operand(_load(b, a[mask], [tile, b.c(0), b.c(0)], [1, R, ne], mty), mty, ("m", "k2"))
         prev = []
@@ -411,7 +492,6 @@ def _gathered(c: _Tiles, out_t: str, lse_t: str) -> tuple[str, str]:
     maps after the table: tile * positions + position in the tile, or -1)."""
     fn, p, t = c.fn, c.p, c.t
     G, P, R = t.group, t.positions, t.rows
-    ot_ty = tensor_type(["?", "?", R, p.dv], p.dtype)
     lt_ty = tensor_type(["?", "?", R], "f32")
 
     def src(at: str, row: str, hq: str):
@@ -422,31 +502,31 @@ def _gathered(c: _Tiles, out_t: str, lse_t: str) -> tuple[str, str]:
         hk, g = fn.floordiv(hq, G), fn.arith(f"arith.remsi {hq}, {fn.c(G)} : index", "tr")
         return ok, tile, hk, fn.add(fn.mul(pos, G), g)
 
-    def out_el(ix):
-        _, row, hq, d = ix
-        ok, tile, hk, m = src(c.at_out, row, hq)
-        val = fn.let(f"tensor.extract {out_t}[{tile}, {hk}, {m}, {d}] : {ot_ty}", "tv")
-        zero = fn.let(f"arith.constant 0.0 : {p.dtype}", "tz")
-        return fn.let(f"arith.select {ok}, {val}, {zero} : {p.dtype}", "tv")
+    def out_el(ix, read, zero, elt):
+        bi, row, hq, d = ix if c.bshd else (ix[0], ix[2], ix[1], ix[3])
+        ok, tile, hk, m = src(c.at_out, fn.add(fn.mul(bi, c.tq), row), hq)
+        return fn.let(f"arith.select {ok}, {read([tile, hk, m, d])}, {zero} : {elt}", "tv")
 
     def lse_el(ix):
-        _, hq, row = ix
-        ok, tile, hk, m = src(c.at_lse, row, hq)
+        n, hq, row = ix
+        ok, tile, hk, m = src(c.at_lse, fn.add(fn.mul(n, c.rl), row), hq)
         val = fn.let(f"tensor.extract {lse_t}[{tile}, {hk}, {m}] : {lt_ty}", "tv")
         ninf = fn.let("arith.constant 0xFF800000 : f32", "tn")
         return fn.let(f"arith.select {ok}, {val}, {ninf} : f32", "tv")
 
-    out = generic(fn, tensor_type(["?", "?", "?", p.dv], p.dtype), [c.one, c.tq, c.hq], 4, out_el,
-                  copy_attrs(p.main.lowering, rank=4, row_dim=1, inner=p.dv))
-    lse = generic(fn, tensor_type(["?", "?", "?"], "f32"), [c.one, c.hq, c.l], 3, lse_el)
+    out = _copy(c, (out_t, ["?", "?", R, p.dv], [c.n, c.hk]), (["?", "?", "?", p.dv], c.sizes(c.tq, c.hq)), out_el,
+                row_dim=1 if c.bshd else 2)
+    lse = generic(fn, tensor_type(["?", "?", "?"], "f32"), [c.nl, c.hq, c.rl], 3, lse_el)
     return out, lse
 
 
 def render_tiles(p: Plan, func_name: str = "fwd_tiles") -> str | None:
-    """``util.func public @func_name(q [1, Tq, Hq, Dq], k [1, Tk, Hk, Dq], v, idx, scale, N, L)``
-    -> (out ``[1, Tq, Hq, Dv]``, LSE ``[1, Hq, L]``, then the scratch: mask, edge K / V, state,
-    the tiles' out and LSE); None where ``tiles_shape`` has no path for the plan. ``idx``: the
-    table ``[N, TILE_FIELDS]``, then the out rows' map ``[Tq]`` and the LSE rows' ``[L]``."""
+    """``util.func public @func_name(q, k, v, idx, scale, N, NL, RL)`` (q / k / v in the plan's
+    layout, ``B`` entries of ``Tq`` / ``Tk`` rows) -> (out in that layout, LSE ``[NL, Hq, RL]``,
+    then the scratch: mask, edge K / V, state, the tiles' out and LSE, the tiles' Q where G > 1);
+    None where ``tiles_shape`` has no path for the plan. ``idx``: the table ``[N, TILE_FIELDS]``,
+    then the out rows' map ``[B * Tq]`` and the LSE rows' ``[NL * RL]`` (tile * positions +
+    position in it, or -1)."""
     t = tiles_shape(p)
     if t is None:
         return None
@@ -460,12 +540,12 @@ def render_tiles(p: Plan, func_name: str = "fwd_tiles") -> str | None:
     R, ew = t.rows, t.ew
     names = [out, lse, mask, ek, ev, *state, out_t, lse_t, *([c.q_src[0]] if t.group > 1 else [])]
     types = [tensor_type(["?", "?", "?", p.dv], p.dtype), tensor_type(["?", "?", "?"], "f32"),
-             tensor_type(["?", R, ew], "i1"), tensor_type(["?", ew, "?", p.dq], p.dtype),
-             tensor_type(["?", ew, "?", p.dv], p.dtype), *_state_types(c),
+             tensor_type(["?", R, ew], "i1"), tensor_type(["?", "?", ew, p.dq], p.dtype),
+             tensor_type(["?", "?", ew, p.dv], p.dtype), *_state_types(c),
              tensor_type(["?", "?", R, p.dv], p.dtype), tensor_type(["?", "?", R], "f32"),
              *([c.q_src[1]] if t.group > 1 else [])]
     args = (f"%q: {c.q_ty}, %k: {c.q_ty}, %v: {c.v_ty}, %idx: {tensor_type(['?'], 'i32')}, %scale: f32, "
-            "%N: i64, %L: i64")
+            "%N: i64, %NL: i64, %RL: i64")
     tys = ", ".join(types)
     return (f"util.func public @{func_name}({args}) -> ({tys}) {{\n" + fn.text()
             + f"\n  util.return {', '.join(names)} : {tys}\n}}\n")
