@@ -7,7 +7,8 @@ Covered: tails of 1..127 rows and keys around the tiles and key steps, Sq < Sk a
 sequence, zero-length q or k, every mask the path takes (none, causal either alignment, windows
 open on the left), ``seqlen_k``, padded starts with NaN in the gaps (a neighbour's NaN stays out of
 the edge copies), GQA with Dq != Dv, f32 / f16 / bf16, LSE; batch mode in both layouts, with and
-without cu_seqlen padding (NaN in the padding), and the batches that keep other paths."""
+without cu_seqlen padding (test_ragged.py's cu_seqlen batches, NaN in the padding, run through
+the tiles too), and the batches that keep other paths."""
 
 import collections
 
@@ -21,7 +22,7 @@ from fmha_iree.mask import Mask
 from fmha_iree.spec import check_batch
 
 import test_ragged as ragged
-from common import RAGGED_TILES, cu
+from common import RAGGED_TILES
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
 INFO = {"rows": 64, "group": 2, "ew": 128, "step": 64}  # the llvm-cpu build's (source.dense_abi)
@@ -149,32 +150,6 @@ def test_batch_mode_tiles(ragged_module, layout, mask, sq, sk):
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout)
     assert_close(out, ref_out, torch.float32, what=f"tiles batch {mask} {sq}x{sk} out")
     assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"tiles batch {mask} {sq}x{sk} lse")
-
-
-@pytest.mark.parametrize("mask", ["b", "0", "t:-1,5"])
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_cu_seqlen_batch_tiles(ragged_module, layout, mask):
-    """cu_seqlen padding through the tiles: NaN in every padded row and key stays out (the edges'
-    copies zero the keys past each entry's own); padded rows are 0 with LSE -inf."""
-    mod = ragged_module("f32", layout, 2)
-    g = torch.Generator().manual_seed(seed_of("tiles-cu", layout, mask))
-    B, sq, sk = 3, 150, 220
-    shape = lambda s, h: (B, h, s, 64) if layout == "bhsd" else (B, s, h, 64)  # noqa: E731
-    q, k, v = torch.randn(*shape(sq, 4), generator=g), torch.randn(*shape(sk, 2), generator=g), torch.randn(*shape(sk, 2), generator=g)
-    lq, lk = [150, 10, 140], [3, 220, 77]
-    for b in range(B):
-        for x, n in ((q, lq[b]), (k, lk[b]), (v, lk[b])):
-            (x[b, :, n:] if layout == "bhsd" else x[b, n:])[...] = float("nan")
-    cq, ck = cu(lq), cu(lk)
-    p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cq, cu_seqlen_k=ck)
-    assert route(p, mod).path == "tiles"
-    out, lse = run_batch(p, True, RAGGED_TILES, lambda: mod, "gpu")
-    ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout, cu_seqlen_q=cq, cu_seqlen_k=ck)
-    assert_close(out, ref_out, torch.float32, what=f"tiles cu {layout} {mask} out")
-    assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"tiles cu {layout} {mask} lse")
-    for b, n in enumerate(lq):
-        rows = out[b, :, n:] if layout == "bhsd" else out[b, n:]
-        assert (rows == 0).all() and torch.isneginf(lse[b, :, n:]).all()
 
 
 def test_batch_routes_elsewhere(ragged_module):

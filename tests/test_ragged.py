@@ -143,13 +143,18 @@ def test_group_mode_dtypes_and_gqa(module, dtype, layout, group, dq, dv):
         _group(mod, mask, [3, 100, 1, 64], [70, 100, 129, 200], hq=hq, hk=hk, dq=dq, dv=dv, dtype=dtype, what=dtype)
 
 
-@pytest.mark.parametrize("mask", ["b", "t:3,40", "0", "xb:9"])
+CU_PATHS = [(m, "ragged") for m in ("b", "t:3,40", "0", "xb:9")] + [(m, "tiles") for m in ("b", "0")]
+
+
+@pytest.mark.parametrize("mask,path", CU_PATHS, ids=[f"{m}-{p}" for m, p in CU_PATHS])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_cu_seqlen_batch_one_frame(module, layout, mask, monkeypatch):
-    """A batch with cu_seqlen padding routes to the frame (``fwd_tiles`` off: test_key_tiles.py
-    runs the same batches through it); NaN in every padded row and key never reaches the result;
-    padded rows are 0 with LSE -inf."""
-    monkeypatch.setattr(dispatch, "_takes_tiles", lambda *a: False)
+def test_cu_seqlen_batch_one_frame(module, layout, mask, path, monkeypatch):
+    """A batch with cu_seqlen padding routes to the frame (with ``fwd_tiles`` off) or, for the
+    masks it takes, to ``fwd_tiles``; NaN in every padded row and key never reaches the result
+    (the tiles' edge copies zero the keys past each entry's own); padded rows are 0 with LSE
+    -inf."""
+    if path == "ragged":
+        monkeypatch.setattr(dispatch, "_takes_tiles", lambda *a: False)
     mod = module("f32", layout, 2)
     g = torch.Generator().manual_seed(seed_of("ragged-batch", layout, mask))
     B, sq, sk = 3, 150, 220
@@ -161,7 +166,7 @@ def test_cu_seqlen_batch_one_frame(module, layout, mask, monkeypatch):
             (x[b, :, n:] if layout == "bhsd" else x[b, n:])[...] = float("nan")
     cq, ck = _starts(lq), _starts(lk)
     p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cq, cu_seqlen_k=ck)
-    assert route(p, mod).path == "ragged"
+    assert route(p, mod).path == path
     out, lse = run_batch(p, True, TILES, lambda: mod, "gpu")
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout, cu_seqlen_q=cq, cu_seqlen_k=ck)
     assert_close(out, ref_out, torch.float32, what=f"{layout} {mask} out")
