@@ -18,6 +18,7 @@ from .frames import PIECE_ROWS, FrameCall, descriptors
 __all__ = ["TILE_FIELDS", "refusal", "tile_table", "tiles_call", "batch_starts", "batch_call", "module_tiles"]
 
 TILE_FIELDS = 8  # kernels.tiles.TILE_FIELDS: q0, k0, nk, ne, pos0, kl, x, batch entry
+MAX_TILES = 65535  # tiles run along the grid's y dim (heads along x, so the longest tiles of every head start first)
 
 
 def refusal(info: dict | None, mask, starts, tq: int, tk: int) -> str | None:
@@ -34,6 +35,8 @@ def refusal(info: dict | None, mask, starts, tq: int, tk: int) -> str | None:
         return "no query rows or no keys"
     if int(q_len.max()) * int(info["group"]) <= PIECE_ROWS:
         return "decode-shaped (a few query rows per sequence): split-KV pieces (fwd_packed) serve it"
+    if int((-(-q_len // positions)).sum()) > MAX_TILES:
+        return f"more than {MAX_TILES} tiles (the grid's second dim on CUDA)"
     live = q_len > 0
     desc = descriptors(mask, q_len[live], k_len[live])
     if (desc[:, 2] < desc[:, 0]).any():  # y < Sq: some row's window starts after key 0

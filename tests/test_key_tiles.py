@@ -80,6 +80,8 @@ def test_refusals_say_why():
     assert "decode-shaped" in key_tiles.refusal(INFO, Mask.from_str("b"), _starts([1, 2], [90, 9]), 64, 99)
     assert "fewer query rows" in key_tiles.refusal(INFO, Mask.from_str("b"), _starts([20], [20]), 20, 20)
     assert "no fwd_tiles" in key_tiles.refusal(None, Mask.from_str("b"), starts, 200, 200)
+    many = _starts([32 * key_tiles.MAX_TILES + 1], [64])
+    assert "more than" in key_tiles.refusal(INFO, Mask.from_str("b"), many, 32 * key_tiles.MAX_TILES + 1, 64)
 
 
 @pytest.fixture
