@@ -28,7 +28,7 @@ LAYERS = [
     ["compile"],  # iree-compile, caches
     ["staging"],  # per-call uploads without a host wait
     ["runtime", "frames"],  # a loaded module's entry points; ragged problems as padded frames
-    ["cpu_calls"],  # CPU modules' calls beyond the one-call routes (group mode's rows groups, units_varlen)
+    ["cpu_calls", "key_tiles"],  # CPU modules' calls beyond the one-call routes; fwd_tiles' tables
     ["dispatch", "torch_gpu", "prepared"],  # which entry point a call takes; torch GPU tensors in and out; replays
     ["api", "deploy"],  # public entry points
     ["cli", "demo", "torch_ops"],
