@@ -63,6 +63,7 @@ def entry_points(spec: KernelSpec) -> dict:
                      "padding, paged caches); q / k / v read as rows n * R + r; the index table and the "
                      "scalars as fmha_iree.frames.Frame.table() writes them (fmha_iree/kernels/ragged.py)"),
         }
+        out.update(_tiles_entry_point(spec, plan, t, seq, hq))
         if spec.layout == "bshd" and not plan.pads:
             from .kernels.packed import PACKED_SCALARS
 
@@ -131,6 +132,28 @@ def entry_points(spec: KernelSpec) -> dict:
             out.update(_packed_entry_points(spec, t, hq))
     out.update(_dense_entry_points(spec, t, seq, hq))
     return out
+
+
+def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str) -> dict:
+    """``fwd_tiles`` where the module has it (``kernels.tiles``)."""
+    from .kernels.tiles import STEP, TILE_COLUMNS, tiles_shape
+
+    shape = tiles_shape(plan)
+    if shape is None:
+        return {}
+    scratch = ["edge mask", "edge K", "edge V", "acc", "max", "sum", "tiles' out", "tiles' LSE"]
+    return {"fwd_tiles": {
+        "args": {"q": [seq("?", spec.dq), t], "k": [seq("?", spec.dq), t], "v": [seq("?", spec.dv), t],
+                 "idx": [["L"], "i32"], "scale": [[], "f32 scalar"], "N": [[], "i64 scalar"],
+                 "NL": [[], "i64 scalar"], "RL": [[], "i64 scalar"]},
+        "results": {"out": [seq(hq, spec.dv), t], "lse": [["NL", hq, "RL"], "f32"],
+                    "scratch": [scratch + (["tiles' Q"] if spec.group > 1 else []), "dropped by the caller"]},
+        "rows": shape.rows, "edge_keys": shape.ew, "key_step": STEP, "table_columns": list(TILE_COLUMNS),
+        "note": (f"tiles of {shape.rows} query rows (G heads of a KV head as rows), each over its own keys: "
+                 "idx holds the table [N, 8] longest first, then each out row's tile row (B * Sq) and each LSE "
+                 "row's (NL * RL), -1 for rows no sequence owns (fmha_iree.key_tiles.tile_table); a tile's "
+                 "rows all see keys [0, nk) of its sequence, some see [nk, nk + ne)"),
+    }}
 
 
 def _dense_entry_points(spec: KernelSpec, t: str, seq, hq: str) -> dict:

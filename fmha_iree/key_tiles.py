@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from .frames import PIECE_ROWS, FrameCall, descriptors
+from .kernels.tiles import TILE_FIELDS
 
 __all__ = ["TILE_FIELDS", "refusal", "tile_table", "tiles_call", "batch_starts", "batch_call", "module_tiles"]
 
-TILE_FIELDS = 8  # kernels.tiles.TILE_FIELDS: q0, k0, nk, ne, pos0, kl, x, batch entry
 MAX_TILES = 65535  # tiles run along the grid's y dim (heads along x, so the longest tiles of every head start first)
 
 

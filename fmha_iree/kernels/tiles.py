@@ -39,9 +39,10 @@ from .ir import Fn, tensor_type
 from .operands import Plan
 from .packed_common import generic, read_idx
 
-__all__ = ["TILE_FIELDS", "STEP", "TilesShape", "tiles_shape", "render_tiles"]
+__all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "tiles_shape", "render_tiles"]
 
-TILE_FIELDS = 8  # q0, k0, nk, ne, pos0, kl, x, batch entry
+TILE_COLUMNS = ("q0", "k0", "nk", "ne", "pos0", "kl", "x", "entry")  # a tile's row of the table
+TILE_FIELDS = len(TILE_COLUMNS)
 STEP = 64  # the interior's key count is a multiple of it (the ops' key steps divide it)
 # Rows and key steps of the tiles' ops on GPUs: H200, sm_80 f16 d128, 16 causal sequences of
 # 128..2047 (2026-12-05, docs/BENCHMARKS.md): 128 rows / 64 keys 0.961 ms of kernels, 128 / 32
