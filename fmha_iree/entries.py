@@ -145,7 +145,7 @@ def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str) -> dict:
     return {"fwd_tiles": {
         "args": {"q": [seq("?", spec.dq), t], "k": [seq("?", spec.dq), t], "v": [seq("?", spec.dv), t],
                  "idx": [["L"], "i32"], "scale": [[], "f32 scalar"], "N": [[], "i64 scalar"],
-                 "NL": [[], "i64 scalar"], "RL": [[], "i64 scalar"]},
+                 "NL": [[], "i64 scalar"], "RL": [[], "i64 scalar"], "E": [[], "i64 scalar"]},
         "results": {"out": [seq(hq, spec.dv), t], "lse": [["NL", hq, "RL"], "f32"],
                     "scratch": [scratch + (["tiles' Q"] if spec.group > 1 else []), "dropped by the caller"]},
         "rows": shape.rows, "edge_keys": shape.ew, "key_step": STEP, "table_columns": list(TILE_COLUMNS),

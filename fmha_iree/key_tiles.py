@@ -44,9 +44,9 @@ def refusal(info: dict | None, mask, starts, tq: int, tk: int) -> str | None:
     return None
 
 
-def tile_table(info: dict, mask, starts, tq: int, entry=None) -> tuple[np.ndarray, int]:
+def tile_table(info: dict, mask, starts, tq: int, entry=None) -> tuple[np.ndarray, int, int]:
     """(the index table: tiles ``[N, TILE_FIELDS]``, the out rows' map ``[B * tq]``, the LSE
-    rows' map ``[total]``; N) for a problem :func:`refusal` accepts; ``entry``: each sequence's
+    rows' map ``[total]``; N; the widest edge's keys, at least one step) for a problem :func:`refusal` accepts; ``entry``: each sequence's
     batch entry (its starts count within it; default: all in entry 0, group mode). Tiles longest
     first."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
@@ -83,7 +83,7 @@ def tile_table(info: dict, mask, starts, tq: int, entry=None) -> tuple[np.ndarra
     lse_map = np.full(int(total_q), -1, np.int64)
     lse_map[lse_start[b][tile] + p] = src
     idx = np.concatenate([table.ravel(), out_map, lse_map]).astype(np.int32)
-    return idx, n
+    return idx, n, max(int(ne.max(initial=0)), step)
 
 
 def module_tiles(module) -> dict | None:
@@ -98,8 +98,8 @@ def tiles_call(module, mask, starts, q_shape, k_shape, *, dtype: str, scale: flo
     tq, tk = int(q_shape[1]), int(k_shape[1])
     if refusal(info, mask, starts, tq, tk) is not None:
         return None
-    idx, n = tile_table(info, mask, starts, tq)
-    return FrameCall("fwd_tiles", idx, (float(scale), n, 1, int(starts[-1])), dtype)
+    idx, n, e = tile_table(info, mask, starts, tq)
+    return FrameCall("fwd_tiles", idx, (float(scale), n, 1, int(starts[-1]), e), dtype)
 
 
 def batch_starts(q_lens, k_lens, sq: int):
@@ -114,5 +114,5 @@ def batch_call(module, p, *, dtype: str, scale: float) -> FrameCall:
     """The ``fwd_tiles`` call of a batch-mode problem ``p`` (``spec.BatchProblem``; each entry its
     own lengths) that :func:`refusal` accepts; its LSE is ``[B, Hq, Sq]``."""
     starts, entry = batch_starts(p.q_lens, p.k_lens, p.sq)
-    idx, n = tile_table(module_tiles(module), p.mask, starts, p.sq, entry)
-    return FrameCall("fwd_tiles", idx, (float(scale), n, p.batch, p.sq), dtype)
+    idx, n, e = tile_table(module_tiles(module), p.mask, starts, p.sq, entry)
+    return FrameCall("fwd_tiles", idx, (float(scale), n, p.batch, p.sq, e), dtype)

@@ -51,13 +51,14 @@ def test_table_covers_what_each_row_sees(mask, seed):
     tq = int(starts[0][-1] + lq[-1]) + 5
     m = Mask.from_str(mask)
     assert key_tiles.refusal(INFO, m, starts, tq, int(lk.sum()) + 1) is None
-    idx, n_tiles = key_tiles.tile_table(INFO, m, starts, tq)
+    idx, n_tiles, widest = key_tiles.tile_table(INFO, m, starts, tq)
     table = idx[: n_tiles * key_tiles.TILE_FIELDS].reshape(n_tiles, -1).astype(np.int64)
     out_map, lse_map = idx[n_tiles * key_tiles.TILE_FIELDS:][:tq], idx[n_tiles * key_tiles.TILE_FIELDS + tq:]
     pos = INFO["rows"] // INFO["group"]
     assert (np.diff(table[:, 2] + table[:, 3]) <= 0).all(), "tiles longest first"
     assert ((table[:, 2] % INFO["step"]) == 0).all() and ((table[:, 3] % INFO["step"]) == 0).all()
-    assert (table[:, 3] <= INFO["ew"]).all() and (table[:, 0] + pos <= tq).all()
+    assert (table[:, 3] <= widest).all() and widest <= INFO["ew"] and widest % INFO["step"] == 0
+    assert (table[:, 0] + pos <= tq).all()
     seen = np.zeros(tq, int)
     for b in range(n):
         vis = m.materialize(int(lq[b]), int(lk[b]))

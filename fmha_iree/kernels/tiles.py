@@ -203,8 +203,9 @@ class _Tiles:
         dq, dv = p.dq, p.dv
         self.q_ty = tensor_type(["?", "?", "?", dq], p.dtype)
         self.v_ty = tensor_type(["?", "?", "?", dv], p.dtype)
-        s = {n: fn.bounded(fn.arith(f"arith.index_cast %{n} : i64 to index", n)) for n in ("N", "NL", "RL")}
+        s = {n: fn.bounded(fn.arith(f"arith.index_cast %{n} : i64 to index", n)) for n in ("N", "NL", "RL", "E")}
         self.n, self.nl, self.rl = s["N"], s["NL"], s["RL"]
+        self.e = fn.assume_div(s["E"], STEP)  # edge keys of the widest edge (at most t.ew), a whole step
         self.bshd = p.layout == "bshd"
         r_ax, h_ax = (1, 2) if self.bshd else (2, 1)
         self.tq = fn.bounded(fn.dim("%q", self.q_ty, r_ax))
@@ -294,7 +295,7 @@ def _copy(c: _Tiles, src: tuple[str, list, list[str]], out: tuple[list, list[str
 def _edge_inputs(c: _Tiles) -> tuple[str, str, str]:
     """(mask ``[N, R, EW]`` i1, K and V edge copies ``[N, Hk, EW, D]``)."""
     fn, p, t = c.fn, c.p, c.t
-    G, ew = t.group, t.ew
+    G = t.group
 
     def field(tile, i):
         return read_idx(fn, fn.c(0), fn.add(fn.mul(tile, TILE_FIELDS), i))
@@ -308,7 +309,7 @@ def _edge_inputs(c: _Tiles) -> tuple[str, str, str]:
 
     # CUDA: a block of 16 rows x 64 keys per workgroup, 16 bytes a thread (as masks.py's generators)
     attrs = block_attrs(p.main.lowering, rank=3, block=(16, STEP), vec=16) if p.mask_blocks else ""
-    mask = generic(fn, tensor_type(["?", t.rows, ew], "i1"), [c.n], 3, mask_el, attrs)
+    mask = generic(fn, tensor_type(["?", t.rows, "?"], "i1"), [c.n, c.e], 3, mask_el, attrs)
 
     def kv(which: str, d: int) -> str:
         src = ("%k" if which == "k" else "%v", ["?", "?", "?", d], c.sizes(c.tk, c.hk))
@@ -321,7 +322,7 @@ def _edge_inputs(c: _Tiles) -> tuple[str, str, str]:
             row = fn.min(fn.add(k0, key), fn.sub(c.tk, 1))
             return fn.let(f"arith.select {ok}, {read(c.at(bi, row, h, dd))}, {zero} : {elt}", "tv")
 
-        return _copy(c, src, (["?", "?", ew, d], [c.n, c.hk]), el, row_dim=2)
+        return _copy(c, src, (["?", "?", "?", d], [c.n, c.hk, c.e]), el, row_dim=2)
 
     return mask, kv("k", p.dq), kv("v", p.dv)
 
@@ -420,8 +421,9 @@ def _edge(c: _Tiles, state: list[str], mask: str, ek: str, ev: str) -> list[str]
     fn, p, t = c.fn, c.p, c.t
     R, ew = t.rows, t.ew
     st_tys = _state_types(c)
-    ops = [c.q_src, *c.dim_ops(), (ek, tensor_type(["?", "?", ew, p.dq], p.dtype), [c.n, c.hk]),
-           (ev, tensor_type(["?", "?", ew, p.dv], p.dtype), [c.n, c.hk]), (mask, tensor_type(["?", R, ew], "i1"), [c.n]),
+    ops = [c.q_src, *c.dim_ops(), (ek, tensor_type(["?", "?", "?", p.dq], p.dtype), [c.n, c.hk, c.e]),
+           (ev, tensor_type(["?", "?", "?", p.dv], p.dtype), [c.n, c.hk, c.e]),
+           (mask, tensor_type(["?", R, "?"], "i1"), [c.n, c.e]),
            (c.table, tensor_type(["?"], "i32"), [c.at_out]), ("%scale", "f32", [])]
     ops += [(s, ty, [c.n, c.hk]) for s, ty in zip(state, st_tys)]
     out_tys = [tensor_type(["?", "?", R, p.dv], p.dtype), tensor_type(["?", "?", R], "f32")]
@@ -522,12 +524,13 @@ def _gathered(c: _Tiles, out_t: str, lse_t: str) -> tuple[str, str]:
 
 
 def render_tiles(p: Plan, func_name: str = "fwd_tiles") -> str | None:
-    """``util.func public @func_name(q, k, v, idx, scale, N, NL, RL)`` (q / k / v in the plan's
+    """``util.func public @func_name(q, k, v, idx, scale, N, NL, RL, E)`` (q / k / v in the plan's
     layout, ``B`` entries of ``Tq`` / ``Tk`` rows) -> (out in that layout, LSE ``[NL, Hq, RL]``,
     then the scratch: mask, edge K / V, state, the tiles' out and LSE, the tiles' Q where G > 1);
     None where ``tiles_shape`` has no path for the plan. ``idx``: the table ``[N, TILE_FIELDS]``,
     then the out rows' map ``[B * Tq]`` and the LSE rows' ``[NL * RL]`` (tile * positions +
-    position in it, or -1)."""
+    position in it, or -1); ``E``: the widest edge's keys, a multiple of ``STEP`` up to the
+    shape's ``ew`` (the edge copies and mask hold that many keys per tile)."""
     t = tiles_shape(p)
     if t is None:
         return None
@@ -538,15 +541,15 @@ def render_tiles(p: Plan, func_name: str = "fwd_tiles") -> str | None:
     state = _interior(c)
     out_t, lse_t = _edge(c, state, mask, ek, ev)
     out, lse = _gathered(c, out_t, lse_t)
-    R, ew = t.rows, t.ew
+    R = t.rows
     names = [out, lse, mask, ek, ev, *state, out_t, lse_t, *([c.q_src[0]] if t.group > 1 else [])]
     types = [tensor_type(["?", "?", "?", p.dv], p.dtype), tensor_type(["?", "?", "?"], "f32"),
-             tensor_type(["?", R, ew], "i1"), tensor_type(["?", "?", ew, p.dq], p.dtype),
-             tensor_type(["?", "?", ew, p.dv], p.dtype), *_state_types(c),
+             tensor_type(["?", R, "?"], "i1"), tensor_type(["?", "?", "?", p.dq], p.dtype),
+             tensor_type(["?", "?", "?", p.dv], p.dtype), *_state_types(c),
              tensor_type(["?", "?", R, p.dv], p.dtype), tensor_type(["?", "?", R], "f32"),
              *([c.q_src[1]] if t.group > 1 else [])]
     args = (f"%q: {c.q_ty}, %k: {c.q_ty}, %v: {c.v_ty}, %idx: {tensor_type(['?'], 'i32')}, %scale: f32, "
-            "%N: i64, %NL: i64, %RL: i64")
+            "%N: i64, %NL: i64, %RL: i64, %E: i64")
     tys = ", ".join(types)
     return (f"util.func public @{func_name}({args}) -> ({tys}) {{\n" + fn.text()
             + f"\n  util.return {', '.join(names)} : {tys}\n}}\n")
