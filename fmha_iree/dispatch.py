@@ -100,7 +100,7 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     the module has ``fwd``; else on a CPU module a bshd batch of middling lengths as group mode
     (``cpu_calls.as_group_mode``), ``rows`` for short queries (``rows_fit``, cu_seqlen padding
     included); else ``fwd_tiles`` (GPU modules: masks whose rows see from key 0, prefill-shaped,
-    cu_seqlen padding included, ``_takes_tiles``); else a bshd batch with cu_seqlen padding as
+    with cu_seqlen padding or square and causal from 2048 rows, ``_takes_tiles``); else a bshd batch with cu_seqlen padding as
     group mode; else, every batch at the full lengths, ``units`` (CPU modules) or ``fwd`` wherever
     the module has them; else the tile plan."""
     if module is None:
@@ -141,10 +141,11 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
 
 def _takes_tiles(p: BatchProblem, module, kind, with_lse: bool) -> bool:
     """Whether ``fwd_tiles`` serves a batch-mode problem: the module has it, ``key_tiles.refusal``
-    gives no reason, and no compiled-in entry point takes the problem (the generic two-block
-    ``causal`` aside)."""
+    gives no reason, it was measured faster than the other paths for such a batch
+    (``key_tiles.batch_pays``), and no compiled-in entry point takes the problem (the generic
+    two-block ``causal`` aside)."""
     info = key_tiles.module_tiles(module)
-    if info is None:
+    if info is None or not key_tiles.batch_pays(p):
         return False
     if kind is not None and not (kind[0] == "causal" and module.dense_entry(p.sq, p.sk, True, with_lse, p.batch,
                                                                            p.hk) == "causal"):

@@ -16,7 +16,8 @@ import numpy as np
 from .frames import PIECE_ROWS, FrameCall, descriptors
 from .kernels.tiles import TILE_FIELDS
 
-__all__ = ["TILE_FIELDS", "refusal", "tile_table", "tiles_call", "batch_starts", "batch_call", "module_tiles"]
+__all__ = ["MAX_TILES", "SQUARE_CAUSAL_MIN", "refusal", "tile_table", "tiles_call", "batch_pays", "batch_starts", "batch_call",
+           "module_tiles"]
 
 MAX_TILES = 65535  # tiles run along the grid's y dim (heads along x, so the longest tiles of every head start first)
 
@@ -100,6 +101,24 @@ def tiles_call(module, mask, starts, q_shape, k_shape, *, dtype: str, scale: flo
         return None
     idx, n, e = tile_table(info, mask, starts, tq)
     return FrameCall("fwd_tiles", idx, (float(scale), n, 1, int(starts[-1]), e), dtype)
+
+
+# Batches without cu_seqlen padding that fwd_tiles takes over fwd: square causal ones of at least
+# this many rows. H200, f16 D128 H16 (2026-12-05, docs/BENCHMARKS.md): the tiles' kernels took
+# 1.809 / 1.089 ms at B4 S4096 / S3000 causal where fwd's whole call took 2.08 / 1.33 (margins of
+# 0.24-0.27 ms for the edges' copies and the output gather the kernel figures leave out); at S1000
+# unmasked 0.270 against 0.28 (no margin), and shorter or chunked (Sq < Sk) shapes were not timed.
+SQUARE_CAUSAL_MIN = 2048
+
+
+def batch_pays(p) -> bool:
+    """Whether a batch ``p`` (``spec.BatchProblem``) runs faster on ``fwd_tiles`` than on ``fwd``
+    as measured: with ``cu_seqlen`` padding (``fwd``'s alternative is the padded frame), or square
+    and causal from ``SQUARE_CAUSAL_MIN`` rows (``SQUARE_CAUSAL_MIN``'s comment)."""
+    if (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
+        return True
+    y, x = p.mask.coords(p.sq, p.sk)
+    return p.sq == p.sk >= SQUARE_CAUSAL_MIN and x == 1
 
 
 def batch_starts(q_lens, k_lens, sq: int):

@@ -22,7 +22,7 @@ from fmha_iree.mask import Mask
 from fmha_iree.spec import check_batch
 
 import test_ragged as ragged
-from common import RAGGED_TILES
+from common import RAGGED_TILES, cu
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
 INFO = {"rows": 64, "group": 2, "ew": 128, "step": 64}  # the llvm-cpu build's (source.dense_abi)
@@ -143,7 +143,10 @@ BATCH = [(77, 130), (130, 77), (127, 1), (200, 200), (33, 300)]
 @pytest.mark.parametrize("mask", TAKEN)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("sq,sk", BATCH, ids=[f"{a}x{b}" for a, b in BATCH])
-def test_batch_mode_tiles(ragged_module, layout, mask, sq, sk):
+def test_batch_mode_tiles(ragged_module, layout, mask, sq, sk, monkeypatch):
+    """Batches of every taken mask and tails through the tiles (routed there whatever their
+    shape: ``batch_pays`` keeps short or unmasked unpadded batches on ``fwd``)."""
+    monkeypatch.setattr(key_tiles, "batch_pays", lambda p: True)
     mod = ragged_module("f32", layout, 2)
     q, k, v = make_qkv(seed_of("tiles-batch", layout, mask, sq, sk), B=2, Hq=4, Hk=2, Sq=sq, Sk=sk, Dq=64,
                        layout=layout)
@@ -155,9 +158,27 @@ def test_batch_mode_tiles(ragged_module, layout, mask, sq, sk):
     assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"tiles batch {mask} {sq}x{sk} lse")
 
 
+def test_batch_pays():
+    """Unpadded batches take the tiles where they were measured faster: square causal ones from
+    ``SQUARE_CAUSAL_MIN`` rows; padded ones always."""
+    def problem(sq, sk, mask, lens=None):
+        q, k, v = make_qkv(seed_of("tiles-pays"), B=2, Hq=2, Hk=2, Sq=sq, Sk=sk, Dq=16)
+        cq = None if lens is None else cu(lens)
+        return check_batch(q, k, v, mask=mask, scale=None, layout="bhsd", cu_seqlen_q=cq, cu_seqlen_k=cq)
+    n = key_tiles.SQUARE_CAUSAL_MIN
+    assert key_tiles.batch_pays(problem(n, n, "b")) and key_tiles.batch_pays(problem(n, n, "t"))
+    assert not key_tiles.batch_pays(problem(n, n, "0")) and not key_tiles.batch_pays(problem(n - 64, n - 64, "b"))
+    assert not key_tiles.batch_pays(problem(n, n + 64, "b"))
+    assert key_tiles.batch_pays(problem(100, 100, "0", lens=[100, 60]))
+
+
 def test_batch_routes_elsewhere(ragged_module):
-    """Decode-shaped batches keep split-KV (``fwd``), left window edges keep ``fwd``."""
+    """Decode-shaped batches keep split-KV (``fwd``), left window edges and batches ``batch_pays``
+    keeps off the tiles keep ``fwd``."""
     mod = ragged_module("f32", "bhsd", 2)
+    q, k, v = make_qkv(seed_of("tiles-route", 3), B=2, Hq=4, Hk=2, Sq=200, Sk=200, Dq=64)
+    assert route(check_batch(q, k, v, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None),
+                 mod).path == "fwd"
     q, k, v = make_qkv(seed_of("tiles-route"), B=2, Hq=4, Hk=2, Sq=1, Sk=300, Dq=64)
     assert route(check_batch(q, k, v, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None),
                  mod).path == "fwd"
