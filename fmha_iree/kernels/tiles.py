@@ -38,6 +38,7 @@ from .elementwise import as_words, block_attrs, copy_attrs, from_words, word_ele
 from .ir import Fn, tensor_type
 from .operands import Plan
 from .packed_common import generic, read_idx
+from .workgroups import Body, inner_size, load, store, workgroups
 
 __all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "tiles_shape", "render_tiles"]
 
@@ -91,103 +92,10 @@ def tiles_shape(p: Plan) -> TilesShape | None:
     return TilesShape(rows, p.group, ew, low)
 
 
-class _Body:
-    """Lines of one ``flow.dispatch.workgroups`` body: it is isolated from the function, so its
-    constants are its own."""
-
-    def __init__(self, fn: Fn):
-        self.fn = fn
-        self.consts: dict[int, str] = {}
-
-    def c(self, v: int) -> str:
-        if v not in self.consts:
-            self.consts[v] = self.fn.let(f"arith.constant {v} : index", "wc")
-        return self.consts[v]
-
-    def let(self, expr: str) -> str:
-        return self.fn.let(expr, "w")
-
-
-def _workgroups(fn: Fn, grid: tuple[str, str], operands: list[tuple[str, str, list[str]]],
-                results: list[tuple[str, list[str]]], body) -> list[str]:
-    """``flow.dispatch.workgroups[grid]``: ``operands`` (name, type, dynamic sizes; index scalars
-    with type ``index``), ``results`` (type, sizes). ``body(b, args, outs)`` gets the body's
-    builder, the operands' bound views (tensors tied to their sizes) and the results' views."""
-    names = [fn.fresh("wr") for _ in results]
-    sizes = [d for _, ty, ds in operands for d in ds if _tensor(ty)] + [d for _, ds in results for d in ds]
-    index_args = [n for n, ty, _ in operands if ty == "index"]
-    # every size the body needs travels as an index operand
-    extra = [s for s in dict.fromkeys(sizes) if s not in index_args]
-    ops = [(n, ty, ds) for n, ty, ds in operands] + [(s, "index", []) for s in extra]
-    sig = ", ".join(f"{ty}{{{', '.join(ds)}}}" if ds else ty for _, ty, ds in ops)
-    res = ", ".join(f"{ty}{{{', '.join(ds)}}}" for ty, ds in results)
-    caps, inner = [], {}
-    for i, (n, ty, ds) in enumerate(ops):
-        cap = f"%wa{i}_{fn.fresh('x')[1:]}"
-        inner[n] = cap
-        mode = "readonly"
-        caps.append(f"{cap}: " + (f"!iree_tensor_ext.dispatch.tensor<{mode}:{ty}>" if _tensor(ty) else ty))
-    out_caps = []
-    for i, (ty, ds) in enumerate(results):
-        cap = f"%wo{i}_{fn.fresh('x')[1:]}"
-        out_caps.append(cap)
-        caps.append(f"{cap}: !iree_tensor_ext.dispatch.tensor<writeonly:{ty}>")
-    fn.emit(f"{', '.join(names)} = flow.dispatch.workgroups[{grid[0]}, {grid[1]}]({', '.join(n for n, _, _ in ops)}) : "
-            f"({sig}) -> ({res}) =")
-    fn.emit(f"    ({', '.join(caps)}) {{")
-    fn._depth += 1
-    b = _Body(fn)
-    with fn.local():
-        args = {}
-        for n, ty, ds in ops:
-            if not _tensor(ty):
-                args[n] = inner[n]
-                continue
-            dty = f"!iree_tensor_ext.dispatch.tensor<readonly:{ty}>"
-            args[n] = (b.let(f"flow.dispatch.tie_shape {inner[n]} : {dty}{{{', '.join(inner[d] for d in ds)}}}"), dty,
-                       [inner[d] for d in ds])
-        outs = []
-        for cap, (ty, ds) in zip(out_caps, results):
-            dty = f"!iree_tensor_ext.dispatch.tensor<writeonly:{ty}>"
-            outs.append((b.let(f"flow.dispatch.tie_shape {cap} : {dty}{{{', '.join(inner[d] for d in ds)}}}"), dty,
-                         [inner[d] for d in ds]))
-        body(b, args, outs)
-    fn.emit("flow.return")
-    fn._depth -= 1
-    fn.emit("} count(%wgx: index, %wgy: index) -> (index, index, index) {")
-    fn.emit("  %wg1 = arith.constant 1 : index")
-    fn.emit("  flow.return %wgx, %wgy, %wg1 : index, index, index")
-    fn.emit("}")
-    return names
-
-
-def _inner(ty: str) -> int:
-    """The last (static) size of a tensor type."""
-    return int(ty[len("tensor<"):-1].split("x")[-2])
-
-
-def _tensor(ty: str) -> bool:
-    return ty.startswith("tensor<")
-
-
-def _load(b: _Body, view, offsets: list[str], sizes: list, ty: str) -> str:
-    name, dty, ds = view
-    return b.let(f"iree_tensor_ext.dispatch.tensor.load {name}, offsets = [{', '.join(offsets)}], sizes = "
-                 f"[{', '.join(map(str, sizes))}], strides = [{', '.join(['1'] * len(sizes))}] : {dty}{{{', '.join(ds)}}} "
-                 f"-> {ty}")
-
-
-def _store(b: _Body, value: str, ty: str, view, offsets: list[str], sizes: list):
-    name, dty, ds = view
-    b.fn.emit(f"iree_tensor_ext.dispatch.tensor.store {value}, {name}, offsets = [{', '.join(offsets)}], sizes = "
-              f"[{', '.join(map(str, sizes))}], strides = [{', '.join(['1'] * len(sizes))}] : {ty} -> "
-              f"{dty}{{{', '.join(ds)}}}")
-
-
-def _tile_row(b: _Body, table, tile: str) -> list[str]:
+def _tile_row(b: Body, table, tile: str) -> list[str]:
     """The tile's table row as index values."""
     at = b.let(f"arith.muli {tile}, {b.c(TILE_FIELDS)} : index")
-    row = _load(b, table, [at], [TILE_FIELDS], f"tensor<{TILE_FIELDS}xi32>")
+    row = load(b, table, [at], [TILE_FIELDS], f"tensor<{TILE_FIELDS}xi32>")
     vals = []
     for i in range(TILE_FIELDS):
         e = b.let(f"tensor.extract {row}[{b.c(i)}] : tensor<{TILE_FIELDS}xi32>")
@@ -251,19 +159,19 @@ class _Tiles:
         v = fn.let(f"tensor.collapse_shape {name} [[0, 1, 2], [3]] : {src} into {ty}", "tf")
         return v, ty, [fn.mul(fn.mul(self.batch, heads), rows)]
 
-    def load_rows(self, b: "_Body", view, bi: str, row: str, head: str, n, rows_arg: str, heads_arg: str,
+    def load_rows(self, b: "Body", view, bi: str, row: str, head: str, n, rows_arg: str, heads_arg: str,
                   ty: str) -> str:
         """``n`` rows of head ``head`` of batch entry ``bi`` from ``row`` on, from a ``flat``
         view (``rows_arg`` / ``heads_arg``: the tensor's rows and heads inside the dispatch)."""
         first = b.let(f"arith.muli {bi}, {rows_arg} : index")
         if self.bshd:
             at = b.let(f"arith.addi {first}, {row} : index")
-            return _load(b, view, [at, head, b.c(0)], [n, 1, _inner(ty)], ty)
+            return load(b, view, [at, head, b.c(0)], [n, 1, inner_size(ty)], ty)
         eh = b.let(f"arith.muli {bi}, {heads_arg} : index")
         eh = b.let(f"arith.addi {eh}, {head} : index")
         at = b.let(f"arith.muli {eh}, {rows_arg} : index")
         at = b.let(f"arith.addi {at}, {row} : index")
-        return _load(b, view, [at, b.c(0)], [n, _inner(ty)], ty)
+        return load(b, view, [at, b.c(0)], [n, inner_size(ty)], ty)
 
 
 def _copy(c: _Tiles, src: tuple[str, list, list[str]], out: tuple[list, list[str]], element, row_dim: int) -> str:
@@ -327,7 +235,7 @@ def _edge_inputs(c: _Tiles) -> tuple[str, str, str]:
     return mask, kv("k", p.dq), kv("v", p.dv)
 
 
-def _q_tile(b: _Body, c: _Tiles, q, row: list[str], hk: str, tile: str, dims: dict) -> Operand:
+def _q_tile(b: Body, c: _Tiles, q, row: list[str], hk: str, tile: str, dims: dict) -> Operand:
     """The tile's Q rows ``[R, Dq]`` (positions x the G heads of KV head ``hk``): read in place
     where ``G == 1``, else from the tiles' copy (``_q_tiles``: rows of G heads are no strided view
     of Q, and a collapse inside the dispatch fails to compile for CUDA and llvm-cpu)."""
@@ -336,7 +244,7 @@ def _q_tile(b: _Body, c: _Tiles, q, row: list[str], hk: str, tile: str, dims: di
     if t.group == 1:
         loaded = c.load_rows(b, q, row[7], row[0], hk, t.rows, dims["tq"], dims["hq"], ty)
         return Operand(loaded, ty, ("m", "k1"))
-    return Operand(_load(b, q, [tile, hk, b.c(0), b.c(0)], [1, 1, t.rows, p.dq], ty), ty, ("m", "k1"))
+    return Operand(load(b, q, [tile, hk, b.c(0), b.c(0)], [1, 1, t.rows, p.dq], ty), ty, ("m", "k1"))
 
 
 def _q_tiles(c: _Tiles) -> tuple[str, str, list[str]]:
@@ -365,7 +273,7 @@ def _state_types(c: _Tiles) -> list[str]:
     return [tensor_type(["?", "?", R, c.p.dv], "f32"), tensor_type(["?", "?", R], "f32"), tensor_type(["?", "?", R], "f32")]
 
 
-def _fresh(b: _Body, c: _Tiles) -> list[Operand]:
+def _fresh(b: Body, c: _Tiles) -> list[Operand]:
     R, dv = c.t.rows, c.p.dv
     zero = b.let("arith.constant 0.0 : f32")
     fmin = b.let("arith.constant -3.40282347E+38 : f32")
@@ -377,7 +285,7 @@ def _fresh(b: _Body, c: _Tiles) -> list[Operand]:
     return outs
 
 
-def _scale(b: _Body, c: _Tiles, scale: str) -> str:
+def _scale(b: Body, c: _Tiles, scale: str) -> str:
     return scale if c.p.dtype == "f32" else b.let(f"arith.truncf {scale} : f32 to {c.p.dtype}")
 
 
@@ -390,7 +298,7 @@ def _interior(c: _Tiles) -> list[str]:
     kf, vf = c.flat("%k"), c.flat("%v")
     ops = [c.q_src, kf, vf, (c.table, tensor_type(["?"], "i32"), [c.at_out]), ("%scale", "f32", []), *c.dim_ops()]
 
-    def body(b: _Body, a, outs):
+    def body(b: Body, a, outs):
         hk = b.let("flow.dispatch.workgroup.id[0] : index")
         tile = b.let("flow.dispatch.workgroup.id[1] : index")
         row = _tile_row(b, a[c.table], tile)
@@ -405,9 +313,9 @@ def _interior(c: _Tiles) -> list[str]:
         res = online_attention(fn, q=q, k=kv[0], v=kv[1], scale=_scale(b, c, a["%scale"]), scale_type=p.dtype,
                                outs=_fresh(b, c), nb=0, lowering=t.lowering, dv=p.dv)
         for r, o, (view, shape) in zip(res, _fresh_types(c), zip(outs, ([1, 1, R, p.dv], [1, 1, R], [1, 1, R]))):
-            _store(b, r, o, view, [tile, hk] + [b.c(0)] * (len(shape) - 2), shape)
+            store(b, r, o, view, [tile, hk] + [b.c(0)] * (len(shape) - 2), shape)
 
-    return _workgroups(fn, grid, ops, [(ty, sizes) for ty in _state_types(c)], body)
+    return workgroups(fn, grid, ops, [(ty, sizes) for ty in _state_types(c)], body)
 
 
 def _fresh_types(c: _Tiles) -> list[str]:
@@ -428,7 +336,7 @@ def _edge(c: _Tiles, state: list[str], mask: str, ek: str, ev: str) -> list[str]
     ops += [(s, ty, [c.n, c.hk]) for s, ty in zip(state, st_tys)]
     out_tys = [tensor_type(["?", "?", R, p.dv], p.dtype), tensor_type(["?", "?", R], "f32")]
 
-    def body(b: _Body, a, outs):
+    def body(b: Body, a, outs):
         hk = b.let("flow.dispatch.workgroup.id[0] : index")
         tile = b.let("flow.dispatch.workgroup.id[1] : index")
         row = _tile_row(b, a[c.table], tile)
@@ -437,23 +345,23 @@ def _edge(c: _Tiles, state: list[str], mask: str, ek: str, ev: str) -> list[str]
         kv = []
         for name, d, role in ((ek, p.dq, "k1"), (ev, p.dv, "n")):
             ty = tensor_type(["?", d], p.dtype)
-            kv.append(Operand(_load(b, a[name], [tile, hk, b.c(0), b.c(0)], [1, 1, ne, d], ty), ty, ("k2", role)))
+            kv.append(Operand(load(b, a[name], [tile, hk, b.c(0), b.c(0)], [1, 1, ne, d], ty), ty, ("k2", role)))
         mty = tensor_type([R, "?"], "i1")
-        m = Operand(_load(b, a[mask], [tile, b.c(0), b.c(0)], [1, R, ne], mty), mty, ("m", "k2"))
+        m = Operand(load(b, a[mask], [tile, b.c(0), b.c(0)], [1, R, ne], mty), mty, ("m", "k2"))
         prev = []
         for s, ty, dims, shape in zip(state, _fresh_types(c), (("m", "n"), ("m",), ("m",)),
                                       ([1, 1, R, p.dv], [1, 1, R], [1, 1, R])):
-            prev.append(Operand(_load(b, a[s], [tile, hk] + [b.c(0)] * (len(shape) - 2), shape, ty), ty, dims))
+            prev.append(Operand(load(b, a[s], [tile, hk] + [b.c(0)] * (len(shape) - 2), shape, ty), ty, dims))
         acc, mx, sm = online_attention(fn, q=q, k=kv[0], v=kv[1], scale=_scale(b, c, a["%scale"]), scale_type=p.dtype,
                                        outs=prev, nb=0, lowering=t.lowering, dv=p.dv, mask=m)
         o, lse = _normalized(b, c, acc, mx, sm)
-        _store(b, o, tensor_type([R, p.dv], p.dtype), outs[0], [tile, hk, b.c(0), b.c(0)], [1, 1, R, p.dv])
-        _store(b, lse, tensor_type([R], "f32"), outs[1], [tile, hk, b.c(0)], [1, 1, R])
+        store(b, o, tensor_type([R, p.dv], p.dtype), outs[0], [tile, hk, b.c(0), b.c(0)], [1, 1, R, p.dv])
+        store(b, lse, tensor_type([R], "f32"), outs[1], [tile, hk, b.c(0)], [1, 1, R])
 
-    return _workgroups(fn, (c.hk, c.n), ops, [(ty, [c.n, c.hk]) for ty in out_tys], body)
+    return workgroups(fn, (c.hk, c.n), ops, [(ty, [c.n, c.hk]) for ty in out_tys], body)
 
 
-def _normalized(b: _Body, c: _Tiles, acc: str, mx: str, sm: str) -> tuple[str, str]:
+def _normalized(b: Body, c: _Tiles, acc: str, mx: str, sm: str) -> tuple[str, str]:
     """(acc / sum in the input type, LSE = (max + log2 sum) ln 2), 0 and -inf where sum is 0."""
     R, dv, dt = c.t.rows, c.p.dv, c.p.dtype
     at, vt = tensor_type([R, dv], "f32"), tensor_type([R], "f32")
