@@ -256,10 +256,13 @@ def _frame_path(p: BatchProblem, starts, module, pages, return_lse: bool, memo):
     and page size): the call's result, ``out [Tq, Hq, Dv]`` (and ``lse [Hq, total]``); its
     replay handed to ``memo`` (DeviceTensor inputs only, a composition with work)."""
     shapes = (p.sq, p.hq, p.dv), (p.hq, starts[-1])
-    call = None
-    if pages is None:  # tiles over their own keys, where the module and the mask allow
+    # tiles over their own keys, where the module and the mask allow (a paged cache's used rows
+    # gathered first)
+    if pages is None:
         call = key_tiles.tiles_call(module, p.mask, starts, p.q.array.shape, p.k.array.shape, dtype=p.q.dtype,
                                     scale=p.scale)
+    else:
+        call = key_tiles.paged_call(module, p.mask, starts, pages, p.q.array.shape, dtype=p.q.dtype, scale=p.scale)
     if call is None:
         frame = frames.group_frame(p.mask, starts, p.sq, pages)
         if frame.empty:

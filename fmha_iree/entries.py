@@ -142,7 +142,7 @@ def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str) -> dict:
     if shape is None:
         return {}
     scratch = ["edge mask", "edge K", "edge V", "acc", "max", "sum", "tiles' out", "tiles' LSE"]
-    return {"fwd_tiles": {
+    out = {"fwd_tiles": {
         "args": {"q": [seq("?", spec.dq), t], "k": [seq("?", spec.dq), t], "v": [seq("?", spec.dv), t],
                  "idx": [["L"], "i32"], "scale": [[], "f32 scalar"], "N": [[], "i64 scalar"],
                  "NL": [[], "i64 scalar"], "RL": [[], "i64 scalar"], "E": [[], "i64 scalar"]},
@@ -154,6 +154,16 @@ def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str) -> dict:
                  "row's (NL * RL), -1 for rows no sequence owns (fmha_iree.key_tiles.tile_table); a tile's "
                  "rows all see keys [0, nk) of its sequence, some see [nk, nk + ne)"),
     }}
+    if spec.layout == "bshd":
+        e = out["fwd_tiles"]
+        out["fwd_tiles_paged"] = {
+            **e, "args": {**e["args"], "TK": [[], "i64 scalar"]},
+            "results": {**e["results"], "scratch": [e["results"]["scratch"][0] + ["gathered K", "gathered V"],
+                                                    "dropped by the caller"]},
+            "note": ("fwd_tiles over a paged cache: k / v the cache's rows [1, pages * page, Hk, D], the table "
+                     "ending with the cache row of each of the TK used keys in sequence order "
+                     "(fmha_iree.key_tiles.paged_call), gathered first")}
+    return out
 
 
 def _dense_entry_points(spec: KernelSpec, t: str, seq, hq: str) -> dict:

@@ -16,8 +16,8 @@ import numpy as np
 from .frames import PIECE_ROWS, FrameCall, descriptors
 from .kernels.tiles import TILE_FIELDS
 
-__all__ = ["MAX_TILES", "SQUARE_CAUSAL_MIN", "refusal", "tile_table", "tiles_call", "batch_pays", "batch_starts", "batch_call",
-           "module_tiles"]
+__all__ = ["MAX_TILES", "SQUARE_CAUSAL_MIN", "refusal", "tile_table", "tiles_call", "paged_call", "batch_pays",
+           "batch_starts", "batch_call", "module_tiles"]
 
 MAX_TILES = 65535  # tiles run along the grid's y dim (heads along x, so the longest tiles of every head start first)
 
@@ -119,6 +119,27 @@ def batch_pays(p) -> bool:
         return True
     y, x = p.mask.coords(p.sq, p.sk)
     return p.sq == p.sk >= SQUARE_CAUSAL_MIN and x == 1
+
+
+def paged_call(module, mask, starts, pages, q_shape, *, dtype: str, scale: float) -> FrameCall | None:
+    """The ``fwd_tiles_paged`` call of a group-mode problem over a paged cache (``pages``: each
+    sequence's pages as the cache row of their first key and the page size,
+    ``frames.paged_bases``), or None where the module lacks it or :func:`refusal` gives a reason:
+    the used keys are gathered in sequence order first, then the tiles run as over packed keys."""
+    info = module_tiles(module) if module.has("fwd_tiles_paged") else None
+    bases, page = pages
+    k_len = np.asarray(starts[3], np.int64)
+    total_k = int(k_len.sum())
+    packed = (*starts[:2], np.concatenate([[0], np.cumsum(k_len)[:-1]]).astype(np.int64), *starts[3:])
+    tq = int(q_shape[1])
+    if refusal(info, mask, packed, tq, total_k) is not None:
+        return None
+    idx, n, e = tile_table(info, mask, packed, tq)
+    seq = np.repeat(np.arange(len(k_len)), k_len)
+    j = np.arange(total_k) - np.repeat(packed[2], k_len)
+    rows = np.asarray(bases, np.int64)[seq, j // page] + j % page
+    return FrameCall("fwd_tiles_paged", np.concatenate([idx, rows.astype(np.int32)]),
+                     (float(scale), n, 1, int(starts[-1]), e, total_k), dtype)
 
 
 def batch_starts(q_lens, k_lens, sq: int):

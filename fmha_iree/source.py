@@ -216,9 +216,10 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
             # (kernels.ragged), so finer groups skip more (H200, 2026-12-03, 16 causal sequences:
             # 3.61 ms at 512 rows, 3.13 at 256)
             funcs.append(render_ragged(dataclasses.replace(plan, ragged=True, rows=256), "fwd_ragged"))
-            tiles = render_tiles(plan)
-            if tiles is not None:
-                funcs.append(tiles)
+            for name, paged in (("fwd_tiles", False), ("fwd_tiles_paged", True)):
+                tiles = render_tiles(plan, name, paged=paged)
+                if tiles is not None:
+                    funcs.append(tiles)
             if plan.layout == "bshd" and not plan.pads:  # keys read in place as rows of [N, R, H, D]
                 funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed"))
                 funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed_paged", "gathered"))

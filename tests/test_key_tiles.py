@@ -6,7 +6,8 @@ reference, with the path checked to be the one taken.
 Covered: tails of 1..127 rows and keys around the tiles and key steps, Sq < Sk and Sq > Sk per
 sequence, zero-length q or k, every mask the path takes (none, causal either alignment, windows
 open on the left), ``seqlen_k``, padded starts with NaN in the gaps (a neighbour's NaN stays out of
-the edge copies), GQA with Dq != Dv, f32 / f16 / bf16, LSE; batch mode in both layouts, with and
+the edge copies), GQA with Dq != Dv, f32 / f16 / bf16, LSE; a paged cache's prefill (scattered pages, partly
+filled last pages, NaN in every row no sequence owns); batch mode in both layouts, with and
 without cu_seqlen padding (test_ragged.py's cu_seqlen batches, NaN in the padding, run through
 the tiles too), and the batches that keep other paths."""
 
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from fmha_iree import frames, key_tiles
-from fmha_iree.dispatch import route, run_batch
+from fmha_iree.dispatch import route, run_batch, run_paged
+from fmha_iree.paged import check_paged
 from fmha_iree.mask import Mask
 from fmha_iree.spec import check_batch
 
@@ -185,3 +187,26 @@ def test_batch_routes_elsewhere(ragged_module):
     q, k, v = make_qkv(seed_of("tiles-route", 2), B=2, Hq=4, Hk=2, Sq=200, Sk=300, Dq=64)
     assert route(check_batch(q, k, v, mask="b:20,0", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None),
                  mod).path == "fwd"
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("mask", ["b", "0", "t"])
+def test_paged_prefill_tiles(ragged_module, taken, page, mask):
+    """Group-mode prefill over a paged cache (pages in scattered order, partly filled last pages,
+    every row no sequence owns NaN): its used rows gathered in sequence order, then the tiles."""
+    lq, lk = [30, 7, 0, 100, 65], [30, 200, 5, 100, 64]
+    q, kc, vc, bt = ragged._paged_case(seed_of("tiles-paged", page, mask), lq, lk, page)
+    owned = np.zeros(kc.shape[:2], bool)
+    for b, n in enumerate(lk):
+        for j in range(n):
+            owned[bt[b, j // page], j % page] = True
+    kc[~torch.from_numpy(owned)] = float("nan")
+    vc[~torch.from_numpy(owned)] = float("nan")
+    sq = ragged._starts(lq)
+    cache = check_paged(kc, vc, sq, None, np.array(lk, np.int32), None, bt)
+    out, lse = run_paged(q, cache, sq, None, mask=mask, scale=None, return_lse=True,
+                         modules=lambda p: (RAGGED_TILES, ragged_module, "gpu"))
+    ref_out, ref_lse = ragged._paged_reference(q, kc, vc, sq, bt, lk, mask)
+    assert_close(out, ref_out, torch.float32, what=f"tiles paged {page} {mask} out")
+    assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"tiles paged {page} {mask} lse")
+    assert taken == {"fwd_tiles_paged": 1}

@@ -126,6 +126,7 @@ class _Tiles:
         self.table = fn.let(f"tensor.extract_slice %idx[0] [{self.at_out}] [1] : {tensor_type(['?'], 'i32')} to "
                             f"{tensor_type(['?'], 'i32')}", "tt")
         self.q_src: tuple = ("%q", self.q_ty, self.sizes(self.tq, self.hq))  # _q_tiles'
+        self.k, self.v = "%k", "%v"  # the keys the tiles read (``_gathered_keys``: a paged cache's rows)
 
     def sizes(self, rows: str, heads: str) -> list[str]:
         """The dynamic sizes of a q / k / v argument in the module's layout."""
@@ -143,13 +144,15 @@ class _Tiles:
         """``dim_ops``' values inside a dispatch (its ``args``)."""
         return {n: args[v] for n, v in zip(("tq", "tk", "hq", "hk"), (self.tq, self.tk, self.hq, self.hk))}
 
-    def flat(self, name: str) -> tuple[str, str, list[str]]:
-        """q / k / v as rows: ``[B * T, H, D]`` (bshd) or ``[B * H * T, D]`` (bhsd), an operand of a
-        tiles dispatch. (Loads from these are proven 16-byte aligned; from the 4-D tensors, with
-        the batch entry as a third dynamic offset, IREE 3.13 read f16 one element at a time.)"""
-        d = self.p.dq if name != "%v" else self.p.dv
-        rows, heads = (self.tq, self.hq) if name == "%q" else (self.tk, self.hk)
-        src = self.q_ty if name != "%v" else self.v_ty
+    def flat(self, which: str) -> tuple[str, str, list[str]]:
+        """q / k / v (``which``) as rows: ``[B * T, H, D]`` (bshd) or ``[B * H * T, D]`` (bhsd), an
+        operand of a tiles dispatch. (Loads from these are proven 16-byte aligned; from the 4-D
+        tensors, with the batch entry as a third dynamic offset, IREE 3.13 read f16 one element at
+        a time.)"""
+        name = {"q": "%q", "k": self.k, "v": self.v}[which]
+        d = self.p.dq if which != "v" else self.p.dv
+        rows, heads = (self.tq, self.hq) if which == "q" else (self.tk, self.hk)
+        src = self.q_ty if which != "v" else self.v_ty
         fn = self.fn
         if self.bshd:
             ty = tensor_type(["?", "?", d], self.p.dtype)
@@ -200,6 +203,26 @@ def _copy(c: _Tiles, src: tuple[str, list, list[str]], out: tuple[list, list[str
     return from_words(fn, res, out[0], out[1], p.dtype) if n else res
 
 
+def _gathered_keys(c: _Tiles):
+    """A paged cache's used rows gathered in sequence order (``fwd_tiles_paged``): K / V
+    ``[1, TK, Hk, D]``, row ``t`` the cache row ``kmap[t]`` (after the LSE map in the table);
+    the tiles then read them as packed keys."""
+    fn, p = c.fn, c.p
+    tk = fn.bounded(fn.arith("arith.index_cast %TK : i64 to index", "TK"))
+    at = fn.add(c.at_lse, fn.mul(c.nl, c.rl))
+    keys = []
+    for name, d in (("%k", p.dq), ("%v", p.dv)):
+        def el(ix, read, zero, elt):
+            _, t, h, dd = ix
+            return read([fn.c(0), read_idx(fn, at, t), h, dd])
+
+        keys.append(_copy(c, (name, ["?", "?", "?", d], c.sizes(c.tk, c.hk)), (["?", "?", "?", d], [c.batch, tk, c.hk]),
+                          el, row_dim=1))
+    c.k, c.v = keys
+    c.tk = tk
+    return keys
+
+
 def _edge_inputs(c: _Tiles) -> tuple[str, str, str]:
     """(mask ``[N, R, EW]`` i1, K and V edge copies ``[N, Hk, EW, D]``)."""
     fn, p, t = c.fn, c.p, c.t
@@ -220,7 +243,7 @@ def _edge_inputs(c: _Tiles) -> tuple[str, str, str]:
     mask = generic(fn, tensor_type(["?", t.rows, "?"], "i1"), [c.n, c.e], 3, mask_el, attrs)
 
     def kv(which: str, d: int) -> str:
-        src = ("%k" if which == "k" else "%v", ["?", "?", "?", d], c.sizes(c.tk, c.hk))
+        src = (c.k if which == "k" else c.v, ["?", "?", "?", d], c.sizes(c.tk, c.hk))
 
         def el(ix, read, zero, elt):
             tile, h, j, dd = ix
@@ -252,7 +275,7 @@ def _q_tiles(c: _Tiles) -> tuple[str, str, list[str]]:
     tile's rows copied ``[N, Hk, R, Dq]``."""
     fn, p, t = c.fn, c.p, c.t
     if t.group == 1:
-        return c.flat("%q")
+        return c.flat("q")
     G = t.group
 
     def el(ix, read, zero, elt):
@@ -295,7 +318,7 @@ def _interior(c: _Tiles) -> list[str]:
     R = t.rows
     grid = (c.hk, c.n)
     sizes = [c.n, c.hk]
-    kf, vf = c.flat("%k"), c.flat("%v")
+    kf, vf = c.flat("k"), c.flat("v")
     ops = [c.q_src, kf, vf, (c.table, tensor_type(["?"], "i32"), [c.at_out]), ("%scale", "f32", []), *c.dim_ops()]
 
     def body(b: Body, a, outs):
@@ -431,33 +454,39 @@ def _gathered(c: _Tiles, out_t: str, lse_t: str) -> tuple[str, str]:
     return out, lse
 
 
-def render_tiles(p: Plan, func_name: str = "fwd_tiles") -> str | None:
+def render_tiles(p: Plan, func_name: str = "fwd_tiles", paged: bool = False) -> str | None:
     """``util.func public @func_name(q, k, v, idx, scale, N, NL, RL, E)`` (q / k / v in the plan's
     layout, ``B`` entries of ``Tq`` / ``Tk`` rows) -> (out in that layout, LSE ``[NL, Hq, RL]``,
     then the scratch: mask, edge K / V, state, the tiles' out and LSE, the tiles' Q where G > 1);
     None where ``tiles_shape`` has no path for the plan. ``idx``: the table ``[N, TILE_FIELDS]``,
     then the out rows' map ``[B * Tq]`` and the LSE rows' ``[NL * RL]`` (tile * positions +
     position in it, or -1); ``E``: the widest edge's keys, a multiple of ``STEP`` up to the
-    shape's ``ew`` (the edge copies and mask hold that many keys per tile)."""
+    shape's ``ew`` (the edge copies and mask hold that many keys per tile). ``paged``
+    (``fwd_tiles_paged``, bshd): k / v are a paged cache's rows ``[1, pages * page, Hk, D]``, the
+    table ends with the cache row of each of the ``TK`` keys in sequence order (a scalar more),
+    gathered first (``_gathered_keys``)."""
     t = tiles_shape(p)
     if t is None:
         return None
+    if paged and p.layout != "bshd":
+        return None
     fn = Fn()
     c = _Tiles(fn, p, t)
+    gathered = _gathered_keys(c) if paged else []
     mask, ek, ev = _edge_inputs(c)
     c.q_src = _q_tiles(c)
     state = _interior(c)
     out_t, lse_t = _edge(c, state, mask, ek, ev)
     out, lse = _gathered(c, out_t, lse_t)
     R = t.rows
-    names = [out, lse, mask, ek, ev, *state, out_t, lse_t, *([c.q_src[0]] if t.group > 1 else [])]
+    names = [out, lse, mask, ek, ev, *state, out_t, lse_t, *([c.q_src[0]] if t.group > 1 else []), *gathered]
     types = [tensor_type(["?", "?", "?", p.dv], p.dtype), tensor_type(["?", "?", "?"], "f32"),
              tensor_type(["?", R, "?"], "i1"), tensor_type(["?", "?", "?", p.dq], p.dtype),
              tensor_type(["?", "?", "?", p.dv], p.dtype), *_state_types(c),
              tensor_type(["?", "?", R, p.dv], p.dtype), tensor_type(["?", "?", R], "f32"),
-             *([c.q_src[1]] if t.group > 1 else [])]
+             *([c.q_src[1]] if t.group > 1 else []), *([c.q_ty, c.v_ty] if paged else [])]
     args = (f"%q: {c.q_ty}, %k: {c.q_ty}, %v: {c.v_ty}, %idx: {tensor_type(['?'], 'i32')}, %scale: f32, "
-            "%N: i64, %NL: i64, %RL: i64, %E: i64")
+            "%N: i64, %NL: i64, %RL: i64, %E: i64" + (", %TK: i64" if paged else ""))
     tys = ", ".join(types)
     return (f"util.func public @{func_name}({args}) -> ({tys}) {{\n" + fn.text()
             + f"\n  util.return {', '.join(names)} : {tys}\n}}\n")
