@@ -114,7 +114,11 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
         entry = "rows_kpad" if (p.k_lens != p.sk).any() else "rows"
         return Route("rows", f"short queries (Sq={p.sq}, {p.batch * p.hq * p.sq * p.sk} scores): whole key rows, "
                              "each batch's own lengths and mask", entry)
-    if _takes_tiles(p, module, kind, with_lse):
+    entry = None if kind is None else module.dense_entry(p.sq, p.sk, kind[0] == "causal", with_lse, p.batch, p.hk,
+                                                         kind[1])
+    # the generic two-block causal entry is replaced by fwd_tiles / fwd where the module has them
+    generic = kind is None or entry == "causal"
+    if generic and _takes_tiles(p, module):
         return Route("tiles", "each tile of query rows over its own keys, every batch entry its own lengths "
                               "(kernels.tiles)", "fwd_tiles")
     if padded and has_ragged(module, p.layout):
@@ -125,12 +129,10 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
                                "(cpu_calls.batch_as_group)", _group_entry(p) if module.has("waves_varlen") else "units_varlen")
     if padded:
         return Route("plan", "cu_seqlen padding: the tile plan reads each batch's own lengths")
-    entry = None if kind is None else module.dense_entry(p.sq, p.sk, kind[0] == "causal", with_lse, p.batch, p.hk,
-                                                         kind[1])
     if kind is None and module.has("units"):
         return Route("units", "no one-call entry point takes these lengths and mask: the units of the tile "
                               "plan in one call, looped inside the module", "units")
-    if module.has_fwd and (kind is None or entry == "causal"):
+    if module.has_fwd and generic:
         why = "no one-call entry point takes these lengths and mask" if kind is None else \
             "fwd replaces the generic two-block causal entry point"
         return Route("fwd", why, "fwd")
@@ -139,16 +141,12 @@ def route(p: BatchProblem, module, with_lse: bool = True) -> Route:
     return Route("plan", "the module has no fwd, and no one-call entry point takes these lengths and mask")
 
 
-def _takes_tiles(p: BatchProblem, module, kind, with_lse: bool) -> bool:
-    """Whether ``fwd_tiles`` serves a batch-mode problem: the module has it, ``key_tiles.refusal``
-    gives no reason, it was measured faster than the other paths for such a batch
-    (``key_tiles.batch_pays``), and no compiled-in entry point takes the problem (the generic
-    two-block ``causal`` aside)."""
+def _takes_tiles(p: BatchProblem, module) -> bool:
+    """Whether ``fwd_tiles`` serves a batch-mode problem no compiled-in entry point takes: the
+    module has it, ``key_tiles.refusal`` gives no reason, and it was measured faster than the
+    other paths for such a batch (``key_tiles.batch_pays``)."""
     info = key_tiles.module_tiles(module)
     if info is None or not key_tiles.batch_pays(p):
-        return False
-    if kind is not None and not (kind[0] == "causal" and module.dense_entry(p.sq, p.sk, True, with_lse, p.batch,
-                                                                           p.hk) == "causal"):
         return False
     starts, _ = key_tiles.batch_starts(p.q_lens, p.k_lens, p.sq)
     return key_tiles.refusal(info, p.mask, starts, p.sq, p.sk) is None

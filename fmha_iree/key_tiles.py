@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .frames import PIECE_ROWS, FrameCall, descriptors
-from .kernels.tiles import TILE_FIELDS
+from .kernels.tiles import TILE_COLUMNS
 
 __all__ = ["MAX_TILES", "SQUARE_CAUSAL_MIN", "refusal", "tile_table", "tiles_call", "paged_call", "batch_pays",
            "batch_starts", "batch_call", "module_tiles"]
@@ -27,7 +27,7 @@ def refusal(info: dict | None, mask, starts, tq: int, tk: int) -> str | None:
     module's ``tiles`` record; ``starts``: ``spec.check_varlen``'s; ``tq`` / ``tk``: rows of the
     packed Q and K."""
     if not info:
-        return "the module has no fwd_tiles (built before 2026-12-05, a bhsd layout, or a ROCm target)"
+        return "the module has no fwd_tiles (built before 2026-12-05, a ROCm or CPU target, or padded head dims)"
     q_len, k_len = np.asarray(starts[1], np.int64), np.asarray(starts[3], np.int64)
     positions = int(info["rows"]) // int(info["group"])
     if tq < positions:
@@ -46,10 +46,10 @@ def refusal(info: dict | None, mask, starts, tq: int, tk: int) -> str | None:
 
 
 def tile_table(info: dict, mask, starts, tq: int, entry=None) -> tuple[np.ndarray, int, int]:
-    """(the index table: tiles ``[N, TILE_FIELDS]``, the out rows' map ``[B * tq]``, the LSE
-    rows' map ``[total]``; N; the widest edge's keys, at least one step) for a problem :func:`refusal` accepts; ``entry``: each sequence's
-    batch entry (its starts count within it; default: all in entry 0, group mode). Tiles longest
-    first."""
+    """(the index table: tiles ``[N, TILE_COLUMNS]``, the out rows' map ``[B * tq]``, the LSE
+    rows' map ``[total]``; N; the widest edge's keys, at least one step) for a problem
+    :func:`refusal` accepts; ``entry``: each sequence's batch entry (its starts count within it;
+    default: all in entry 0, group mode). Tiles longest first."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     q_start, q_len = np.asarray(q_start, np.int64), np.asarray(q_len, np.int64)
     k_start, k_len = np.asarray(k_start, np.int64), np.asarray(k_len, np.int64)
@@ -71,7 +71,8 @@ def tile_table(info: dict, mask, starts, tq: int, entry=None) -> tuple[np.ndarra
     assert (ne <= ew).all(), "an edge wider than the module's bound"
     q0 = np.minimum(q_start[b] + p0, tq - pos)
     pos0 = q0 - q_start[b]
-    table = np.stack([q0, k_start[b], nk, ne, pos0, k_len[b], x[b], entry[b]], axis=1)
+    cols = {"q0": q0, "k0": k_start[b], "nk": nk, "ne": ne, "pos0": pos0, "kl": k_len[b], "x": x[b], "entry": entry[b]}
+    table = np.stack([cols[name] for name in TILE_COLUMNS], axis=1)
     order = np.argsort(-(nk + ne), kind="stable")
     table, b, p0, last, pos0 = table[order], b[order], p0[order], last[order], pos0[order]
     n = len(table)
@@ -117,7 +118,7 @@ def batch_pays(p) -> bool:
     and causal from ``SQUARE_CAUSAL_MIN`` rows (``SQUARE_CAUSAL_MIN``'s comment)."""
     if (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
         return True
-    y, x = p.mask.coords(p.sq, p.sk)
+    _, x = p.mask.coords(p.sq, p.sk)
     return p.sq == p.sk >= SQUARE_CAUSAL_MIN and x == 1
 
 

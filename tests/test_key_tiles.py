@@ -20,6 +20,7 @@ import torch
 from fmha_iree import frames, key_tiles
 from fmha_iree.dispatch import route, run_batch, run_paged
 from fmha_iree.paged import check_paged
+from fmha_iree.kernels.tiles import TILE_FIELDS
 from fmha_iree.mask import Mask
 from fmha_iree.spec import check_batch
 
@@ -54,8 +55,8 @@ def test_table_covers_what_each_row_sees(mask, seed):
     m = Mask.from_str(mask)
     assert key_tiles.refusal(INFO, m, starts, tq, int(lk.sum()) + 1) is None
     idx, n_tiles, widest = key_tiles.tile_table(INFO, m, starts, tq)
-    table = idx[: n_tiles * key_tiles.TILE_FIELDS].reshape(n_tiles, -1).astype(np.int64)
-    out_map, lse_map = idx[n_tiles * key_tiles.TILE_FIELDS:][:tq], idx[n_tiles * key_tiles.TILE_FIELDS + tq:]
+    table = idx[: n_tiles * TILE_FIELDS].reshape(n_tiles, -1).astype(np.int64)
+    out_map, lse_map = idx[n_tiles * TILE_FIELDS:][:tq], idx[n_tiles * TILE_FIELDS + tq:]
     pos = INFO["rows"] // INFO["group"]
     assert (np.diff(table[:, 2] + table[:, 3]) <= 0).all(), "tiles longest first"
     assert ((table[:, 2] % INFO["step"]) == 0).all() and ((table[:, 3] % INFO["step"]) == 0).all()

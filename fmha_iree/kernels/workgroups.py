@@ -45,40 +45,32 @@ def workgroups(fn: Fn, grid: tuple[str, str], operands: list[tuple[str, str, lis
     for i, (n, ty, ds) in enumerate(ops):
         cap = f"%wa{i}_{fn.fresh('x')[1:]}"
         inner[n] = cap
-        mode = "readonly"
-        caps.append(f"{cap}: " + (f"!iree_tensor_ext.dispatch.tensor<{mode}:{ty}>" if is_tensor(ty) else ty))
-    out_caps = []
-    for i, (ty, ds) in enumerate(results):
-        cap = f"%wo{i}_{fn.fresh('x')[1:]}"
-        out_caps.append(cap)
-        caps.append(f"{cap}: !iree_tensor_ext.dispatch.tensor<writeonly:{ty}>")
-    fn.emit(f"{', '.join(names)} = flow.dispatch.workgroups[{grid[0]}, {grid[1]}]({', '.join(n for n, _, _ in ops)}) : "
-            f"({sig}) -> ({res}) =")
-    fn.emit(f"    ({', '.join(caps)}) {{")
-    fn._depth += 1
-    b = Body(fn)
-    with fn.local():
-        args = {}
-        for n, ty, ds in ops:
-            if not is_tensor(ty):
-                args[n] = inner[n]
-                continue
-            dty = f"!iree_tensor_ext.dispatch.tensor<readonly:{ty}>"
-            args[n] = (b.let(f"flow.dispatch.tie_shape {inner[n]} : {dty}{{{', '.join(inner[d] for d in ds)}}}"), dty,
-                       [inner[d] for d in ds])
-        outs = []
-        for cap, (ty, ds) in zip(out_caps, results):
-            dty = f"!iree_tensor_ext.dispatch.tensor<writeonly:{ty}>"
-            outs.append((b.let(f"flow.dispatch.tie_shape {cap} : {dty}{{{', '.join(inner[d] for d in ds)}}}"), dty,
-                         [inner[d] for d in ds]))
+        caps.append(f"{cap}: " + (_dispatch_type("readonly", ty) if is_tensor(ty) else ty))
+    out_caps = [f"%wo{i}_{fn.fresh('x')[1:]}" for i in range(len(results))]
+    caps += [f"{cap}: {_dispatch_type('writeonly', ty)}" for cap, (ty, _) in zip(out_caps, results)]
+    head = (f"{', '.join(names)} = flow.dispatch.workgroups[{grid[0]}, {grid[1]}]({', '.join(n for n, _, _ in ops)}) : "
+            f"({sig}) -> ({res}) =\n    ({', '.join(caps)}) {{")
+    tail = ("} count(%wgx: index, %wgy: index) -> (index, index, index) {\n"
+            "  %wg1 = arith.constant 1 : index\n"
+            "  flow.return %wgx, %wgy, %wg1 : index, index, index\n"
+            "}")
+    with fn.region(head, tail), fn.local():
+        b = Body(fn)
+
+        def bound(cap: str, mode: str, ty: str, ds: list[str]):
+            """The capture tied to its sizes: (value, dispatch type, sizes inside the body)."""
+            dty, dims = _dispatch_type(mode, ty), [inner[d] for d in ds]
+            return b.let(f"flow.dispatch.tie_shape {cap} : {dty}{{{', '.join(dims)}}}"), dty, dims
+
+        args = {n: bound(inner[n], "readonly", ty, ds) if is_tensor(ty) else inner[n] for n, ty, ds in ops}
+        outs = [bound(cap, "writeonly", ty, ds) for cap, (ty, ds) in zip(out_caps, results)]
         body(b, args, outs)
-    fn.emit("flow.return")
-    fn._depth -= 1
-    fn.emit("} count(%wgx: index, %wgy: index) -> (index, index, index) {")
-    fn.emit("  %wg1 = arith.constant 1 : index")
-    fn.emit("  flow.return %wgx, %wgy, %wg1 : index, index, index")
-    fn.emit("}")
+        fn.emit("flow.return")
     return names
+
+
+def _dispatch_type(mode: str, ty: str) -> str:
+    return f"!iree_tensor_ext.dispatch.tensor<{mode}:{ty}>"
 
 
 def inner_size(ty: str) -> int:
