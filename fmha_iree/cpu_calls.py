@@ -196,8 +196,10 @@ def varlen_calls(p: BatchProblem, module, starts, rows: int):
     for s in groups:
         rest[s] = False
     long = _long_sequences(rest, starts[0], q_len)
-    out, lse = units_varlen_call(p, module, np.flatnonzero(long), starts, rows)
-    waves_call(p, module, np.flatnonzero(rest & ~long), starts, out, lse)
+    out = lse = None
+    if long.any():
+        out, lse = units_varlen_call(p, module, np.flatnonzero(long), starts, rows)
+    out, lse = waves_call(p, module, np.flatnonzero(rest & ~long), starts, out, lse)
     for s in groups:
         rows_group(p, module, s, starts, out, lse)
     return out, lse
@@ -221,15 +223,25 @@ def _long_sequences(rest: np.ndarray, q_start: np.ndarray, q_len: np.ndarray) ->
     return rest if q_len[long].sum() >= q_len[short].sum() else np.zeros_like(rest)
 
 
-def waves_call(p: BatchProblem, module, seqs: np.ndarray, starts, out: np.ndarray, lse: np.ndarray):
+def waves_call(p: BatchProblem, module, seqs: np.ndarray, starts, out: np.ndarray | None = None,
+               lse: np.ndarray | None = None):
     """The sequences ``seqs`` of a group-mode problem in one ``waves_varlen`` call over the span of
-    packed rows and keys they occupy (read in place), their rows written into ``out`` / ``lse``."""
+    packed rows and keys they occupy (read in place), their rows written into ``out`` / ``lse``
+    (``[Tq, Hq, Dv]``, ``[Hq, total]``). Without ``out``, returns the call's own arrays where they
+    are the problem's (its span is every packed row, each row's LSE column its own index: rows no
+    sequence of ``seqs`` owns are 0 / -inf there), else new ones. Returns (out, lse)."""
+    total_q = starts[5]
     if not len(seqs):
-        return
+        return (out, lse) if out is not None else empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
     (q_start, q_len, k_start, k_len, lse_start), (qa, qb, ka, kb), desc = _span(p, seqs, starts)
     o, l = _run_waves(p, module, (p.q.array[:, qa:qb], p.k.array[:, ka:kb], p.v.array[:, ka:kb]),
                       (q_start - qa, q_len, k_start - ka, k_len), desc, qb - qa)
+    if out is None:
+        if (qa, qb) == (0, p.sq) and total_q == p.sq and np.array_equal(lse_start, q_start):
+            return o[0], l[0]
+        out, lse = empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
     _place(out, lse, o[0], l[0], qa, (q_start, q_len, lse_start))
+    return out, lse
 
 
 def _run_waves(p: BatchProblem, module, qkv: tuple, starts: tuple, desc: np.ndarray, total_q: int):
