@@ -230,6 +230,7 @@ def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k) -> Ba
     """Validate a batch-mode ``fmha_fwd`` call (see :func:`fmha_iree.fmha_fwd`)."""
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    layout = str(layout)  # a str subclass (numpy.str_) would reach the torch graph as a numpy value
     mask = as_mask(mask)
     qo, ko, vo = _operands(q, k, v, 4, f"4-D ({layout})")
 

@@ -65,6 +65,18 @@ def test_inputs_not_modified():
         assert torch.equal(a, b)
 
 
+
+def test_layout_as_a_numpy_string():
+    """A ``numpy.str_`` layout (a str subclass, as ``np.random.choice`` gives) computes as the
+    str does and reaches the kernel spec as a plain str (the torch-exported graph rejects numpy
+    values at compile time)."""
+    from fmha_iree.spec import check_batch
+
+    q, k, v = make_qkv(seed_of("np-str-layout"), B=2, Hq=2, Sq=30, Sk=41, Dq=64, layout="bshd")
+    check_fwd(q, k, v, mask="b:4,2", layout=np.str_("bshd"), what="numpy.str_ layout")
+    p = check_batch(q, k, v, mask=None, scale=None, layout=np.str_("bshd"), cu_seqlen_q=None, cu_seqlen_k=None)
+    assert type(p.layout) is str  # what BatchProblem.kernel puts into the spec
+
 @pytest.mark.parametrize("scale", [0.05, 0.3, 1.0, -0.5, 3.0], ids=lambda s: f"scale{s}")
 def test_explicit_scale(scale):
     q, k, v = make_qkv(seed_of("scale", scale), B=1, Hq=2, Sq=33, Sk=65, Dq=64)
