@@ -6,6 +6,8 @@ checked against the loaded module's functions (``api``, ``deploy``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from .source import dense_params, fwd_plan
 from .spec import KernelSpec
 from .tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS, varlen_rows
@@ -13,124 +15,172 @@ from .tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS, varlen_rows
 __all__ = ["entry_points", "dense_entry"]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Io:
+    """What the entry points of one spec share: the storage type ``t`` (bf16 as its int16 bits),
+    ``hq`` (query heads as the manifest writes them), the q / k / v / out shapes in the module's
+    layout (``?`` runtime sizes), and the online-softmax state's shapes."""
+
+    spec: KernelSpec
+
+    @property
+    def t(self) -> str:
+        return "i16(bf16 bits)" if self.spec.dtype == "bf16" else self.spec.dtype
+
+    @property
+    def hq(self) -> str:
+        return "?" if self.spec.group == 1 else f"{self.spec.group}*Hk"
+
+    def seq(self, h, d, s="?") -> list:
+        return ["?", h, s, d] if self.spec.layout == "bhsd" else ["?", s, h, d]
+
+    def qkv(self, t: str | None = None, h: str | None = None) -> dict:
+        """q / k / v args, typed ``t`` (the storage type by default); ``h`` the heads of all three."""
+        sp, t = self.spec, t or self.t
+        return {"q": [self.seq(h or self.hq, sp.dq), t], "k": [self.seq(h or "Hk", sp.dq), t],
+                "v": [self.seq(h or "Hk", sp.dv), t]}
+
+    def out_lse(self) -> dict:
+        return {"out": [self.seq(self.hq, self.spec.dv), self.t], "lse": [["?", self.hq, "?"], "f32"]}
+
+    def state(self) -> dict:
+        gr = self.spec.group * self.spec.tiles.m0
+        return {"acc": [["?", "Hk", gr, self.spec.dv], "f32"], "m": [["?", "Hk", gr], "f32"], "l": [["?", "Hk", gr], "f32"]}
+
+
 def entry_points(spec: KernelSpec) -> dict:
     """The module's functions and argument shapes/dtypes; ``?`` marks a runtime (dynamic) size."""
+    io = _Io(spec)
+    out = _plan_entry_points(io)
+    plan = fwd_plan(spec)
+    if plan is not None:
+        out.update(_one_call_entry_points(io, plan))
+    if spec.target.backend == "llvm-cpu":
+        out.update(_cpu_entry_points(io, out["step"]))
+    out.update(_dense_entry_points(spec, io.t, io.seq, io.hq))
+    return out
+
+
+def _plan_entry_points(io: _Io) -> dict:
+    """The host-driven tile plan's ``init`` / ``step`` / ``finalize``."""
     from .graph import DESC_COLUMNS
 
-    t = "i16(bf16 bits)" if spec.dtype == "bf16" else spec.dtype
-    gr = spec.group * spec.tiles.m0
-    seq = lambda h, d, s="?": ["?", h, s, d] if spec.layout == "bhsd" else ["?", s, h, d]  # noqa: E731
-    hq = "?" if spec.group == 1 else f"{spec.group}*Hk"
-    state = {"acc": [["?", "Hk", gr, spec.dv], "f32"], "m": [["?", "Hk", gr], "f32"], "l": [["?", "Hk", gr], "f32"]}
+    spec, state = io.spec, io.state()
     # the step template takes bf16 typed as bf16 on GPUs, as its int16 bits on the CPU (as the torch graphs do)
-    st = t if spec.target.backend == "llvm-cpu" else spec.dtype
-    out = {
+    st = io.t if spec.target.backend == "llvm-cpu" else spec.dtype
+    return {
         "init": {"args": {"carrier": [["NT", "Hk"], "i32"]}, "results": state},
         "step": {
-            "args": {"q": [seq(hq, spec.dq), st], "k": [seq("Hk", spec.dq), st], "v": [seq("Hk", spec.dv), st],
-                     "scale": [[1], "f32"], **state, "desc": [["P", len(DESC_COLUMNS)], "i32"]},
+            "args": {**io.qkv(st), "scale": [[1], "f32"], **state, "desc": [["P", len(DESC_COLUMNS)], "i32"]},
             "results": state,
             "desc_columns": list(DESC_COLUMNS),
         },
         "finalize": {
             "args": {**state, "out_map": [["?", "?"], "i32"], "lse_map": [["?", "?"], "i32"]},
-            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
+            "results": io.out_lse(),
         },
     }
-    plan = fwd_plan(spec)
-    if plan is not None:
-        lay = "[B, Hq, Sq, D]" if spec.layout == "bhsd" else "[B, Sq, Hq, D]"
-        out["fwd"] = {
-            "compute_head_dims": [plan.dq, plan.dv],  # wider than the arguments': zero-padded inside
-            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
-                     "scale": [[], "f32 scalar"], "y": [[], "i64 scalar"], "x": [[], "i64 scalar"]},
-            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"],
-                        "scratch": [(["padded K", "padded V"] if plan.kv_slots else []) + ["padded Q", "edge masks", "acc",
-                                                                                      "max", "sum"], "dropped by the caller"]},
-            "note": (f"any Sq, Sk >= 1 and any CK mask in one call ({lay} layout): row s sees keys "
-                     "s - y + 1 <= j < s + x (CK's coordinates, clipped to [-Sk, Sq + 1] / [-Sq, Sk + 1]); "
-                     "batch lengths uniform (no cu_seqlen padding)"),
-        }
-        from .kernels.ragged import PREFIX_SCALARS, RAGGED_SCALARS
 
-        frame_args = {"q": [seq("?", spec.dq), t], "k": [seq("?", spec.dq), t], "v": [seq("?", spec.dv), t],
-                      "idx": [["L"], "i32"], "scale": [[], "f32 scalar"], **{n: [[], "i64 scalar"] for n in RAGGED_SCALARS}}
-        out["fwd_ragged"] = {
-            "args": {**frame_args, **{n: [[], "i64 scalar"] for n in PREFIX_SCALARS}},
-            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"],
-                        "scratch": [["frames", "padded Q", "edge masks", "state"], "dropped by the caller"]},
-            "note": ("sequences of their own lengths and CK mask in one padded frame (group mode, cu_seqlen "
-                     "padding, paged caches); q / k / v read as rows n * R + r; the index table and the "
-                     "scalars as fmha_iree.frames.Frame.table() writes them (fmha_iree/kernels/ragged.py)"),
-        }
-        out.update(_tiles_entry_point(spec, plan, t, seq, hq))
-        if spec.layout == "bshd" and not plan.pads:
-            from .kernels.packed import PACKED_SCALARS
 
-            for name, extra, note in (
-                    ("fwd_packed", (), "K / V read in place as pieces of W rows (fwd_ragged's problem when "
-                                      "the keys are the rows of k / v one sequence after the other)"),
-                    ("fwd_packed_paged", ("NU", "PG"), "the sequences' keys gathered as pages of PG rows in "
-                                                        "sequence order (a paged cache, runs with gaps), then as "
-                                                        "fwd_packed"),
-                    ("fwd_packed_pages", ("NU", "PG"), "a paged cache's pages (PG a multiple of 64 keys) read in "
-                                                        "place, four 64-row sub-pages a piece, each sequence's last "
-                                                        "sub-page copied with the rows it does not own zeroed")):
-                args = dict(frame_args)
-                args.update({n: [[], "i64 scalar"] for n in PACKED_SCALARS + extra})
-                out[name] = {"args": args, "results": {"out": out["fwd_ragged"]["results"]["out"],
-                                                       "lse": out["fwd_ragged"]["results"]["lse"],
-                                                       "scratch": [["pieces", "mask", "state"], "dropped by the caller"]},
-                             "note": note + "; the table and scalars as fmha_iree.frames.Pieces writes them "
-                                            "(fmha_iree/kernels/packed.py)"}
-    if spec.target.backend == "llvm-cpu":
-        from .mlir_templates.unit_varlen import TILE_COLUMNS
-        from .rows import ROWS_DESC_COLUMNS
+def _one_call_entry_points(io: _Io, plan) -> dict:
+    """The GPU formulation's one-call entry points: ``fwd``, ``fwd_ragged``, ``fwd_tiles`` and (bshd,
+    no padded head dims) the packed ones."""
+    from .kernels.ragged import PREFIX_SCALARS, RAGGED_SCALARS
 
-        rows = {
-            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
-                     "scale": [[1], "f32"], "desc": [["B", len(ROWS_DESC_COLUMNS)], "i32"]},
-            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
-            "desc_columns": list(ROWS_DESC_COLUMNS),
-        }
-        why = ("any lengths and CK mask, whole key rows (short queries): row i of batch b sees key j iff "
-               "i < qlen[b], j < klen[b] and i - y[b] + 1 <= j < i + x[b]")
-        out["rows"] = {**rows, "note": why + "; klen[b] == Sk for every batch"}
-        out["rows_kpad"] = {**rows, "note": why + "; V past klen[b] is never read"}
-        out["units"] = {
-            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
-                     "scale": [[], "f32 scalar"], "y": [[], "i64 scalar"], "x": [[], "i64 scalar"]},
-            "results": {"out": [seq(hq, spec.dv), t], "lse": [["?", hq, "?"], "f32"]},
-            "note": (f"any Sq, Sk >= 1 and any CK mask in one call: row s sees keys s - y + 1 <= j < s + x; "
-                     f"units of {spec.tiles.m0} rows x {spec.tiles.kv_chunk} keys looped inside the module "
-                     "(mlir_templates.unit_loop); batch lengths uniform (no cu_seqlen padding)"),
-        }
-        out["waves_varlen"] = {
-            "args": {"q": [seq(hq, spec.dq), t], "k": [seq("Hk", spec.dq), t], "v": [seq("Hk", spec.dv), t],
-                     "chunks": [["NC", 2], "i32"], "slots": [["NS", 2], "i32"], "steps": [["NT", 4, "NS"], "i32"],
-                     "rowslot": [[spec.group, "B*S"], "i32"], "levels": [["L", 3], "i64 host buffer"],
+    spec, t, hq = io.spec, io.t, io.hq
+    lay = "[B, Hq, Sq, D]" if spec.layout == "bhsd" else "[B, Sq, Hq, D]"
+    out = {"fwd": {
+        "compute_head_dims": [plan.dq, plan.dv],  # wider than the arguments': zero-padded inside
+        "args": {**io.qkv(), "scale": [[], "f32 scalar"], "y": [[], "i64 scalar"], "x": [[], "i64 scalar"]},
+        "results": {**io.out_lse(),
+                    "scratch": [(["padded K", "padded V"] if plan.kv_slots else []) + ["padded Q", "edge masks", "acc",
+                                                                                  "max", "sum"], "dropped by the caller"]},
+        "note": (f"any Sq, Sk >= 1 and any CK mask in one call ({lay} layout): row s sees keys "
+                 "s - y + 1 <= j < s + x (CK's coordinates, clipped to [-Sk, Sq + 1] / [-Sq, Sk + 1]); "
+                 "batch lengths uniform (no cu_seqlen padding)"),
+    }}
+    frame_args = {**io.qkv(h="?"), "idx": [["L"], "i32"], "scale": [[], "f32 scalar"],
+                  **{n: [[], "i64 scalar"] for n in RAGGED_SCALARS}}
+    out["fwd_ragged"] = {
+        "args": {**frame_args, **{n: [[], "i64 scalar"] for n in PREFIX_SCALARS}},
+        "results": {**io.out_lse(), "scratch": [["frames", "padded Q", "edge masks", "state"], "dropped by the caller"]},
+        "note": ("sequences of their own lengths and CK mask in one padded frame (group mode, cu_seqlen "
+                 "padding, paged caches); q / k / v read as rows n * R + r; the index table and the "
+                 "scalars as fmha_iree.frames.Frame.table() writes them (fmha_iree/kernels/ragged.py)"),
+    }
+    out.update(_tiles_entry_point(spec, plan, t, io.seq, hq))
+    if spec.layout == "bshd" and not plan.pads:
+        out.update(_gpu_packed_entry_points(io, frame_args))
+    return out
+
+
+def _gpu_packed_entry_points(io: _Io, frame_args: dict) -> dict:
+    """``fwd_packed`` and its paged forms (``kernels.packed``)."""
+    from .kernels.packed import PACKED_SCALARS
+
+    out = {}
+    for name, extra, note in (
+            ("fwd_packed", (), "K / V read in place as pieces of W rows (fwd_ragged's problem when "
+                              "the keys are the rows of k / v one sequence after the other)"),
+            ("fwd_packed_paged", ("NU", "PG"), "the sequences' keys gathered as pages of PG rows in "
+                                                "sequence order (a paged cache, runs with gaps), then as "
+                                                "fwd_packed"),
+            ("fwd_packed_pages", ("NU", "PG"), "a paged cache's pages (PG a multiple of 64 keys) read in "
+                                                "place, four 64-row sub-pages a piece, each sequence's last "
+                                                "sub-page copied with the rows it does not own zeroed")):
+        args = dict(frame_args)
+        args.update({n: [[], "i64 scalar"] for n in PACKED_SCALARS + extra})
+        out[name] = {"args": args, "results": {**io.out_lse(),
+                                               "scratch": [["pieces", "mask", "state"], "dropped by the caller"]},
+                     "note": note + "; the table and scalars as fmha_iree.frames.Pieces writes them "
+                                    "(fmha_iree/kernels/packed.py)"}
+    return out
+
+
+def _cpu_entry_points(io: _Io, step: dict) -> dict:
+    """A CPU module's ``rows`` / ``rows_kpad``, ``units``, ``waves_varlen``, ``units_varlen``
+    (bshd), ``step_open`` and (bshd) ``rows_packed`` / ``rows_packed_pages``."""
+    from .mlir_templates.unit_varlen import TILE_COLUMNS
+    from .rows import ROWS_DESC_COLUMNS
+
+    spec, t, hq = io.spec, io.t, io.hq
+    rows = {"args": {**io.qkv(), "scale": [[1], "f32"], "desc": [["B", len(ROWS_DESC_COLUMNS)], "i32"]},
+            "results": io.out_lse(), "desc_columns": list(ROWS_DESC_COLUMNS)}
+    why = ("any lengths and CK mask, whole key rows (short queries): row i of batch b sees key j iff "
+           "i < qlen[b], j < klen[b] and i - y[b] + 1 <= j < i + x[b]")
+    out = {"rows": {**rows, "note": why + "; klen[b] == Sk for every batch"},
+           "rows_kpad": {**rows, "note": why + "; V past klen[b] is never read"}}
+    out["units"] = {
+        "args": {**io.qkv(), "scale": [[], "f32 scalar"], "y": [[], "i64 scalar"], "x": [[], "i64 scalar"]},
+        "results": io.out_lse(),
+        "note": (f"any Sq, Sk >= 1 and any CK mask in one call: row s sees keys s - y + 1 <= j < s + x; "
+                 f"units of {spec.tiles.m0} rows x {spec.tiles.kv_chunk} keys looped inside the module "
+                 "(mlir_templates.unit_loop); batch lengths uniform (no cu_seqlen padding)"),
+    }
+    out["waves_varlen"] = {
+        "args": {**io.qkv(), "chunks": [["NC", 2], "i32"], "slots": [["NS", 2], "i32"],
+                 "steps": [["NT", 4, "NS"], "i32"], "rowslot": [[spec.group, "B*S"], "i32"],
+                 "levels": [["L", 3], "i64 host buffer"], "scale": [[], "f32 scalar"]},
+        "results": {"out": [io.seq(hq, spec.dv), t], "lse": [["B", hq, "S"], "f32"]},
+        "note": (f"sequences of packed tokens t = b S + s (group mode: B = 1) in one call, {CPU_WAVE_ROWS}-row "
+                 f"slots of every sequence advancing a {CPU_WAVE_KEYS}-key chunk per step "
+                 "(fmha_iree.plan.wave_tables; the tables' layout in mlir/unit_waves.mlir.in), rows of no slot "
+                 "0 (lse -inf)"),
+    }
+    if spec.layout == "bshd":
+        out["units_varlen"] = {
+            "args": {"q": [[1, "Tq", hq, spec.dq], t], "k": [[1, "Tk", "Hk", spec.dq], t],
+                     "v": [[1, "Tk", "Hk", spec.dv], t], "tiles": [["N", 8], "i64 host buffer"],
                      "scale": [[], "f32 scalar"]},
-            "results": {"out": [seq(hq, spec.dv), t], "lse": [["B", hq, "S"], "f32"]},
-            "note": (f"sequences of packed tokens t = b S + s (group mode: B = 1) in one call, {CPU_WAVE_ROWS}-row "
-                     f"slots of every sequence advancing a {CPU_WAVE_KEYS}-key chunk per step "
-                     "(fmha_iree.plan.wave_tables; the tables' layout in mlir/unit_waves.mlir.in), rows of no slot "
-                     "0 (lse -inf)"),
+            "results": {"out": [[1, "Tq", hq, spec.dv], t], "lse": [[1, hq, "Tq"], "f32"]},
+            "tile_columns": list(TILE_COLUMNS),
+            "note": (f"group mode's packed sequences in one call: a table of {varlen_rows(spec.tiles)}-row tiles "
+                     "(fmha_iree.plan.unit_tiles) looped inside the module, rows of no tile 0 (lse -inf)"),
         }
-        if spec.layout == "bshd":
-            out["units_varlen"] = {
-                "args": {"q": [[1, "Tq", hq, spec.dq], t], "k": [[1, "Tk", "Hk", spec.dq], t],
-                         "v": [[1, "Tk", "Hk", spec.dv], t], "tiles": [["N", 8], "i64 host buffer"],
-                         "scale": [[], "f32 scalar"]},
-                "results": {"out": [[1, "Tq", hq, spec.dv], t], "lse": [[1, hq, "Tq"], "f32"]},
-                "tile_columns": list(TILE_COLUMNS),
-                "note": (f"group mode's packed sequences in one call: a table of {varlen_rows(spec.tiles)}-row tiles "
-                         "(fmha_iree.plan.unit_tiles) looped inside the module, rows of no tile 0 (lse -inf)"),
-            }
-        out["step_open"] = {**out["step"], "note": "step for units whose R rows all see the C keys of their "
-                                                   "chunk (no mask; fmha_iree.plan.Block.unmasked)"}
-        if spec.layout == "bshd":
-            out.update(_packed_entry_points(spec, t, hq))
-    out.update(_dense_entry_points(spec, t, seq, hq))
+    out["step_open"] = {**step, "note": "step for units whose R rows all see the C keys of their "
+                                        "chunk (no mask; fmha_iree.plan.Block.unmasked)"}
+    if spec.layout == "bshd":
+        out.update(_packed_entry_points(spec, t, hq))
     return out
 
 
