@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import platform
 import time
@@ -53,104 +52,14 @@ from pathlib import Path
 
 import numpy as np
 from _timing import cuda_time, device_time, host_time, median_time, write_rows
+from _varlen_cases import case_data, presets, visible_pairs
 from _varlen_peers import _pad, _starts, _torch_peers, _unpad
 
 HBM_TB_PER_S = 4.3  # the H200's HBM copy rate, the reference of the decode rows' GB/s
-PAGE = 64
 # the growing decode row's calls per cycle (key lengths from the row's minus 255 up to them, at least 1):
 # more than the row makes, so that no composition repeats within it and none replays a prepared call
 # (fmha_iree.prepared); a model's later layers in one decode step would
 GROW = 256
-
-
-def _case(label, q_lens, k_lens, hq, hk, d, dtype, *, mask="b", paged=0, ref=None, mode="varlen"):
-    """One row: sequences of ``q_lens`` queries and ``k_lens`` keys; ``paged``: the page size of a
-    paged KV cache (0: packed K/V); ``mode`` "varlen" (group mode), "padded" (batch mode on the
-    batch padded to its longest sequence) or "cu_seqlen" (that batch with cu_seqlen_q / cu_seqlen_k
-    giving each row's lengths); ``ref``: the label of the row it is compared with."""
-    return dict(label=label, q_lens=[int(x) for x in q_lens], k_lens=[int(x) for x in k_lens], Hq=hq, Hk=hk, D=d,
-                dtype=dtype, mask=mask, paged=paged, ref=ref, mode=mode)
-
-
-def presets(name: str, scale: float = 1.0, seed: int = 0) -> list[dict]:
-    """The rows of a preset; lengths (not counts) multiplied by ``scale`` for a quick check."""
-    rng = np.random.default_rng(seed)
-
-    def lens(n, lo, hi):
-        return [max(1, round(int(x) * scale)) for x in rng.integers(lo, hi + 1, n)]
-
-    if name == "gpu":
-        pre, kv = lens(16, 128, 2047), lens(32, 256, 8192)
-        return [_case("prefill 16 seqs", pre, pre, 16, 16, 128, "f16"),
-                _case("decode B32", [1] * 32, kv, 32, 8, 128, "f16"),
-                _case("decode B32 paged", [1] * 32, kv, 32, 8, 128, "f16", paged=PAGE, ref="decode B32"),
-                _case("decode B32, KV growing per call", [1] * 32, kv, 32, 8, 128, "f16", mode="growing",
-                      ref="decode B32"),
-                _case("prefill 16 seqs paged", pre, pre, 16, 16, 128, "f16", paged=PAGE, ref="prefill 16 seqs"),
-                _case("prefill 16 seqs, padded batch + cu_seqlen", pre, pre, 16, 16, 128, "f16", mode="cu_seqlen",
-                      ref="prefill 16 seqs"),
-                _case("decode B32, padded batch + cu_seqlen", [1] * 32, kv, 32, 8, 128, "f16", mode="cu_seqlen",
-                      ref="decode B32")]
-    if name == "cpu":
-        pre, kv = lens(16, 128, 1023), lens(32, 256, 4096)
-        long, short = max(1, round(2048 * scale)), max(1, round(64 * scale))
-        mix = [long] + [short] * 32
-        alone = f"mixed: 1 x {long} alone"
-        tiny, mid = lens(32, 1, 128), lens(64, 200, 300)  # drawn after the others: their lengths stay
-        return [_case("prefill 16 seqs", pre, pre, 8, 8, 64, "f32"),
-                _case("prefill 32 seqs of 1..128", tiny, tiny, 8, 8, 64, "f32"),
-                _case("prefill 64 seqs of 200..300", mid, mid, 8, 8, 64, "f32"),
-                _case("decode B32", [1] * 32, kv, 32, 8, 64, "f32"),
-                _case("decode B32 paged", [1] * 32, kv, 32, 8, 64, "f32", paged=PAGE, ref="decode B32"),
-                _case("decode B32, KV growing per call", [1] * 32, kv, 32, 8, 64, "f32", mode="growing",
-                      ref="decode B32"),
-                _case(alone, [long], [long], 8, 8, 64, "f32"),
-                _case(f"mixed: 1 x {long} + 32 x {short}", mix, mix, 8, 8, 64, "f32", ref=alone),
-                _case(f"mixed: padded to {long} (batch mode)", mix, mix, 8, 8, 64, "f32", mode="padded", ref=alone)]
-    raise ValueError(f"unknown preset {name!r}")
-
-
-def _visible_pairs(mask: str, lq: int, lk: int) -> int:
-    """Query-key pairs a sequence's mask lets through (CK's (y, x), row by row)."""
-    from fmha_iree.mask import Mask
-
-    return Mask.from_str(mask).visible_pairs(lq, lk)
-
-
-def _data(c: dict, seed: int):
-    """Packed q [Tq, Hq, D], k / v [Tk, Hk, D] (torch CPU), the same for every row of one
-    composition and shapes; with ``paged`` also the cache: k_cache / v_cache [num_pages, page,
-    Hk, D] (rows past a sequence's keys are random, so a kernel reading them would show),
-    block_table int32 [B, max_pages] (pages in a shuffled order; entries past a sequence's last
-    page are 0, a valid page, since torch's kernels are given the same table) and the flat row of
-    each used key in the cache (for torch's gathers)."""
-    import torch
-
-    dt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[c["dtype"]]
-    g = torch.Generator().manual_seed(seed)
-    tq, tk = sum(c["q_lens"]), sum(c["k_lens"])
-    q = torch.randn(tq, c["Hq"], c["D"], generator=g).to(dt)
-    k = torch.randn(tk, c["Hk"], c["D"], generator=g).to(dt)
-    v = torch.randn(tk, c["Hk"], c["D"], generator=g).to(dt)
-    d = dict(q=q, k=k, v=v)
-    if c["paged"]:
-        page = c["paged"]
-        n = [math.ceil(lk / page) for lk in c["k_lens"]]
-        perm = np.random.default_rng(seed + 1).permutation(sum(n))
-        bt = np.zeros((len(n), max(n)), np.int32)
-        kc = torch.randn(sum(n), page, c["Hk"], c["D"], generator=g).to(dt)
-        vc = torch.randn(sum(n), page, c["Hk"], c["D"], generator=g).to(dt)
-        rows, off, ks = [], 0, _starts(c["k_lens"])
-        for b, (lk, nb) in enumerate(zip(c["k_lens"], n)):
-            pages = perm[off: off + nb]
-            off += nb
-            bt[b, :nb] = pages
-            flat = (pages[:, None] * page + np.arange(page)).reshape(-1)[:lk]
-            kc.view(-1, c["Hk"], c["D"])[torch.from_numpy(flat)] = k[ks[b]: ks[b + 1]]
-            vc.view(-1, c["Hk"], c["D"])[torch.from_numpy(flat)] = v[ks[b]: ks[b + 1]]
-            rows.append(flat)
-        d.update(k_cache=kc, v_cache=vc, block_table=bt, flat_rows=np.concatenate(rows))
-    return d
 
 
 def _find_module(folder, dtype, hdim, group, hq, hk):
@@ -278,8 +187,6 @@ def _to_torch(out):
 def run(args) -> list[dict]:
     import torch
 
-    import fmha_iree
-
     gpu = not args.device.startswith("local")
     cuda = args.device.startswith("cuda") and torch.cuda.is_available()
     if args.device.startswith("cuda") and not cuda:
@@ -289,101 +196,122 @@ def run(args) -> list[dict]:
     ours = Ours(args.device, args.modules)
     cases = [c for c in presets(args.preset, args.scale, args.seed)
              if not args.label or any(w in c["label"] for w in args.label)]
-
-    warmed = set()
-    for c in cases:
-        key = (c["dtype"], c["D"], c["Hq"], c["Hk"], c["mask"])
-        if key not in warmed:
-            before = dict(fmha_iree.cache_stats())
-            t0 = time.perf_counter()
-            ours.warm_up(c)
-            after = fmha_iree.cache_stats()
-            print(f"# warm-up {c['dtype']} D{c['D']} H{c['Hq']}/{c['Hk']} (2 sequences): {time.perf_counter() - t0:.1f} s, "
-                  f"{after['compiles'] - before['compiles']} compiles, {after['disk_hits'] - before['disk_hits']} disk hits",
-                  flush=True)
-            warmed.add(key)
-
+    _warm_up(ours, cases)
     rows, by_label, data, peer_memo = [], {}, {}, {}
     for c in cases:
         dkey = (tuple(c["q_lens"]), tuple(c["k_lens"]), c["Hq"], c["Hk"], c["D"], c["dtype"], c["paged"])
         if dkey not in data:
-            data = {dkey: _data(c, args.seed)}  # one composition's data at a time
+            data = {dkey: case_data(c, args.seed)}  # one composition's data at a time
         d = data[dkey]
-        ql, kl = c["q_lens"], c["k_lens"]
-        dsize = d["q"].element_size()
-
-        # ours: first call (a new batch composition) .. last timed call, compiles counted across
-        c0 = fmha_iree.cache_stats()["compiles"]
-        call, inputs = ours.call(c, d)
-        last = {}
-
-        def fn():
-            last["out"] = call()
-            return last["out"]
-        if gpu:
-            t = device_time(fn, reps)
-            t_host = host_time(fn, reps)
-        elif c["mode"] in ("padded", "cu_seqlen"):
-            # batch mode on the padded batch is slow on the CPU (tens of seconds): half the calls, no
-            # warm-up (the module is loaded; compiles still counted)
-            t, t_host = median_time(fn, max(1, reps // 2), warmup=False), None
-        else:
-            t, t_host = median_time(fn, reps), None
-        compiles = fmha_iree.cache_stats()["compiles"] - c0
-        out = _to_torch(call(0) if c["mode"] == "growing" else last["out"])
-        if c["mode"] in ("padded", "cu_seqlen"):
-            out = _unpad(out, ql)
-
+        timed = _time_ours(ours, c, d, gpu, reps)
         # torch on the same data (computed once per composition: the padded row shares the mixed row's)
         pkey = dkey + (c["mask"],)
         if pkey not in peer_memo:
             peer_memo.clear()
-            res, ref = {}, None
-            for name, pf, packed in _torch_peers(c, d, dev, cuda):
-                try:
-                    o = pf()  # the first call: compiles (flex), checks
-                    o = packed(o) if packed else o
-                    if ref is None:
-                        ref = o.float().cpu()
-                        diff = 0.0
-                    else:
-                        diff = (o.float().cpu() - ref).abs().max().item()
-                    if cuda:
-                        pt = cuda_time(pf, reps, warmup=1)
-                    elif gpu:
-                        pt = None  # a CPU peer against a GPU: not compared
-                    else:
-                        pt = median_time(pf, reps)
-                    res[name] = (pt, diff)
-                except Exception as e:  # a peer this torch / device / shape does not take
-                    res[name] = (None, None)
-                    print(f"  torch {name}: {type(e).__name__}: {str(e).splitlines()[0][:110] if str(e) else ''}")
-            peer_memo[pkey] = (res, ref)
+            peer_memo[pkey] = _time_peers(c, d, dev, (cuda, gpu), reps)
         res, ref = peer_memo[pkey]
-        err = (out.float().cpu() - ref).abs().max().item() if ref is not None else float("nan")
-
-        flops = 4 * c["Hq"] * c["D"] * sum(_visible_pairs(c["mask"], lq, lk) for lq, lk in zip(ql, kl))
-        decode = max(ql) == 1
-        kv_bytes = 2 * sum(kl) * c["Hk"] * c["D"] * dsize
-        row = {k: v for k, v in c.items()}
-        row.update(B=len(ql), T_q=sum(ql), T_k=sum(kl), max_q=max(ql), max_k=max(kl), inputs=inputs,
-                   fmha_iree_ms=t * 1e3, fmha_iree_tflops=flops / t / 1e12,
-                   kv_gb_per_s=kv_bytes / t / 1e9 if decode else None,
-                   host_issue_ms=t_host * 1e3 if t_host is not None else None,
-                   compiles=compiles, max_abs_diff=err)
-        for name, (pt, diff) in res.items():
-            row[f"torch_{name}_ms"] = pt * 1e3 if pt else None
-            row[f"ratio_vs_{name}"] = pt / t if pt else None
-            row[f"torch_{name}_diff_vs_loop"] = diff
-        best = min((pt for pt, _ in res.values() if pt), default=None)
-        row["ratio_vs_best"] = best / t if best else None
-        r = by_label.get(c["ref"]) if c["ref"] else None
-        row["ref_ms"] = r["fmha_iree_ms"] if r else None
-        row["ratio_vs_ref"] = r["fmha_iree_ms"] / row["fmha_iree_ms"] if r else None
+        row = _row(c, d, timed, res, ref, by_label)
         rows.append(row)
         by_label[c["label"]] = row
         _print_row(row, res, gpu)
     return rows
+
+
+def _warm_up(ours, cases):
+    """One warm-up call per module our rows use (another batch composition), its compiles printed."""
+    import fmha_iree
+
+    warmed = set()
+    for c in cases:
+        key = (c["dtype"], c["D"], c["Hq"], c["Hk"], c["mask"])
+        if key in warmed:
+            continue
+        before = dict(fmha_iree.cache_stats())
+        t0 = time.perf_counter()
+        ours.warm_up(c)
+        after = fmha_iree.cache_stats()
+        print(f"# warm-up {c['dtype']} D{c['D']} H{c['Hq']}/{c['Hk']} (2 sequences): {time.perf_counter() - t0:.1f} s, "
+              f"{after['compiles'] - before['compiles']} compiles, {after['disk_hits'] - before['disk_hits']} disk hits",
+              flush=True)
+        warmed.add(key)
+
+
+def _time_ours(ours, c, d, gpu, reps) -> dict:
+    """Our row: its first call (a new batch composition) .. last timed call, compiles counted
+    across; the output (unpadded for batch-mode rows) for the diff."""
+    import fmha_iree
+
+    c0 = fmha_iree.cache_stats()["compiles"]
+    call, inputs = ours.call(c, d)
+    last = {}
+
+    def fn():
+        last["out"] = call()
+        return last["out"]
+    if gpu:
+        t, t_host = device_time(fn, reps), host_time(fn, reps)
+    elif c["mode"] in ("padded", "cu_seqlen"):
+        # batch mode on the padded batch is slow on the CPU (tens of seconds): half the calls, no
+        # warm-up (the module is loaded; compiles still counted)
+        t, t_host = median_time(fn, max(1, reps // 2), warmup=False), None
+    else:
+        t, t_host = median_time(fn, reps), None
+    compiles = fmha_iree.cache_stats()["compiles"] - c0
+    out = _to_torch(call(0) if c["mode"] == "growing" else last["out"])
+    if c["mode"] in ("padded", "cu_seqlen"):
+        out = _unpad(out, c["q_lens"])
+    return dict(t=t, t_host=t_host, compiles=compiles, out=out, inputs=inputs)
+
+
+def _time_peers(c, d, dev, devices, reps) -> tuple[dict, object]:
+    """torch's peers on the row's data: {name: (seconds or None, max diff vs the first peer)} and
+    the first peer's output (the SDPA loop: the reference of every diff). ``devices``: (torch has
+    CUDA, ours runs on a GPU)."""
+    cuda, gpu = devices
+    res, ref = {}, None
+    for name, pf, packed in _torch_peers(c, d, dev, cuda):
+        try:
+            o = pf()  # the first call: compiles (flex), checks
+            o = packed(o) if packed else o
+            if ref is None:
+                ref, diff = o.float().cpu(), 0.0
+            else:
+                diff = (o.float().cpu() - ref).abs().max().item()
+            if cuda:
+                pt = cuda_time(pf, reps, warmup=1)
+            elif gpu:
+                pt = None  # a CPU peer against a GPU: not compared
+            else:
+                pt = median_time(pf, reps)
+            res[name] = (pt, diff)
+        except Exception as e:  # a peer this torch / device / shape does not take
+            res[name] = (None, None)
+            print(f"  torch {name}: {type(e).__name__}: {str(e).splitlines()[0][:110] if str(e) else ''}")
+    return res, ref
+
+
+def _row(c, d, timed, res, ref, by_label) -> dict:
+    """The output row of case ``c``: ours, each peer's time and ratio, the row named in ``ref``."""
+    ql, kl, t, t_host = c["q_lens"], c["k_lens"], timed["t"], timed["t_host"]
+    err = (timed["out"].float().cpu() - ref).abs().max().item() if ref is not None else float("nan")
+    flops = 4 * c["Hq"] * c["D"] * sum(visible_pairs(c["mask"], lq, lk) for lq, lk in zip(ql, kl))
+    kv_bytes = 2 * sum(kl) * c["Hk"] * c["D"] * d["q"].element_size()
+    row = dict(c)
+    row.update(B=len(ql), T_q=sum(ql), T_k=sum(kl), max_q=max(ql), max_k=max(kl), inputs=timed["inputs"],
+               fmha_iree_ms=t * 1e3, fmha_iree_tflops=flops / t / 1e12,
+               kv_gb_per_s=kv_bytes / t / 1e9 if max(ql) == 1 else None,
+               host_issue_ms=t_host * 1e3 if t_host is not None else None,
+               compiles=timed["compiles"], max_abs_diff=err)
+    for name, (pt, diff) in res.items():
+        row[f"torch_{name}_ms"] = pt * 1e3 if pt else None
+        row[f"ratio_vs_{name}"] = pt / t if pt else None
+        row[f"torch_{name}_diff_vs_loop"] = diff
+    best = min((pt for pt, _ in res.values() if pt), default=None)
+    row["ratio_vs_best"] = best / t if best else None
+    r = by_label.get(c["ref"]) if c["ref"] else None
+    row["ref_ms"] = r["fmha_iree_ms"] if r else None
+    row["ratio_vs_ref"] = r["fmha_iree_ms"] / row["fmha_iree_ms"] if r else None
+    return row
 
 
 def _shape(r) -> str:
