@@ -8,13 +8,15 @@ it.
 import importlib
 
 __all__ = ["fmha_fwd", "fmha_fwd_varlen", "route", "to_device", "load", "DeployedFmha", "DeviceTensor", "Mask",
-           "TileConfig", "cache_stats", "clear_memory_caches", "register_transformers", "context_parallel_attention"]
+           "TileConfig", "cache_stats", "clear_memory_caches", "register_transformers", "context_parallel_attention",
+           "sdpa"]
 __version__ = "0.1.0"
 
 _WHERE = {
     "fmha_fwd": "api", "fmha_fwd_varlen": "api", "route": "api", "to_device": "api", "cache_stats": "api",
     "clear_memory_caches": "api", "load": "deploy", "DeployedFmha": "deploy", "DeviceTensor": "device",
     "Mask": "mask", "TileConfig": "tiles", "register_transformers": "hf", "context_parallel_attention": "distributed",
+    "sdpa": "torch_ops",
 }
 
 

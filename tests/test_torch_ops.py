@@ -100,6 +100,11 @@ def test_sdpa_matches_torch(name, hq, hk, sq, sk, kw):
     assert_close(got, want.numpy(), torch.float32, what=f"sdpa {name}")
 
 
+
+def test_sdpa_is_a_public_name():
+    """The drop-in is ``fmha_iree.sdpa`` (the issue's name), the same function as the op module's."""
+    assert fmha_iree.sdpa is ops.sdpa and "sdpa" in fmha_iree.__all__
+
 def test_sdpa_refuses_what_it_cannot_take():
     q, k, v = make_qkv(seed_of("sdpa-bad"), B=1, Hq=4, Hk=2, Sq=16, Sk=16, Dq=64)
     g = torch.Generator().manual_seed(1)
