@@ -53,10 +53,16 @@ class PagedCache:
         return int(self.k.array.shape[1])
 
     def flat(self, which: str):
-        """The cache's array as ``[num_pages * page_size, Hk, D]`` rows (a view)."""
+        """The cache's array as ``[num_pages * page_size, Hk, D]`` rows (a view; a bf16 host cache as
+        a torch bfloat16 tensor, since its array holds the int16 bits)."""
         o = self.k if which == "k" else self.v
         n, p, h, d = o.array.shape
-        return o.array.reshape((n * p, h, d))
+        rows = o.array.reshape((n * p, h, d))
+        if o.dtype == "bf16" and isinstance(rows, np.ndarray):
+            import torch
+
+            return torch.from_numpy(rows).view(torch.bfloat16)
+        return rows
 
     def packed(self):
         """(k, v, seqstart_k): the used keys gathered on the host into packed ``[sum(seqlen_k), Hk,

@@ -76,6 +76,25 @@ def test_paged_matches_reference(name, lq, lk, page, mask):
     assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"{name} {mask} lse")
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_paged_half_precision(dtype):
+    """f16 / bf16 caches (a bf16 cache's host array holds its int16 bits: it stays bf16 through the
+    cache's flat view), decode and prefill sequences, scattered pages."""
+    lq, lk, page = [1, 5, 0, 37], [40, 29, 12, 50], 16
+    n_pages = sum(-(-n // page) for n in lk) + 2
+    k_cache, v_cache = (x.to(dtype) for x in _cache(seed_of("paged-half", dtype), n_pages, page))
+    bt = _table(seed_of("paged-half-table"), lk, page, n_pages, 4)
+    q = torch.randn(sum(lq), HQ, D, generator=torch.Generator().manual_seed(7)).to(dtype)
+    sq = torch.tensor(np.concatenate([[0], np.cumsum(lq)]), dtype=torch.int32)
+    seqlen_k = torch.tensor(lk, dtype=torch.int32)
+    out, lse = fmha_iree.fmha_fwd_varlen(q, k_cache, v_cache, sq, None, seqlen_k=seqlen_k, block_table=bt,
+                                         mask="b", return_lse=True)
+    assert out.dtype == dtype
+    ref_out, ref_lse = _reference(q, k_cache, v_cache, sq, bt, seqlen_k, "b")
+    assert_close(out, ref_out, dtype, kind="out", what=f"paged {dtype}")
+    assert_close(lse, ref_lse, dtype, kind="lse", what=f"paged {dtype}")
+
 def test_paged_numpy_inputs():
     k_cache, v_cache = _cache(seed_of("paged-np"), 6, 32)
     bt = _table(seed_of("paged-np-table"), [50, 20], 32, 6, 3)
