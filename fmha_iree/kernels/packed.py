@@ -35,14 +35,12 @@ cache's 256-row pieces (each piece pays for its queries and its state); four sub
 
 from __future__ import annotations
 
-import dataclasses
-
 from .attention import Operand, online_attention
 from .bounds import row_hi, row_lo
 from .elementwise import Words, copy_attrs
 from .ir import Fn, tensor_type
 from .operands import Ctx
-from .packed_common import PAGE_GROUP, PAGE_ROWS, generic, last_rows, read_idx
+from .packed_common import PAGE_GROUP, PAGE_ROWS, Packed, generic, last_rows, read_idx
 from .packed_merge import merge
 from .state import fresh_outs, new_state
 
@@ -50,31 +48,6 @@ __all__ = ["PACKED_SCALARS", "PAGE_ROWS", "PAGE_GROUP", "MASK3", "Packed", "pack
 
 PACKED_SCALARS = ("W", "NPc", "P0", "S")
 MASK3 = tensor_type(["?", "?", "?"], "i1")
-
-
-@dataclasses.dataclass(frozen=True)
-class Packed:
-    """Host values (SSA names) of the path."""
-
-    w: str  # keys per piece (a multiple of Plan.cols)
-    npc: str  # whole pieces
-    p0: str  # the first whole piece, in units of W rows
-    s: str  # slots per piece (0: the path is off)
-    first: str  # offset of first[NPc + 1] in %idx
-    k_at: str  # offset of the key starts (k_base [B, NP], NP = 1) in %idx
-    desc_at: str  # offset of the descriptor [4, B] in %idx
-    q_at: str  # offset of the query rows [B, Sq] in %idx
-    rows: str  # R = Sq * G
-    m: str  # state rows per piece: S * R rounded up to the tier's tile rows
-    pn: str  # NPc + 1
-    nr: str  # rows of K / V
-    tail_lo: str  # (P0 + NPc) * W: the first row the tail piece counts
-    one: str  # an opaque 1 (a batch dim of size 1 that stays a dynamic size)
-    on: str  # i1: the host asked for this path and its rows can be read
-    k_src: str = "%k"  # the K / V the pieces are rows of: the arguments, or a paged cache's pages gathered
-    v_src: str = "%v"
-    nt: str = ""  # tail pieces: 1 (the last W rows), or B (pages: each sequence's last sub-page)
-    pid: str = ""  # pages: offset in %idx of the used sub-pages' numbers [NU] (whole pieces read in place)
 
 
 def packed_host(c: Ctx, s: dict, at: dict, k_rows: str, mode: str = "rows") -> Packed:

@@ -1,15 +1,42 @@
-"""What ``kernels.packed`` and its merge (``kernels.packed_merge``) share: the paged pieces' sizes,
-an entry of the host's index table ``%idx`` as an index, and a dispatch of one ``linalg.generic``
-whose element is computed from its indices."""
+"""What ``kernels.packed`` and its merge (``kernels.packed_merge``) share: the path's host values
+(``Packed``), the paged pieces' sizes, an entry of the host's index table ``%idx`` as an index,
+and a dispatch of one ``linalg.generic`` whose element is computed from its indices."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from .ir import Fn, parallel, tensor_type
 
-__all__ = ["PAGE_ROWS", "PAGE_GROUP", "read_idx", "generic", "last_rows"]
+__all__ = ["PAGE_ROWS", "PAGE_GROUP", "Packed", "read_idx", "generic", "last_rows"]
 
 PAGE_ROWS = 64  # mode "pages": pieces are sub-pages of this many rows (a cache page a multiple of it)
 PAGE_GROUP = 4  # mode "pages": sub-pages per whole piece (W = PAGE_GROUP * PAGE_ROWS keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """Host values (SSA names) of the path."""
+
+    w: str  # keys per piece (a multiple of Plan.cols)
+    npc: str  # whole pieces
+    p0: str  # the first whole piece, in units of W rows
+    s: str  # slots per piece (0: the path is off)
+    first: str  # offset of first[NPc + 1] in %idx
+    k_at: str  # offset of the key starts (k_base [B, NP], NP = 1) in %idx
+    desc_at: str  # offset of the descriptor [4, B] in %idx
+    q_at: str  # offset of the query rows [B, Sq] in %idx
+    rows: str  # R = Sq * G
+    m: str  # state rows per piece: S * R rounded up to the tier's tile rows
+    pn: str  # NPc + 1
+    nr: str  # rows of K / V
+    tail_lo: str  # (P0 + NPc) * W: the first row the tail piece counts
+    one: str  # an opaque 1 (a batch dim of size 1 that stays a dynamic size)
+    on: str  # i1: the host asked for this path and its rows can be read
+    k_src: str = "%k"  # the K / V the pieces are rows of: the arguments, or a paged cache's pages gathered
+    v_src: str = "%v"
+    nt: str = ""  # tail pieces: 1 (the last W rows), or B (pages: each sequence's last sub-page)
+    pid: str = ""  # pages: offset in %idx of the used sub-pages' numbers [NU] (whole pieces read in place)
 
 
 def last_rows(fn: Fn, kl: str) -> str:

@@ -3,14 +3,9 @@ pieces its keys span, through their max and sum, into the frame's out and LSE.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .ir import tensor_type
 from .operands import Ctx
-from .packed_common import generic, last_rows, read_idx
-
-if TYPE_CHECKING:
-    from .packed import Packed
+from .packed_common import Packed, generic, last_rows, read_idx
 
 __all__ = ["merge"]
 
