@@ -152,28 +152,16 @@ def units_varlen_call(p: BatchProblem, module, seqs: np.ndarray, starts, rows: i
     """The sequences ``seqs`` of a group-mode problem (with query rows; one without keys gets out 0
     and lse -inf from its tiles) in one ``units_varlen`` call over the span of packed rows and keys
     they occupy, read in place. Returns (out ``[Tq, Hq, Dv]``, lse ``[Hq, total]``) with ``seqs``'
-    rows written (the call's own arrays where they are all of the packed rows); where the problem's
-    sequences fill the packed rows in order, other sequences' rows are left for the caller to
-    write, else they are 0 / -inf."""
-    q_start, q_len, k_start, k_len, lse_start, total_q = starts
+    rows written and the others 0 / -inf, for the caller to write (``_collected``)."""
+    total_q = starts[5]
     if not len(seqs):
         return empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
-    ends = np.cumsum(q_len)
-    packed = p.sq == total_q == int(ends[-1]) and np.array_equal(q_start, ends - q_len) and \
-        np.array_equal(lse_start, q_start)  # every packed row is some sequence's, in order
     (q_start, q_len, k_start, k_len, lse_start), (qa, qb, ka, kb), desc = _span(p, seqs, starts)
     table = unit_tiles((q_start - qa, q_len, k_start - ka, k_len), (desc[:, 2], desc[:, 3]), rows=rows,
                        group=p.hq // p.hk)
     o, l = module.run_tables("units_varlen", p.q.array[:, qa:qb], p.k.array[:, ka:kb], p.v.array[:, ka:kb],
                              p.q.dtype, p.scale, host=table)
-    if packed and (qa, qb) == (0, p.sq):
-        return o[0], l[0]
-    out, lse = empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
-    if packed:
-        out[qa:qb], lse[:, qa:qb] = o[0], l[0]
-        return out, lse
-    _place(out, lse, o[0], l[0], qa, (q_start, q_len, lse_start))
-    return out, lse
+    return _collected(p, (o[0], l[0]), (qa, qb), (q_start, q_len, lse_start), total_q)
 
 
 # Group mode's sequences of at most this many query rows take ``waves_varlen``, longer ones
@@ -229,18 +217,29 @@ def waves_call(p: BatchProblem, module, seqs: np.ndarray, starts, out: np.ndarra
     packed rows and keys they occupy (read in place), their rows written into ``out`` / ``lse``
     (``[Tq, Hq, Dv]``, ``[Hq, total]``). Without ``out``, returns the call's own arrays where they
     are the problem's (its span is every packed row, each row's LSE column its own index: rows no
-    sequence of ``seqs`` owns are 0 / -inf there), else new ones. Returns (out, lse)."""
+    sequence of ``seqs`` owns are 0 / -inf there), else new ones (``_collected``). Returns (out, lse)."""
     total_q = starts[5]
     if not len(seqs):
         return (out, lse) if out is not None else empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
     (q_start, q_len, k_start, k_len, lse_start), (qa, qb, ka, kb), desc = _span(p, seqs, starts)
     o, l = _run_waves(p, module, (p.q.array[:, qa:qb], p.k.array[:, ka:kb], p.v.array[:, ka:kb]),
                       (q_start - qa, q_len, k_start - ka, k_len), desc, qb - qa)
+    return _collected(p, (o[0], l[0]), (qa, qb), (q_start, q_len, lse_start), total_q, out, lse)
+
+
+def _collected(p: BatchProblem, res: tuple, span: tuple[int, int], seqs: tuple, total_q: int,
+               out: np.ndarray | None = None, lse: np.ndarray | None = None):
+    """A call's results ``res`` (out ``[rows, Hq, Dv]``, lse ``[Hq, rows]`` over the packed rows
+    ``span``, rows of no sequence of the call 0 / -inf) as the problem's (out, lse): the call's own
+    arrays where its span is every packed row and each row's LSE column its own index, else its
+    sequences' rows (``seqs`` = (q_start, q_len, lse_start)) written into ``out`` / ``lse`` (new
+    ones, 0 / -inf, where not given)."""
+    qa, qb = span
     if out is None:
-        if (qa, qb) == (0, p.sq) and total_q == p.sq and np.array_equal(lse_start, q_start):
-            return o[0], l[0]
+        if (qa, qb) == (0, p.sq) and total_q == p.sq and np.array_equal(seqs[2], seqs[0]):
+            return res
         out, lse = empty_result(p, (p.sq, p.hq, p.dv), (p.hq, total_q))
-    _place(out, lse, o[0], l[0], qa, (q_start, q_len, lse_start))
+    _place(out, lse, res[0], res[1], qa, seqs)
     return out, lse
 
 
