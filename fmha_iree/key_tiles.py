@@ -28,7 +28,9 @@ def refusal(info: dict | None, mask, starts, tq: int, tk: int) -> str | None:
     packed Q and K."""
     if not info:
         return "the module has no fwd_tiles (built before 2026-12-05, a ROCm or CPU target, or padded head dims)"
-    q_len, k_len = np.asarray(starts[1], np.int64), np.asarray(starts[3], np.int64)
+    if tuple(info.get("columns", ())) != TILE_COLUMNS:
+        return "the module's fwd_tiles reads another table (built before its windows, 2026-12-05): rebuild it"
+    q_len = np.asarray(starts[1], np.int64)
     positions = int(info["rows"]) // int(info["group"])
     if tq < positions:
         return f"fewer query rows ({tq}) than a tile's {positions} (the tiles read whole tiles of Q in place)"
@@ -38,10 +40,6 @@ def refusal(info: dict | None, mask, starts, tq: int, tk: int) -> str | None:
         return "decode-shaped (a few query rows per sequence): split-KV pieces (fwd_packed) serve it"
     if int((-(-q_len // positions)).sum()) > MAX_TILES:
         return f"more than {MAX_TILES} tiles (the grid's second dim on CUDA)"
-    live = q_len > 0
-    desc = descriptors(mask, q_len[live], k_len[live])
-    if (desc[:, 2] < desc[:, 0]).any():  # y < Sq: some row's window starts after key 0
-        return f"mask {mask}: a row's keys start past its sequence's first key (a left window edge)"
     return None
 
 
@@ -58,20 +56,18 @@ def tile_table(info: dict, mask, starts, tq: int, entry=None) -> tuple[np.ndarra
     rows, group, ew, step = (int(info[k]) for k in ("rows", "group", "ew", "step"))
     pos = rows // group
     desc = descriptors(mask, q_len, k_len).astype(np.int64)  # (ql, kl, y, x) per sequence, clipped
-    x = desc[:, 3]
+    y, x = desc[:, 2], desc[:, 3]
     per = -(-q_len // pos)
     b = np.repeat(np.arange(len(q_len)), per)
     first = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
     p0 = first * pos
     last = np.minimum(p0 + pos, q_len[b]) - 1
-    hi_first = np.clip(np.minimum(p0 + x[b], k_len[b]), 0, None)
-    hi_last = np.clip(np.minimum(last + x[b], k_len[b]), 0, None)
-    nk = hi_first // step * step
-    ne = np.maximum(-(-hi_last // step) * step - nk, 0)
+    lo, nk, nl, ne = _key_spans(p0, last, y[b], x[b], k_len[b], step)
     assert (ne <= ew).all(), "an edge wider than the module's bound"
     q0 = np.minimum(q_start[b] + p0, tq - pos)
     pos0 = q0 - q_start[b]
-    cols = {"q0": q0, "k0": k_start[b], "nk": nk, "ne": ne, "pos0": pos0, "kl": k_len[b], "x": x[b], "entry": entry[b]}
+    cols = {"q0": q0, "k0": k_start[b], "nk": nk, "ne": ne, "pos0": pos0, "kl": k_len[b], "x": x[b], "entry": entry[b],
+            "y": y[b], "lo": lo, "nl": nl}
     table = np.stack([cols[name] for name in TILE_COLUMNS], axis=1)
     order = np.argsort(-(nk + ne), kind="stable")
     table, b, p0, last, pos0 = table[order], b[order], p0[order], last[order], pos0[order]
@@ -86,6 +82,22 @@ def tile_table(info: dict, mask, starts, tq: int, entry=None) -> tuple[np.ndarra
     lse_map[lse_start[b][tile] + p] = src
     idx = np.concatenate([table.ravel(), out_map, lse_map]).astype(np.int32)
     return idx, n, max(int(ne.max(initial=0)), step)
+
+
+def _key_spans(p0, last, y, x, kl, step: int):
+    """(lo, nk, nl, ne) of tiles whose rows are ``p0 .. last``: the interior ``[lo, lo + nk)``, the
+    keys every row sees (CK: row ``i`` sees ``max(i - y + 1, 0) <= j < min(i + x, kl)``) in whole
+    steps, and the edge of ``ne`` keys in whole steps, ``nl`` of them before the interior; where no
+    step fits every row, the interior is empty and the edge all of the tile's keys."""
+    lo_first, lo_last = np.maximum(p0 - y + 1, 0), np.maximum(last - y + 1, 0)
+    hi_first = np.clip(np.minimum(p0 + x, kl), 0, None)
+    hi_last = np.clip(np.minimum(last + x, kl), 0, None)
+    nk = np.maximum(hi_first - lo_last, 0) // step * step
+    inner = nk > 0
+    lo = np.where(inner, lo_last, np.minimum(lo_first, hi_last))
+    nl = np.where(inner, -(-(lo - lo_first) // step) * step, 0)
+    ne = nl + np.maximum(-(-(hi_last - lo - nk) // step) * step, 0)
+    return lo, nk, nl, ne
 
 
 def module_tiles(module) -> dict | None:

@@ -119,11 +119,12 @@ def dense_abi(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | Non
 
 def _tiles_abi(spec: KernelSpec, fused_step: bool | None) -> dict | None:
     """``fwd_tiles``' static sizes for the host's table (``key_tiles``), where the module has it."""
-    from .kernels.tiles import STEP, tiles_shape
+    from .kernels.tiles import STEP, TILE_COLUMNS, tiles_shape
 
     plan = fwd_plan(spec, fused_step=fused_step)
     t = tiles_shape(plan) if plan is not None else None
-    return None if t is None else {"rows": t.rows, "group": t.group, "ew": t.ew, "step": STEP}
+    return None if t is None else {"rows": t.rows, "group": t.group, "ew": t.ew, "step": STEP,
+                                   "columns": list(TILE_COLUMNS)}
 
 
 def causal_diag(seqlen: int, align: int) -> int:

@@ -38,7 +38,8 @@ def presets(name: str, scale: float = 1.0, seed: int = 0) -> list[dict]:
                 case("prefill 16 seqs, padded batch + cu_seqlen", pre, pre, 16, 16, 128, "f16", mode="cu_seqlen",
                       ref="prefill 16 seqs"),
                 case("decode B32, padded batch + cu_seqlen", [1] * 32, kv, 32, 8, 128, "f16", mode="cu_seqlen",
-                      ref="decode B32")]
+                      ref="decode B32"),
+                case("prefill 16 seqs, window b:512,0", pre, pre, 16, 16, 128, "f16", mask="b:512,0")]
     if name == "cpu":
         pre, kv = lens(16, 128, 1023), lens(32, 256, 4096)
         long, short = max(1, round(2048 * scale)), max(1, round(64 * scale))

@@ -4,8 +4,8 @@ calls on the GPU modules' formulation built for llvm-cpu (where CI runs) against
 reference, with the path checked to be the one taken.
 
 Covered: tails of 1..127 rows and keys around the tiles and key steps, Sq < Sk and Sq > Sk per
-sequence, zero-length q or k, every mask the path takes (none, causal either alignment, windows
-open on the left), ``seqlen_k``, padded starts with NaN in the gaps (a neighbour's NaN stays out of
+sequence, zero-length q or k, every mask (none, causal either alignment, windows on either side
+and both), ``seqlen_k``, padded starts with NaN in the gaps (a neighbour's NaN stays out of
 the edge copies), GQA with Dq != Dv, f32 / f16 / bf16, LSE; a paged cache's prefill (scattered pages, partly
 filled last pages, NaN in every row no sequence owns); batch mode in both layouts, with and
 without cu_seqlen padding (test_ragged.py's cu_seqlen batches, NaN in the padding, run through
@@ -20,7 +20,7 @@ import torch
 from fmha_iree import frames, key_tiles
 from fmha_iree.dispatch import route, run_batch, run_paged
 from fmha_iree.paged import check_paged
-from fmha_iree.kernels.tiles import TILE_FIELDS
+from fmha_iree.kernels.tiles import TILE_COLUMNS, TILE_FIELDS
 from fmha_iree.mask import Mask
 from fmha_iree.spec import check_batch
 
@@ -28,9 +28,9 @@ import test_ragged as ragged
 from common import RAGGED_TILES, cu
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
-INFO = {"rows": 64, "group": 2, "ew": 128, "step": 64}  # the llvm-cpu build's (source.dense_abi)
-TAKEN = ["0", "b", "t", "t:-1,5", "b:-1,3", "xb:0", "b:-1,0"]
-REFUSED = ["b:20,0", "t:3,40", "xb:9"]
+INFO = {"rows": 64, "group": 2, "ew": 192, "step": 64,  # the llvm-cpu build's (source.dense_abi)
+        "columns": list(TILE_COLUMNS)}
+TAKEN = ["0", "b", "t", "t:-1,5", "b:-1,3", "xb:0", "b:-1,0", "b:20,0", "t:3,40", "xb:9", "b:100,7", "t:70,-1"]
 
 
 def _starts(lq, lk, pad_q=0, pad_k=0):
@@ -43,9 +43,10 @@ def _starts(lq, lk, pad_q=0, pad_k=0):
 @pytest.mark.parametrize("mask", TAKEN)
 @pytest.mark.parametrize("seed", range(4))
 def test_table_covers_what_each_row_sees(mask, seed):
-    """Every row of a tile sees all of the interior ``[0, nk)``; what it sees is inside
-    ``[0, nk + ne)``; counts are whole key steps within the module's bound; every query row is
-    mapped to its own tile row once, rows no sequence owns to -1."""
+    """Every row of a tile sees all of the interior ``[lo, lo + nk)``; what else it sees is in
+    its edge (``nl`` keys before the interior, the rest of ``ne`` after it); counts are whole key
+    steps within the module's bound; every query row is mapped to its own tile row once, rows no
+    sequence owns to -1."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 9))
     lq, lk = rng.integers(0, 300, n), rng.integers(0, 400, n)
@@ -59,7 +60,8 @@ def test_table_covers_what_each_row_sees(mask, seed):
     out_map, lse_map = idx[n_tiles * TILE_FIELDS:][:tq], idx[n_tiles * TILE_FIELDS + tq:]
     pos = INFO["rows"] // INFO["group"]
     assert (np.diff(table[:, 2] + table[:, 3]) <= 0).all(), "tiles longest first"
-    assert ((table[:, 2] % INFO["step"]) == 0).all() and ((table[:, 3] % INFO["step"]) == 0).all()
+    col = {name: table[:, i] for i, name in enumerate(TILE_COLUMNS)}
+    assert all(((col[c] % INFO["step"]) == 0).all() for c in ("nk", "ne", "nl")) and (col["nl"] <= col["ne"]).all()
     assert (table[:, 3] <= widest).all() and widest <= INFO["ew"] and widest % INFO["step"] == 0
     assert (table[:, 0] + pos <= tq).all()
     seen = np.zeros(tq, int)
@@ -70,17 +72,19 @@ def test_table_covers_what_each_row_sees(mask, seed):
             assert r >= 0 and lse_map[starts[4][b] + i] == r
             t, row = divmod(r, pos)
             q0, k0, nk, ne, pos0 = table[t, :5]
+            lo, nl = col["lo"][t], col["nl"][t]
             assert pos0 + row == i and q0 - pos0 == starts[0][b] and k0 == starts[2][b]
-            keys = np.flatnonzero(vis[i])
-            assert vis[i, :nk].all() and (keys < nk + ne).all()
+            edge = np.r_[lo - nl:lo, lo + nk:lo + nk + ne - nl]
+            assert vis[i, lo:lo + nk].all() and lo + nk <= lk[b]
+            assert np.isin(np.flatnonzero(vis[i]), np.r_[lo:lo + nk, edge]).all()
             seen[starts[0][b] + i] += 1
     assert (seen[out_map >= 0] == 1).all() and (out_map[seen == 0] == -1).all()
 
 
 def test_refusals_say_why():
     starts = _starts([100, 50], [120, 60])
-    for mask in REFUSED:
-        assert "left window edge" in key_tiles.refusal(INFO, Mask.from_str(mask), starts, 200, 200)
+    old = {k: v for k, v in INFO.items() if k != "columns"}
+    assert "rebuild" in key_tiles.refusal(old, Mask.from_str("b"), starts, 200, 200)
     assert "decode-shaped" in key_tiles.refusal(INFO, Mask.from_str("b"), _starts([1, 2], [90, 9]), 64, 99)
     assert "fewer query rows" in key_tiles.refusal(INFO, Mask.from_str("b"), _starts([20], [20]), 20, 20)
     assert "no fwd_tiles" in key_tiles.refusal(None, Mask.from_str("b"), starts, 200, 200)
@@ -176,8 +180,8 @@ def test_batch_pays():
 
 
 def test_batch_routes_elsewhere(ragged_module):
-    """Decode-shaped batches keep split-KV (``fwd``), left window edges and batches ``batch_pays``
-    keeps off the tiles keep ``fwd``."""
+    """Decode-shaped batches keep split-KV (``fwd``), batches ``batch_pays`` keeps off the tiles
+    (unpadded and not square causal, a window here) keep ``fwd``."""
     mod = ragged_module("f32", "bhsd", 2)
     q, k, v = make_qkv(seed_of("tiles-route", 3), B=2, Hq=4, Hk=2, Sq=200, Sk=200, Dq=64)
     assert route(check_batch(q, k, v, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None),

@@ -143,7 +143,7 @@ def test_group_mode_dtypes_and_gqa(module, dtype, layout, group, dq, dv):
         _group(mod, mask, [3, 100, 1, 64], [70, 100, 129, 200], hq=hq, hk=hk, dq=dq, dv=dv, dtype=dtype, what=dtype)
 
 
-CU_PATHS = [(m, "ragged") for m in ("b", "t:3,40", "0", "xb:9")] + [(m, "tiles") for m in ("b", "0")]
+CU_PATHS = [(m, p) for m in ("b", "t:3,40", "0", "xb:9") for p in ("ragged", "tiles")]
 
 
 @pytest.mark.parametrize("mask,path", CU_PATHS, ids=[f"{m}-{p}" for m, p in CU_PATHS])

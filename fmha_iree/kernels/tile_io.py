@@ -15,9 +15,9 @@ from .packed_common import generic, read_idx
 from .workgroups import Body, inner_size, load
 
 __all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "TilesFn", "tile_row", "gathered_keys", "edge_inputs",
-           "q_tiles", "gathered"]
+           "q_tiles", "gathered", "edge_key"]
 
-TILE_COLUMNS = ("q0", "k0", "nk", "ne", "pos0", "kl", "x", "entry")  # a tile's row of the table
+TILE_COLUMNS = ("q0", "k0", "nk", "ne", "pos0", "kl", "x", "entry", "y", "lo", "nl")  # a tile's row of the table
 TILE_FIELDS = len(TILE_COLUMNS)
 STEP = 64  # the interior's key count is a multiple of it (the ops' key steps divide it)
 
@@ -174,6 +174,17 @@ def gathered_keys(c: TilesFn):
     return keys
 
 
+def edge_key(fn: Fn, tile: str, j: str) -> str:
+    """The sequence key of a tile's edge key ``j``: the ``nl`` keys before its interior
+    ``[lo, lo + nk)`` (a window's left edge), then those after it (negative before the
+    sequence's first key)."""
+    lo, nk, nl = (field(fn, tile, n) for n in ("lo", "nk", "nl"))
+    left = fn.cmp("slt", j, nl)
+    before = fn.sub(fn.add(lo, j), nl)
+    after = fn.add(before, nk)
+    return fn.select(left, before, after)
+
+
 def edge_inputs(c: TilesFn) -> tuple[str, str, str]:
     """(mask ``[N, R, EW]`` i1, K and V edge copies ``[N, Hk, EW, D]``)."""
     fn, p, t = c.fn, c.p, c.t
@@ -181,10 +192,12 @@ def edge_inputs(c: TilesFn) -> tuple[str, str, str]:
 
     def mask_el(ix):
         tile, m, j = ix
-        nk, pos0, kl, x = (field(fn, tile, n) for n in ("nk", "pos0", "kl", "x"))
+        pos0, kl, x, y = (field(fn, tile, n) for n in ("pos0", "kl", "x", "y"))
         pos = fn.add(pos0, fn.floordiv(m, G))
-        key = fn.add(nk, j)
-        return fn.cmp("slt", key, fn.min(fn.add(pos, x), kl))
+        key = edge_key(fn, tile, j)
+        below = fn.cmp("slt", key, fn.min(fn.add(pos, x), kl))
+        above = fn.cmp("sge", key, fn.max(fn.sub(fn.add(pos, 1), y), 0))  # CK: i - y + 1 <= j, j >= 0
+        return fn.andi(below, above)
 
     # CUDA: a block of 16 rows x 64 keys per workgroup, 16 bytes a thread (as masks.py's generators)
     attrs = block_attrs(p.main.lowering, rank=3, block=(16, STEP), vec=16) if p.mask_blocks else ""
@@ -195,10 +208,10 @@ def edge_inputs(c: TilesFn) -> tuple[str, str, str]:
 
         def el(ix, read, zero, elt):
             tile, h, j, dd = ix
-            k0, nk, kl, bi = (field(fn, tile, n) for n in ("k0", "nk", "kl", "entry"))
-            key = fn.add(nk, j)
-            ok = fn.cmp("slt", key, kl)
-            row = fn.min(fn.add(k0, key), fn.sub(c.tk, 1))
+            k0, kl, bi = (field(fn, tile, n) for n in ("k0", "kl", "entry"))
+            key = edge_key(fn, tile, j)
+            ok = fn.andi(fn.cmp("slt", key, kl), fn.cmp("sge", key, 0))
+            row = fn.max(fn.min(fn.add(k0, key), fn.sub(c.tk, 1)), 0)
             return fn.let(f"arith.select {ok}, {read(c.at(bi, row, h, dd))}, {zero} : {elt}", "tv")
 
         return _copy(c, src, (["?", "?", "?", d], [c.n, c.hk, c.e]), el, row_dim=2)

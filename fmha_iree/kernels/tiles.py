@@ -5,17 +5,18 @@ each batch entry a sequence).
 Every sequence's query rows are cut into tiles of ``R / G`` positions (``R`` state rows: the ``G``
 query heads of a KV head as rows, as everywhere in the package). The host writes one row per tile
 into the index table (``key_tiles.tile_table``): where its Q rows start, where its sequence's keys
-start, ``nk`` and ``ne``, its key counts, its first position, its sequence's key count, CK's ``x``
-and its batch entry (rows and keys count within it). A tile's keys are ``[0, nk + ne)`` of its sequence: ``[0, nk)`` are seen by every row of the
-tile (the interior, a multiple of ``STEP``), ``[nk, nk + ne)`` by some (the edge, at most ``EW``
-keys). The table holds the tiles longest first (the GPU then starts its longest work first) and the
+start, its key counts, its first position, its sequence's key count, CK's ``x`` and ``y`` and its
+batch entry (rows and keys count within it). Its keys ``[lo, lo + nk)`` are seen by every row of
+the tile (the interior, ``nk`` a multiple of ``STEP``); its edge, ``ne`` keys (at most ``EW``)
+seen by some rows, is the ``nl`` keys before the interior (a window's left slope), then those
+after it. The table holds the tiles longest first (the GPU then starts its longest work first) and the
 grid is ``(Hk, tiles)``: each workgroup reads its tile's row and loads exactly its slices of Q, K
 and V (``flow.dispatch.workgroups``: IREE keeps the workgroup's ids in the loads' offsets and the
 op's key count dynamic per workgroup, one loop whose trip count each workgroup reads). Dispatches:
 
 1. the edge's keys copied per tile, rows its sequence does not own zeroed (a neighbour's NaN or a
    gap's stays out: a masked key adds ``-inf`` to its score and ``0 * V`` to the sum, so its K and
-   V must be finite), and the edge's mask ``[tiles, R, EW]`` (CK's rule with the sequence's ``x``);
+   V must be finite), and the edge's mask ``[tiles, R, EW]`` (CK's rule with the sequence's ``y``, ``x``);
 2. the interior: an unmasked ``online_attention`` over ``nk`` keys read in place -> f32 state;
 3. the edge: a masked op over ``ne`` keys chained on that state, normalized -> each tile's rows of
    out and LSE;
@@ -25,8 +26,7 @@ op's key count dynamic per workgroup, one loop whose trip count each workgroup r
 The table's columns, the function's shared values and the copies (1 and 4, and a paged cache's
 rows) are ``tile_io``; this module holds the two attention dispatches and the function.
 
-Masks: those whose rows all see key 0 onward (no limit on the left within the sequence: none,
-causal either alignment, windows whose left side spans the sequence), any Sq / Sk per sequence.
+Masks: every CK mask (none, causal either alignment, windows), any Sq / Sk per sequence.
 One op per workgroup cannot hold two (IREE 3.13: "multiple ops within dispatch trying to set the
 translation info"), hence the state between 2 and 3; one masked op over all of a tile's keys (its
 mask a slice of an all-true strip) measured slower (H200, 2026-12-05, docs/tried.md).
@@ -73,7 +73,9 @@ def tiles_shape(p: Plan) -> TilesShape | None:
     if rows % p.group:
         return None
     pos = rows // p.group
-    ew = -(-(pos + STEP - 2) // STEP) * STEP  # an edge: < STEP keys of rounding + pos - 1 of slope
+    # an edge: before the interior, pos - 1 keys of a window's left slope; after it, < STEP keys of
+    # rounding + pos - 1 of the right slope (key_tiles.tile_table)
+    ew = -(-(pos - 1) // STEP) * STEP + -(-(pos + STEP - 2) // STEP) * STEP
     return TilesShape(rows, p.group, ew, low)
 
 
@@ -146,10 +148,11 @@ def _interior(c: TilesFn) -> list[str]:
         nk = b.let(f"util.assume.int {row['nk']}<umin = 0, umax = 2147483647, udiv = {STEP}> : index")
         dims = c.dims_in(a)
         q = _q_tile(b, c, a[c.q_src[0]], row, hk, tile, dims)
+        first = b.let(f"arith.addi {row['k0']}, {row['lo']} : index")
         kv = []
         for view, d, role in ((kf, p.dq, "k1"), (vf, p.dv, "n")):
             ty = tensor_type(["?", d], p.dtype)
-            kv.append(Operand(c.load_rows(b, a[view[0]], row["entry"], row["k0"], hk, nk, dims["tk"], dims["hk"], ty), ty,
+            kv.append(Operand(c.load_rows(b, a[view[0]], row["entry"], first, hk, nk, dims["tk"], dims["hk"], ty), ty,
                               ("k2", role)))
         res = online_attention(fn, q=q, k=kv[0], v=kv[1], scale=_scale(b, c, a["%scale"]), scale_type=p.dtype,
                                outs=_fresh(b, c), nb=0, lowering=t.lowering, dv=p.dv)
