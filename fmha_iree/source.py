@@ -127,9 +127,16 @@ def _tiles_abi(spec: KernelSpec, fused_step: bool | None) -> dict | None:
                                    "columns": list(TILE_COLUMNS)}
 
 
+# The causal tree's merge reads the (acc, max, sum) partials of the diagonal and of every level and
+# writes out in one dispatch: 3 * (log2(S / C) + 1) + 1 bindings. IREE's CUDA HAL takes at most 16
+# a dispatch (2026-12-05, H100: a module compiled with --seqlens 8192, C = 256, failed to load:
+# "binding_flags count 19 exceeds maximum of 16"), so S / C stays at most 16.
+MAX_TREE_BLOCKS = 16
+
+
 def causal_diag(seqlen: int, align: int) -> int:
     """Diagonal block C of the causal tree at length S (S / C a power of two, C a multiple of
-    ``align``): S/2 up to S=1024, else 256. The masked diagonal is computed in full (S*C/2 of
+    ``align``): S/2 up to S=1024, else 256 up to S=4096, then S/16 (``MAX_TREE_BLOCKS``). The masked diagonal is computed in full (S*C/2 of
     wasted work); each level adds a dispatch and merge inputs, cheap since the levels read their
     blocks in place (commit 90e71e0). H200, B*S = 16k, H=16, d128 f16, out-only, bench.py, one run
     each (2026-11-30, commit 90e71e0; docs/bench/h200_2026-11-30d_*): blocks read in place,
@@ -139,6 +146,7 @@ def causal_diag(seqlen: int, align: int) -> int:
     7.00; commit 30b39b7, host waits and slow copies: S/2 up to 4096 and 2048 above.)"""
     prefs = (seqlen // 2, seqlen) if seqlen <= 1024 else (256, seqlen // 2, seqlen)
     for c in prefs:
+        c = max(c, seqlen // MAX_TREE_BLOCKS)
         n = seqlen // c if c and seqlen % c == 0 else 0
         if n and c % align == 0 and n & (n - 1) == 0:
             return c

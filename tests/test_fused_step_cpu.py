@@ -315,3 +315,18 @@ def test_window_entry_needs_a_compiled_window():
     assert dense_entry(new, 256, 256, False, True, window=128) == "window_s256"
     assert dense_entry(new, 256, 256, False, True, window=129) is None
     assert dense_entry(new, 512, 512, False, True, window=0) is None
+
+
+@pytest.mark.parametrize("seqlen", [1024, 2048, 4096, 8192, 16384, 65536])
+def test_causal_tree_merge_fits_cuda_bindings(seqlen):
+    """The tree's merge reads every partial (acc, max, sum of the diagonal and of each level) in
+    one dispatch: with ``causal_diag``'s blocks it binds at most 16 buffers, IREE's CUDA HAL limit
+    (a module compiled with ``--seqlens 8192`` at 256-row blocks bound 19 and failed to load)."""
+    from fmha_iree.mlir_templates import render_causal_tree
+    from fmha_iree.source import causal_diag
+
+    text = render_causal_tree(func_name="c", dtype="f16", layout="bhsd", group=1, dq=128, dv=128, align=256,
+                              seqlen=seqlen, diag=causal_diag(seqlen, 256))
+    merge = text[text.index("%mo = linalg.generic"):]
+    ins = merge[merge.index("ins(") + 4:merge.index(" : ", merge.index("ins("))]
+    assert len(ins.split(",")) + 1 <= 16
