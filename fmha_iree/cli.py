@@ -67,8 +67,12 @@ def compile_main(args) -> int:
         return 2
     problem = {"heads": hq, "kv_heads": hk, "mask": str(mask), "lse": args.lse} if args.heads_given else {
         "mask": str(mask), "lse": args.lse}
-    manifest = build_artifact(spec, args.output, dump_dir=args.dump, problem=problem,
-                              native_exp2=False if args.iree_exp2 else None)
+    try:
+        manifest = build_artifact(spec, args.output, dump_dir=args.dump, problem=problem,
+                                  native_exp2=False if args.iree_exp2 else None)
+    except RuntimeError as e:  # a module IREE's runtime would refuse to load (isa.dispatch_limits)
+        print(f"fmha-iree compile: {e}", file=sys.stderr)
+        return 1
     isa = manifest["isa"] or []
     spills = sum(k["vgpr_spill_count"] + k["sgpr_spill_count"] for k in isa)
     print(f"{args.output}: {spec.module_name} ({target.backend} {target.arch}), tiles {tiles.ck_name}"

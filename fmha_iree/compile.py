@@ -279,12 +279,13 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
     """Compile ``spec`` to ``out_path`` (.vmfb) with a JSON manifest beside it; return the manifest.
 
     For gfx targets the executables are dumped (to ``dump_dir`` or a temp dir) and the manifest gets
-    an ISA report (registers, spills, LDS, matrix instructions, occupancy).
+    an ISA report (registers, spills, LDS, matrix instructions, occupancy). On GPU targets a module
+    with a dispatch the runtime would refuse to load (``isa.dispatch_limits``) is a RuntimeError.
     """
     import tempfile
 
     from .graph import ABI_VERSION
-    from .isa import isa_report
+    from .isa import MAX_BINDINGS, MAX_CONSTANTS, dispatch_limits, isa_report
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -294,9 +295,15 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
         # executables are dumped where they are read (gfx ISA reports) or asked for: on the host
         # IREE then only remarks that it generated no executable benchmarks
         dumped = bool(dump_dir) or spec.target.backend == "rocm"
-        vmfb, record = compile_spec(spec, extra_flags=[f"--iree-hal-dump-executable-files-to={dump}"] if dumped else [],
-                                    native_exp2=native_exp2)
+        gpu = spec.target.backend in ("cuda", "rocm")
+        flags = ([f"--iree-hal-dump-executable-files-to={dump}"] if dumped
+                 else [f"--iree-hal-dump-executable-sources-to={dump}"] if gpu else [])
+        vmfb, record = compile_spec(spec, extra_flags=flags, native_exp2=native_exp2)
         isa = isa_report(dump, spec.target.arch) if spec.target.backend == "rocm" else None
+        over = dispatch_limits(dump) if gpu else []
+    if over:
+        raise RuntimeError(f"{spec.module_name}: IREE's GPU runtime would refuse to load it (at most {MAX_BINDINGS} "
+                           f"bindings and {MAX_CONSTANTS} constants a dispatch): {'; '.join(over[:4])}")
     t = spec.tiles
     manifest = {
         "format": "fmha_iree.module/1",

@@ -1,4 +1,5 @@
-"""ISA report of a compiled gfx module, read from IREE's dumped ``*.rocmasm`` files.
+"""What a compiled GPU module's dumped executables say: the ISA report of a gfx module (IREE's
+``*.rocmasm`` files) and the dispatches the runtime would refuse to load.
 
 Occupancy is derived, not measured: waves per SIMD from the VGPR budget (CDNA gfx9: 512 unified
 VGPR+AGPR entries per lane, allocated in granules of 8, at most 8 waves; RDNA gfx11/12 wave32: 1536
@@ -10,7 +11,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-__all__ = ["isa_report"]
+__all__ = ["isa_report", "dispatch_limits", "MAX_BINDINGS", "MAX_CONSTANTS"]
+
+# IREE's CUDA and HIP HALs refuse an executable whose dispatch binds more buffers or pushes more
+# 32-bit constants than this (IREE_HAL_{CUDA,HIP}_MAX_DISPATCH_{BINDING,CONSTANT}_COUNT): the
+# module compiles and then fails to load (2026-12-05, H100: "binding_flags count 19 exceeds
+# maximum of 16").
+MAX_BINDINGS, MAX_CONSTANTS = 16, 64
+_EXPORT = re.compile(r"hal\.executable\.export\s+public\s+@(\S+)[^\n]*?layout\(#hal\.pipeline\.layout<(.*?)>\)", re.S)
 
 _FIELDS = ("vgpr_count", "agpr_count", "sgpr_count", "vgpr_spill_count", "sgpr_spill_count", "group_segment_fixed_size")
 
@@ -64,3 +72,19 @@ def isa_report(dump_dir: str | Path, arch: str) -> list[dict]:
             )
             out.append(entry)
     return out
+
+
+def dispatch_limits(dump_dir: str | Path) -> list[str]:
+    """The dumped executables' exports (``*.mlir`` in ``dump_dir``) that bind more than
+    ``MAX_BINDINGS`` buffers or push more than ``MAX_CONSTANTS`` constants, as "name: N bindings, C
+    constants"."""
+    over = set()
+    for path in Path(dump_dir).glob("*.mlir"):
+        for m in _EXPORT.finditer(path.read_text(errors="replace")):
+            layout = m.group(2)
+            n = layout.count("#hal.pipeline.binding")
+            c = re.search(r"constants\s*=\s*(\d+)", layout)
+            k = int(c.group(1)) if c else 0
+            if n > MAX_BINDINGS or k > MAX_CONSTANTS:
+                over.add(f"{m.group(1)}: {n} bindings, {k} constants")
+    return sorted(over)

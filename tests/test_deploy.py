@@ -460,3 +460,18 @@ def test_manifest_step_argument_types(target, expect):
     spec = KernelSpec("bf16", "bshd", 4, 128, 128, default_tiles(tgt.family, 128, 128), tgt)
     step = entry_points(spec)["step"]["args"]
     assert [step[n][1] for n in ("q", "k", "v")] == [expect] * 3
+
+
+def test_dispatch_limits_name_what_the_runtime_refuses(tmp_path):
+    """A dumped export over IREE's GPU HAL limits (16 bindings, 64 push constants a dispatch: such
+    a module compiles and then fails to load) is named; one at the limits is not."""
+    from fmha_iree.isa import dispatch_limits
+
+    def export(name, n, c):
+        binds = ", ".join(['#hal.pipeline.binding<storage_buffer, "ReadOnly|Indirect">'] * n)
+        return (f"  hal.executable.export public @{name} ordinal(0) layout(#hal.pipeline.layout<constants = {c}, "
+                f"bindings = [{binds}]>) count(%arg0: !hal.device) -> (index, index, index) {{\n")
+
+    (tmp_path / "a.mlir").write_text(export("ok", 16, 64) + export("wide", 19, 2))
+    (tmp_path / "b.mlir").write_text(export("pushy", 3, 65))
+    assert dispatch_limits(tmp_path) == ["pushy: 3 bindings, 65 constants", "wide: 19 bindings, 2 constants"]
