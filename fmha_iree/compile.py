@@ -279,8 +279,8 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
     """Compile ``spec`` to ``out_path`` (.vmfb) with a JSON manifest beside it; return the manifest.
 
     For gfx targets the executables are dumped (to ``dump_dir`` or a temp dir) and the manifest gets
-    an ISA report (registers, spills, LDS, matrix instructions, occupancy). On GPU targets a module
-    with a dispatch the runtime would refuse to load (``isa.dispatch_limits``) is a RuntimeError.
+    an ISA report (registers, spills, LDS, matrix instructions, occupancy). A dumped GPU module with a
+    dispatch the runtime would refuse to load (``isa.dispatch_limits``) is a RuntimeError.
     """
     import tempfile
 
@@ -295,12 +295,12 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
         # executables are dumped where they are read (gfx ISA reports) or asked for: on the host
         # IREE then only remarks that it generated no executable benchmarks
         dumped = bool(dump_dir) or spec.target.backend == "rocm"
-        gpu = spec.target.backend in ("cuda", "rocm")
-        flags = ([f"--iree-hal-dump-executable-files-to={dump}"] if dumped
-                 else [f"--iree-hal-dump-executable-sources-to={dump}"] if gpu else [])
-        vmfb, record = compile_spec(spec, extra_flags=flags, native_exp2=native_exp2)
+        vmfb, record = compile_spec(spec, extra_flags=[f"--iree-hal-dump-executable-files-to={dump}"] if dumped else [],
+                                    native_exp2=native_exp2)
         isa = isa_report(dump, spec.target.arch) if spec.target.backend == "rocm" else None
-        over = dispatch_limits(dump) if gpu else []
+        # checked where the executables are dumped (gfx, or asked for): a dump also points the
+        # module's debug locations at the dumped files, so CUDA builds without --dump stay as they were
+        over = dispatch_limits(dump) if dumped and spec.target.backend in ("cuda", "rocm") else []
     if over:
         raise RuntimeError(f"{spec.module_name}: IREE's GPU runtime would refuse to load it (at most {MAX_BINDINGS} "
                            f"bindings and {MAX_CONSTANTS} constants a dispatch): {'; '.join(over[:4])}")
