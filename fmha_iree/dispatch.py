@@ -149,7 +149,7 @@ def _takes_tiles(p: BatchProblem, module) -> bool:
     if info is None or not key_tiles.batch_pays(p):
         return False
     starts, _ = key_tiles.batch_starts(p.q_lens, p.k_lens, p.sq)
-    return key_tiles.refusal(info, p.mask, starts, p.sq, p.sk) is None
+    return key_tiles.refusal(info, starts, p.sq, p.sk) is None
 
 
 def _group_entry(p: BatchProblem) -> str:

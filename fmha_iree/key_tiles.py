@@ -22,7 +22,7 @@ __all__ = ["MAX_TILES", "SQUARE_CAUSAL_MIN", "refusal", "tile_table", "tiles_cal
 MAX_TILES = 65535  # tiles run along the grid's y dim (heads along x, so the longest tiles of every head start first)
 
 
-def refusal(info: dict | None, mask, starts, tq: int, tk: int) -> str | None:
+def refusal(info: dict | None, starts, tq: int, tk: int) -> str | None:
     """Why ``fwd_tiles`` cannot take this group-mode problem, or None where it can. ``info``: the
     module's ``tiles`` record; ``starts``: ``spec.check_varlen``'s; ``tq`` / ``tk``: rows of the
     packed Q and K."""
@@ -110,7 +110,7 @@ def tiles_call(module, mask, starts, q_shape, k_shape, *, dtype: str, scale: flo
     or None where :func:`refusal` gives a reason. Its LSE is ``[1, Hq, total]``."""
     info = module_tiles(module)
     tq, tk = int(q_shape[1]), int(k_shape[1])
-    if refusal(info, mask, starts, tq, tk) is not None:
+    if refusal(info, starts, tq, tk) is not None:
         return None
     idx, n, e = tile_table(info, mask, starts, tq)
     return FrameCall("fwd_tiles", idx, (float(scale), n, 1, int(starts[-1]), e), dtype)
@@ -145,7 +145,7 @@ def paged_call(module, mask, starts, pages, q_shape, *, dtype: str, scale: float
     total_k = int(k_len.sum())
     packed = (*starts[:2], np.concatenate([[0], np.cumsum(k_len)[:-1]]).astype(np.int64), *starts[3:])
     tq = int(q_shape[1])
-    if refusal(info, mask, packed, tq, total_k) is not None:
+    if refusal(info, packed, tq, total_k) is not None:
         return None
     idx, n, e = tile_table(info, mask, packed, tq)
     seq = np.repeat(np.arange(len(k_len)), k_len)

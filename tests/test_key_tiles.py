@@ -54,7 +54,7 @@ def test_table_covers_what_each_row_sees(mask, seed):
     starts = _starts(lq, lk, pad_q=int(rng.integers(0, 3)))
     tq = int(starts[0][-1] + lq[-1]) + 5
     m = Mask.from_str(mask)
-    assert key_tiles.refusal(INFO, m, starts, tq, int(lk.sum()) + 1) is None
+    assert key_tiles.refusal(INFO, starts, tq, int(lk.sum()) + 1) is None
     idx, n_tiles, widest = key_tiles.tile_table(INFO, m, starts, tq)
     table = idx[: n_tiles * TILE_FIELDS].reshape(n_tiles, -1).astype(np.int64)
     out_map, lse_map = idx[n_tiles * TILE_FIELDS:][:tq], idx[n_tiles * TILE_FIELDS + tq:]
@@ -84,12 +84,12 @@ def test_table_covers_what_each_row_sees(mask, seed):
 def test_refusals_say_why():
     starts = _starts([100, 50], [120, 60])
     old = {k: v for k, v in INFO.items() if k != "columns"}
-    assert "rebuild" in key_tiles.refusal(old, Mask.from_str("b"), starts, 200, 200)
-    assert "decode-shaped" in key_tiles.refusal(INFO, Mask.from_str("b"), _starts([1, 2], [90, 9]), 64, 99)
-    assert "fewer query rows" in key_tiles.refusal(INFO, Mask.from_str("b"), _starts([20], [20]), 20, 20)
-    assert "no fwd_tiles" in key_tiles.refusal(None, Mask.from_str("b"), starts, 200, 200)
+    assert "rebuild" in key_tiles.refusal(old, starts, 200, 200)
+    assert "decode-shaped" in key_tiles.refusal(INFO, _starts([1, 2], [90, 9]), 64, 99)
+    assert "fewer query rows" in key_tiles.refusal(INFO, _starts([20], [20]), 20, 20)
+    assert "no fwd_tiles" in key_tiles.refusal(None, starts, 200, 200)
     many = _starts([32 * key_tiles.MAX_TILES + 1], [64])
-    assert "more than" in key_tiles.refusal(INFO, Mask.from_str("b"), many, 32 * key_tiles.MAX_TILES + 1, 64)
+    assert "more than" in key_tiles.refusal(INFO, many, 32 * key_tiles.MAX_TILES + 1, 64)
 
 
 @pytest.fixture
