@@ -326,16 +326,22 @@ def _short_lowering(spec: KernelSpec, main: dict) -> dict:
     # K and V tiles of 64 keys at Dv = 256 pass 64 KiB of shared memory; on gfx9 64-key tiles
     # spilled 2-30 SGPRs in the GQA split-KV kernels (iree-compile 3.13, 2026-12-02), 32 none
     k2 = 32 if spec.dv >= 256 or spec.target.backend == "rocm" else 64
-    return {**keep, "workgroup_m": 16, "workgroup_n": spec.dv, "reduction_k2": k2, "subgroups_m": 1, "subgroups_n": sgn,
-            "workgroup_size": sg * sgn, "promote_operands": [1, 2]}
+    low = {**keep, "workgroup_m": 16, "workgroup_n": spec.dv, "reduction_k2": k2, "subgroups_m": 1, "subgroups_n": sgn,
+           "workgroup_size": sg * sgn, "promote_operands": [1, 2]}
+    if spec.target.family == "rdna" and spec.dv >= 256:  # four waves along Dv (RDNA_D256's comment)
+        from .mlir_templates.lowering import RDNA_SHORT_D256
+
+        low.update(RDNA_SHORT_D256)
+    return low
 
 
 def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     """The ``fwd`` entry point's plan (``kernels.general``): any lengths and mask in one call, or
-    None where the module has none (CPU torch modules; RDNA at Dv >= 256,
-    ``mlir_templates.lowering.rdna_fwd_lowering``; lowerings IREE picks itself, whose dynamic
-    shapes get IREE's slow fallback config; lowerings that split Dv across workgroups). llvm-cpu builds of it (tests) unroll at most 4 groups to keep their
-    compile short."""
+    None where the module has none (CPU torch modules; gfx11 at Dv >= 256,
+    ``mlir_templates.lowering.rdna_fwd_lowering``, which gives gfx12 at Dv >= 256 a layout of its
+    own; lowerings IREE picks itself, whose dynamic shapes get IREE's slow fallback config;
+    lowerings that split Dv across workgroups). llvm-cpu builds of it (tests) unroll at most 4
+    groups to keep their compile short."""
     from .kernels.general import Plan, Tier
 
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
@@ -345,7 +351,7 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     arg_dims = (spec.dq, spec.dv)
     spec = _padded_heads(spec)
     main = {"backend": "cpu", "workgroup_m": 64, "reduction_k2": 32, "workgroup_n": spec.dv} if cpu else gpu_lowering(spec)
-    if main is not None and spec.target.family == "rdna":
+    if spec.target.family == "rdna":
         from .mlir_templates import rdna_fwd_lowering
 
         main = rdna_fwd_lowering(main, arch=spec.target.arch, dtype=spec.dtype, dv=spec.dv)

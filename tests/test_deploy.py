@@ -87,10 +87,11 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
         # CUDA and gfx9 modules in f16 / bf16 whose tiles keep Dv whole also get fwd (any lengths and
         # mask, kernels.general) and fwd_ragged (sequences of their own lengths in one frame,
         # kernels.ragged), head dims 96 / 192 included (run zero-padded to 128 / 256); RDNA ones
-        # up to head dim 128 (gfx1100's d128 tile splits Dv; fwd keeps it whole)
+        # up to head dim 128 (gfx1100's d128 tile splits Dv; fwd keeps it whole), gfx12 at every
+        # head dim (192 / 256 with a layout of their own, lowering.RDNA_D256)
         fam = man["target"]["family"]
         has_fwd = r["dtype"] != "f32" and (fam in ("cuda", "cdna") and man["tiles"]["ck"]["kN1"] == r["hdim"]
-                                          or fam == "rdna" and r["hdim"] <= 128)
+                                          or fam == "rdna" and (r["hdim"] <= 128 or r["target"].startswith("gfx12")))
         # CPU modules get rows / rows_kpad (short queries, any lengths and mask, rows.Rows),
         # step_open (the plan's units that see every key of their chunk, no mask), units (the
         # plan's units looped inside the module, mlir_templates.unit_loop) and waves_varlen

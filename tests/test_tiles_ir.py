@@ -133,3 +133,28 @@ def test_rdna_fwd_splits_dv_in_masked_ops(arch, rows, all_split):
     for _, size, split, masked in ops:
         want = 2 if (masked or all_split) else 1
         assert (split, size) == (want, 32 * rows // 16 * want), (arch, masked, split, size)
+
+
+@pytest.mark.parametrize("arch,hdim", [("gfx1201", 256), ("gfx1201", 192), ("gfx1100", 256)])
+def test_rdna_fwd_at_dv_256(arch, hdim):
+    """At Dv 256 (192 computes at 256) gfx12 modules carry ``fwd`` with a layout of its own:
+    16 rows, four subgroups along Dv in every op, 32-key steps and 16 in masked ops
+    (``mlir_templates.lowering.RDNA_D256``, the layout that compiled without spills); gfx11
+    modules carry none (every layout tried spilled)."""
+    import re
+
+    t = Target.from_name(arch)
+    spec = KernelSpec("bf16", "bshd", 4, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, "f16"), t)
+    text = source_mlir(spec, with_ragged=False)
+    if arch == "gfx1100":
+        assert "@fwd(" not in text
+        return
+    ops = list(_fwd_ops(text))
+    assert ops and any(m for *_, m in ops)
+    body = text[text.index("@fwd("):]
+    steps = [int(re.search(r"reduction = \[([^\]]*)\]", op).group(1).split(",")[-2])
+             for op in body.split("iree_linalg_ext.online_attention")[1:len(ops) + 1]]
+    for (rows, size, split, masked), k2 in zip(ops, steps):
+        assert (rows, size, split) == (16, 128, 4), (rows, size, split, masked)
+        assert k2 == 16 if masked else k2 in (16, 32), (masked, k2)  # unmasked: the main tier 32, split-KV 16
+    assert 32 in steps, steps

@@ -268,12 +268,33 @@ _RDNA_SPLIT_ALL = {("gfx1100", "*", 128): {"workgroup_m": 32, "subgroups_m": 2, 
                    ("gfx1100", "*", 64): {}, ("gfx1201", "bf16", 128): {}}
 
 
-def rdna_fwd_lowering(main: dict, *, arch: str, dtype: str, dv: int) -> dict | None:
-    """The main tier of ``fwd`` (``source.fwd_plan``) on RDNA from the module's ``main`` lowering:
-    two subgroups along Dv for masked ops, or for all ops with the tiles of ``_RDNA_SPLIT_ALL``.
-    None at Dv >= 256, where no layout was found that compiles without spills (a ``main`` that
-    still splits Dv is refused by ``fwd_plan`` itself)."""
+# ``fwd`` on gfx12 at Dv 256 (192 computes at 256), where the module's other entry points keep
+# IREE's own config: 16 rows a workgroup of four waves, each a quarter of Dv (each computes the
+# rows' scores, a quarter of P V), 32-key steps, 16 in masked ops; the short tier likewise
+# (``RDNA_SHORT_D256``). Chosen by compiling every ``fwd`` / ``fwd_ragged`` / ``fwd_packed*`` kernel
+# of gfx1201 f16 / bf16 bhsd G = 1 and bshd G = 4 modules and reading the dumped ISA (iree-compile
+# 3.13, 2026-12-05, docs/BENCHMARKS.md "fwd on RDNA at Dv 256"): no spill, every attention op on
+# WMMA. Tried: 32 rows of 2 x 2 waves (bf16 bshd G = 4: 19-110 VGPRs spilled in 11 kernels), 16
+# rows of 1 x 4 waves with 32-key masked steps (4-7 in 7) or the short tier at 2 waves (24-110 in
+# 3), 32 rows of 2 x 4 waves (8 in 2 of fwd_ragged's). gfx1100 (RDNA3 WMMA holds Q twice over) at
+# d256 spilled with each: 1 x 4 waves 10-102 VGPRs in 28 kernels, 1 x 8 6-16 in 7, 1 x 16 1-16 in 8.
+RDNA_D256 = {"workgroup_m": 16, "reduction_k2": 32, "promote_operands": [1, 2], "subgroup_size": 32,
+             "subgroups_m": 1, "subgroups_n": 4, "workgroup_size": 128, "masked": {"reduction_k2": 16}}
+RDNA_SHORT_D256 = {"subgroups_n": 4, "workgroup_size": 128, "reduction_k2": 16}
+
+
+def rdna_fwd_lowering(main: dict | None, *, arch: str, dtype: str, dv: int) -> dict | None:
+    """The main tier of ``fwd`` (``source.fwd_plan``) on RDNA from the module's ``main`` lowering
+    (None where IREE picks the module's config): two subgroups along Dv for masked ops, or for all
+    ops with the tiles of ``_RDNA_SPLIT_ALL``; at Dv >= 256 ``RDNA_D256`` on gfx12, None on gfx11,
+    where no layout was found that compiles without spills (a ``main`` that still splits Dv is
+    refused by ``fwd_plan`` itself)."""
     if dv >= 256:
+        if not arch.startswith("gfx12") or dtype not in ("f16", "bf16"):
+            return None
+        kind = f"WMMAR4_F32_16x16x16_{'F16' if dtype == 'f16' else 'BF16'}"
+        return {**RDNA_D256, "workgroup_n": dv, "mma_kind": kind}
+    if main is None:
         return None
     tiles = _RDNA_SPLIT_ALL.get((arch, dtype, dv), _RDNA_SPLIT_ALL.get((arch, "*", dv)))
     if tiles is not None:
