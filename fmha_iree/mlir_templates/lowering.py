@@ -262,9 +262,14 @@ def lowering_for_runtime_sizes(lowering, dv: int, batch_dims: int = 1, k2o: bool
 # splitting Dv (each computes its rows' scores, half of P V) they did not. Masked ops take that
 # layout everywhere; every op takes it where unmasked ones spilled too: (arch, dtype or "*", Dv)
 # -> the tiles used there (gfx1100's d128 default tile splits Dv across workgroups, which fwd
-# cannot do; 32-key steps spilled). Left spilling: gfx1100 d128 bshd, 1-51 VGPRs in its masked
-# ops with every layout tried (docs/tried.md); it keeps fwd, the plan being far slower.
-_RDNA_SPLIT_ALL = {("gfx1100", "*", 128): {"workgroup_m": 32, "subgroups_m": 2, "reduction_k2": 64},
+# cannot do; 32-key steps spilled). gfx1100 f16 d128 takes 32-key steps and 16 in masked ops:
+# bshd G = 4 modules then compile without a spill (before: 1-43 VGPRs in 11 kernels), bhsd G = 1
+# ones stay without (2026-12-05, docs/BENCHMARKS.md). Left spilling: gfx1100 bf16 d128 bshd, 1-51
+# VGPRs in 11 kernels (the same steps: 1-14 in 7, but bhsd G = 1 then spilled 6-13 in 6 of
+# fwd_ragged's; docs/tried.md); it keeps fwd, the plan being far slower.
+_RDNA_SPLIT_ALL = {("gfx1100", "f16", 128): {"workgroup_m": 32, "subgroups_m": 2, "reduction_k2": 32,
+                                             "masked": {"reduction_k2": 16}},
+                   ("gfx1100", "*", 128): {"workgroup_m": 32, "subgroups_m": 2, "reduction_k2": 64},
                    ("gfx1100", "*", 64): {}, ("gfx1201", "bf16", 128): {}}
 
 
