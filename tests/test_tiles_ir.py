@@ -158,3 +158,21 @@ def test_rdna_fwd_at_dv_256(arch, hdim):
         assert (rows, size, split) == (16, 128, 4), (rows, size, split, masked)
         assert k2 == 16 if masked else k2 in (16, 32), (masked, k2)  # unmasked: the main tier 32, split-KV 16
     assert 32 in steps, steps
+
+
+@pytest.mark.parametrize("dtype,hdim,edge_warps", [("f16", 128, 8), ("bf16", 128, 8), ("f16", 64, 4)])
+def test_cuda_tiles_edge_subgroups(dtype, hdim, edge_warps):
+    """``fwd_tiles`` on CUDA: the interior op keeps 32 rows a warp (4 warps for 128 rows); from Dv
+    128 the masked edge op takes one warp per 16 rows, where neither spills (``tiles_shape``)."""
+    import re
+
+    from fmha_iree.kernels.tiles import render_tiles
+    from fmha_iree.source import fwd_plan
+
+    t = Target.from_name("sm_80")
+    spec = KernelSpec(dtype, "bshd", 1, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, dtype), t)
+    text = render_tiles(fwd_plan(spec))
+    ops = text.split("iree_linalg_ext.online_attention")[1:]
+    sizes = [(bool(re.search(r"xi1>", op[:op.index("^bb0")])), int(re.search(r"workgroup_size = \[(\d+)", op).group(1)))
+             for op in ops]
+    assert sorted(sizes) == [(False, 128), (True, 32 * edge_warps)], sizes

@@ -70,6 +70,13 @@ def tiles_shape(p: Plan) -> TilesShape | None:
         if not k2:
             return None
         low = {**{k: v for k, v in tier.lowering.items() if k != "masked"}, "reduction_k2": k2, "workgroup_m": rows}
+        if p.dv >= 128:
+            # the edge (the masked op) on one subgroup per 16 rows: at 32 rows a warp both ops spill
+            # (ptxas for sm_90, f16 d128: interior 388 bytes, edge 228), at 16 neither; the edge
+            # then ran the 16-sequence prefill 2.5-3.5% faster, the interior 30% slower in a sweep
+            # (H100, 2026-12-05, two rounds: 1.230 / 1.241 -> 1.200 / 1.197 ms; docs/BENCHMARKS.md)
+            sg = int(low.get("subgroup_size", 32))
+            low["masked"] = {"subgroups_m": rows // 16, "workgroup_size": sg * rows // 16}
     if rows % p.group:
         return None
     pos = rows // p.group
