@@ -104,21 +104,22 @@ def test_window_reads_blocks_in_place():
     assert "workgroup_size = [4, 32, 1]" in out[i:i + 4000], "the transpose lost its tiles"
 
 
-def _fwd_ops(text: str):
-    """(workgroup rows, workgroup size, subgroups along Dv, has a mask) of each attention op of
-    ``fwd`` in rendered module text."""
+def _fwd_ops(text: str, func: str = "fwd"):
+    """(workgroup rows, workgroup size, subgroups along Dv, has a mask, keys per step) of each
+    attention op of ``func`` in rendered module text."""
     import re
 
-    body = text[text.index("@fwd("):]
+    body = text[text.index(f"@{func}("):]
     body = body[:body.index("\n  func.func", 1)] if "\n  func.func" in body[1:] else body
     for op in body.split("iree_linalg_ext.online_attention")[1:]:
         op = op[:op.index("^bb0")]
         wg = [int(x) for x in re.search(r"workgroup = \[([^\]]*)\]", op).group(1).split(",")]
         size = int(re.search(r"workgroup_size = \[(\d+)", op).group(1))
         basis = re.search(r"subgroup_basis = \[\[([^\]]*)\]", op).group(1).split(",")
+        k2 = int(re.search(r"reduction = \[([^\]]*)\]", op).group(1).split(",")[-2])
         ins = re.search(r"ins\([^:]*:([^)]*)\)", op).group(1)
         # workgroup = [1 per batch dim, M, 0 per reduction dim (two key dims over pages), N]
-        yield max(wg[:-1]), size, int(basis[-1]), bool(re.search(r"xi(1|8)>", ins))
+        yield max(wg[:-1]), size, int(basis[-1]), bool(re.search(r"xi(1|8)>", ins)), k2
 
 
 @pytest.mark.parametrize("arch,rows,all_split", [("gfx1201", 64, False), ("gfx1100", 32, True)])
@@ -129,8 +130,8 @@ def test_rdna_fwd_splits_dv_in_masked_ops(arch, rows, all_split):
     t = Target.from_name(arch)
     spec = KernelSpec("f16", "bhsd", 1, 128, 128, default_tiles(t.family, 128, 128, t.arch, "f16"), t)
     ops = [o for o in _fwd_ops(source_mlir(spec, with_ragged=False)) if o[0] == rows]
-    assert any(m for *_, m in ops) and not all(m for *_, m in ops), ops
-    for _, size, split, masked in ops:
+    assert any(o[3] for o in ops) and not all(o[3] for o in ops), ops
+    for _, size, split, masked, _ in ops:
         want = 2 if (masked or all_split) else 1
         assert (split, size) == (want, 32 * rows // 16 * want), (arch, masked, split, size)
 
@@ -141,38 +142,28 @@ def test_rdna_fwd_at_dv_256(arch, hdim):
     16 rows, four subgroups along Dv in every op, 32-key steps and 16 in masked ops
     (``mlir_templates.lowering.RDNA_D256``, the layout that compiled without spills); gfx11
     modules carry none (every layout tried spilled)."""
-    import re
-
     t = Target.from_name(arch)
-    spec = KernelSpec("bf16", "bshd", 4, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, "f16"), t)
+    spec = KernelSpec("bf16", "bshd", 4, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, "bf16"), t)
     text = source_mlir(spec, with_ragged=False)
     if arch == "gfx1100":
         assert "@fwd(" not in text
         return
     ops = list(_fwd_ops(text))
-    assert ops and any(m for *_, m in ops)
-    body = text[text.index("@fwd("):]
-    steps = [int(re.search(r"reduction = \[([^\]]*)\]", op).group(1).split(",")[-2])
-             for op in body.split("iree_linalg_ext.online_attention")[1:len(ops) + 1]]
-    for (rows, size, split, masked), k2 in zip(ops, steps):
+    assert ops and any(o[3] for o in ops)
+    for rows, size, split, masked, k2 in ops:
         assert (rows, size, split) == (16, 128, 4), (rows, size, split, masked)
         assert k2 == 16 if masked else k2 in (16, 32), (masked, k2)  # unmasked: the main tier 32, split-KV 16
-    assert 32 in steps, steps
+    assert 32 in [o[4] for o in ops], ops
 
 
 @pytest.mark.parametrize("dtype,hdim,edge_warps", [("f16", 128, 8), ("bf16", 128, 8), ("f16", 64, 4)])
 def test_cuda_tiles_edge_subgroups(dtype, hdim, edge_warps):
     """``fwd_tiles`` on CUDA: the interior op keeps 32 rows a warp (4 warps for 128 rows); from Dv
     128 the masked edge op takes one warp per 16 rows, where neither spills (``tiles_shape``)."""
-    import re
-
     from fmha_iree.kernels.tiles import render_tiles
     from fmha_iree.source import fwd_plan
 
     t = Target.from_name("sm_80")
     spec = KernelSpec(dtype, "bshd", 1, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, dtype), t)
-    text = render_tiles(fwd_plan(spec))
-    ops = text.split("iree_linalg_ext.online_attention")[1:]
-    sizes = [(bool(re.search(r"xi1>", op[:op.index("^bb0")])), int(re.search(r"workgroup_size = \[(\d+)", op).group(1)))
-             for op in ops]
+    sizes = [(masked, size) for _, size, _, masked, _ in _fwd_ops(render_tiles(fwd_plan(spec)), "fwd_tiles")]
     assert sorted(sizes) == [(False, 128), (True, 32 * edge_warps)], sizes
