@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .source import dense_params, fwd_plan
+from .source import dense_params, fwd_plan, step_compute
 from .spec import KernelSpec
 from .tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS, varlen_rows
 
@@ -67,14 +67,15 @@ def _plan_entry_points(io: _Io) -> dict:
 
     spec, state = io.spec, io.state()
     # the step template takes bf16 typed as bf16 on GPUs, as its int16 bits on the CPU (as the torch graphs do)
-    st = io.t if spec.target.backend == "llvm-cpu" else spec.dtype
+    cpu = spec.target.backend == "llvm-cpu"
+    st = io.t if cpu else spec.dtype
+    step = {"args": {**io.qkv(st), "scale": [[1], "f32"], **state, "desc": [["P", len(DESC_COLUMNS)], "i32"]},
+            "results": state, "desc_columns": list(DESC_COLUMNS)}
+    if not cpu:  # head dims 96 / 192 computed zero-padded (source.step_compute)
+        step = {"compute_head_dims": list(step_compute(spec)[0]), **step}
     return {
         "init": {"args": {"carrier": [["NT", "Hk"], "i32"]}, "results": state},
-        "step": {
-            "args": {**io.qkv(st), "scale": [[1], "f32"], **state, "desc": [["P", len(DESC_COLUMNS)], "i32"]},
-            "results": state,
-            "desc_columns": list(DESC_COLUMNS),
-        },
+        "step": step,
         "finalize": {
             "args": {**state, "out_map": [["?", "?"], "i32"], "lse_map": [["?", "?"], "i32"]},
             "results": io.out_lse(),

@@ -2,7 +2,8 @@
 MLIR (the input ``compile.py`` hands to iree-compile).
 
 Every module has the plan's ``init`` / ``finalize`` (torch graphs, ``graph.py``) and ``step`` (an
-MLIR template). CPU modules add ``step_open`` and ``rows.py``'s torch graphs; GPU modules the one-call
+MLIR template; on GPUs at the head dims ``step_compute`` gives). CPU modules add ``rows.py``'s torch
+graphs and the functions of ``source_cpu``; GPU modules the one-call
 entry points (``mlir_templates``), ``fwd`` (``kernels.general``) and ``fwd_ragged``
 (``kernels.ragged``), each where its parameters allow (``dense_params``, ``fwd_plan``);
 ``entries.entry_points`` describes them for the manifest.
@@ -15,7 +16,7 @@ import functools
 
 from .spec import KernelSpec
 
-__all__ = ["source_mlir", "gpu_lowering", "dense_params", "dense_abi", "causal_diag", "fwd_plan",
+__all__ = ["source_mlir", "gpu_lowering", "step_compute", "dense_params", "dense_abi", "causal_diag", "fwd_plan",
            "native_exp2_default", "CAUSAL_MASKED_MAX", "CAUSAL_BLOCKS"]
 
 
@@ -179,8 +180,8 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
                 with_ragged: bool = True) -> str:
     """The module's input IR. Every module: ``init`` / ``finalize`` of ``graph.py`` and the plan's
     ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the tile config).
-    CPU: with the CPU gathers and lowering and ``step_open`` (``_cpu_step``), ``rows.py``'s
-    entry points, and in bshd ``rows_packed`` (``_cpu_packed``). GPU: where ``dense_params`` allows, ``dense`` / ``causal``
+    CPU: with the CPU gathers and lowering, ``step_open``, ``units`` / ``waves_varlen`` and in bshd
+    ``rows_packed`` (``source_cpu``), and ``rows.py``'s entry points. GPU: where ``dense_params`` allows, ``dense`` / ``causal``
     (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``); those one-call entry points take a caller-owned
     workspace for their intermediates (``mlir_templates.dense._dense_common``). ``fused_step=True`` on
     the CPU builds the GPU formulation for llvm-cpu, so its numerics can be tested where CI runs.
@@ -193,13 +194,16 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
                                spec.seqlens, spec.batch, spec.kv_heads)
     text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
     if not fused:
-        return _with_funcs(text, _cpu_step(spec) + _cpu_units(spec) + _cpu_packed(spec))
+        from .source_cpu import cpu_functions
+
+        return _with_funcs(text, cpu_functions(spec))
     from .mlir_templates import (render_causal, render_causal_tree, render_dense, render_dense_out, render_online_step,
                                  render_window)
 
     t = spec.tiles
+    dims, low = step_compute(spec)
     funcs = [render_online_step(func_name="step", dtype=spec.dtype, layout=spec.layout, group=spec.group,
-                                r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=gpu_lowering(spec))]
+                                r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=low, compute_dims=dims)]
     dense = dense_params(spec, fused_step=fused)
     if dense:
         kw = dict(dtype=spec.dtype, layout=spec.layout, group=spec.group, dq=spec.dq, dv=spec.dv,
@@ -236,6 +240,28 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     return _with_funcs(text, funcs)
 
 
+def step_compute(spec: KernelSpec) -> tuple[tuple[int, int], dict | None]:
+    """The head dims the GPU ``step`` computes at and its lowering. Head dims without tiles of
+    their own (96, 192) are computed zero-padded to the next tiled ones (``tiles.compute_head_dim``,
+    as ``fwd`` and CK's kK0max do): IREE's own config at 96 / 192 has no MFMA / WMMA, at 128 / 256
+    it has. The padded op keeps the module's rows and key chunk (the plan's units), with the V
+    columns per workgroup (kN1) and at most the rows of the padded dims' default tile. f32 stays
+    at its own dims (no matrix intrinsic to gain), as do padded dims the target refuses
+    (``tiles.not_supported_reasons``: gfx1100 bf16 at 256)."""
+    from .tiles import compute_head_dim, default_tiles, not_supported_reasons
+
+    t, tg = spec.tiles, spec.target
+    dims = (compute_head_dim(spec.dq), compute_head_dim(spec.dv))
+    if dims == (spec.dq, spec.dv) or spec.dtype == "f32":
+        return (spec.dq, spec.dv), gpu_lowering(spec)
+    wide = default_tiles(tg.family, *dims, tg.arch, spec.dtype)
+    if tg.family != "cpu" and not_supported_reasons(wide, tg.family, tg.arch, *dims, spec.dtype):
+        return (spec.dq, spec.dv), gpu_lowering(spec)
+    rows = min(t.m0, wide.m0) if t.m0 % min(t.m0, wide.m0) == 0 else t.m0
+    tiles = dataclasses.replace(t, m0=rows, n1=wide.n1)
+    return dims, gpu_lowering(dataclasses.replace(spec, dq=dims[0], dv=dims[1], tiles=tiles))
+
+
 def _with_funcs(text: str, funcs: list[str]) -> str:
     """The exported module ``text`` with the rendered functions ``funcs`` added."""
     if not funcs:
@@ -243,70 +269,6 @@ def _with_funcs(text: str, funcs: list[str]) -> str:
     text = text.rstrip()
     assert text.endswith("}"), "unexpected exported module text"
     return text[:-1] + "\n".join(funcs) + "\n}\n"
-
-
-def _cpu_step(spec: KernelSpec) -> list[str]:
-    """The plan's ``step`` of a CPU module and ``step_open`` (units that see every key of their
-    chunk, no mask): ``mlir/online_step.mlir.in`` with the CPU gathers and lowering
-    (``tiles.CPU_STEP_LOWERING``, keys in steps of kN0)."""
-    from .mlir_templates import render_online_step
-
-    t = spec.tiles
-    kw = dict(dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv,
-              lowering=_cpu_step_lowering(spec))
-    return [render_online_step(func_name="step", **kw), render_online_step(func_name="step_open", masked=False, **kw)]
-
-
-def _cpu_step_lowering(spec: KernelSpec, keys: int | None = None) -> dict:
-    """The CPU lowering of the step's and the unit loops' attention op: ``tiles.CPU_STEP_LOWERING``
-    with keys in steps of ``keys`` (kN0 by default), at most ``tiles.CPU_STEP_VECTOR`` elements per
-    vector tile of Q K^T / P V (wider head dims take fewer keys; above it the module's vectors spill
-    to the stack, which segfaulted at d256)."""
-    from .tiles import CPU_STEP_LOWERING, CPU_STEP_VECTOR
-
-    k2 = keys or spec.tiles.n0
-    while k2 > 8 and CPU_STEP_LOWERING["vector_m"] * k2 * max(spec.dq, spec.dv) > CPU_STEP_VECTOR:
-        k2 //= 2
-    return {**CPU_STEP_LOWERING, "reduction_k2": k2}
-
-
-def _cpu_units(spec: KernelSpec) -> list[str]:
-    """``units``: a batch-mode problem in one call, the plan's units (kM0 rows x the kv chunk) as a
-    loop inside the module (``mlir_templates.unit_loop``); ``waves_varlen`` (sequences of packed
-    tokens, all tiles a step at a time: group mode's short and middling sequences, batches of
-    middling lengths; ``mlir_templates.unit_waves``); bshd modules also get group mode's
-    ``units_varlen`` (long sequences: each tile's steps looped; ``mlir_templates.unit_varlen``)."""
-    from .mlir_templates.unit_loop import render_unit_loop
-    from .mlir_templates.unit_waves import render_unit_waves
-    from .tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS
-
-    t = spec.tiles
-    funcs = [render_unit_loop(func_name="units", dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0,
-                              c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=_cpu_step_lowering(spec)),
-             render_unit_waves(func_name="waves_varlen", dtype=spec.dtype, group=spec.group, r=CPU_WAVE_ROWS,
-                               c=CPU_WAVE_KEYS, dq=spec.dq, dv=spec.dv, layout=spec.layout,
-                               lowering=_cpu_step_lowering(spec, CPU_WAVE_KEYS))]
-    if spec.layout == "bshd":  # group mode's packed sequences
-        from .mlir_templates.unit_varlen import render_unit_varlen
-        from .tiles import varlen_rows
-
-        funcs.append(render_unit_varlen(func_name="units_varlen", dtype=spec.dtype, group=spec.group, r=varlen_rows(t),
-                                        c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv,
-                                        lowering=_cpu_step_lowering(spec)))
-    return funcs
-
-
-def _cpu_packed(spec: KernelSpec) -> list[str]:
-    """A CPU module in group mode's layout (bshd) also gets ``rows_packed`` and
-    ``rows_packed_pages`` (short queries of packed sequences, K / V read in place from packed
-    tensors or a paged cache; ``mlir_templates.rows_packed``)."""
-    if spec.layout != "bshd":
-        return []
-    from .mlir_templates.rows_packed import render_rows_packed
-
-    kw = dict(dtype=spec.dtype, group=spec.group, dq=spec.dq, dv=spec.dv)
-    return [render_rows_packed(func_name="rows_packed", **kw),
-            render_rows_packed(func_name="rows_packed_pages", paged=True, **kw)]
 
 
 # Workgroups that fill the GPU of each target (its SMs / CUs): ``fwd`` grows its groups of rows
@@ -397,6 +359,10 @@ def _iree_tiles(spec: KernelSpec) -> dict:
         out["lowering"] = None
         out["note"] = ("llvm-cpu: IREE picks vector tiles inside each work unit" if spec.target.backend == "llvm-cpu"
                        else "IREE's own attention config (see tiles.iree_picks_config)")
+        dims, step_low = step_compute(spec) if spec.target.backend != "llvm-cpu" else ((spec.dq, spec.dv), None)
+        if dims != (spec.dq, spec.dv):
+            out["note"] += f"; the plan's step computes at head dims {dims[0]} / {dims[1]}, zero-padded (step_compute)"
+            out["step_lowering"] = step_low
     else:
         out["lowering"] = low
         out["workgroup"] = [1, low["workgroup_m"], 0, 0, low["workgroup_n"]]

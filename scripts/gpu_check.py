@@ -127,7 +127,10 @@ def _check_varlen(f, pr, dt, device: str) -> float:
                 if src == "replay":  # the same metadata on other tensors first: this call replays its plan
                     f.varlen(*(fmha_iree.to_device(torch.zeros_like(x), device) for x in (q, k, v)), sq, sk, mask=mask)
                 out = f.varlen(*ins, sq, sk, mask=mask)
-                out = out.to_torch() if src != "host" else torch.as_tensor(np.asarray(out))
+                if src != "host":
+                    out = out.to_torch()
+                elif not isinstance(out, torch.Tensor):  # torch in, torch out (bf16 has no numpy type)
+                    out = torch.as_tensor(np.asarray(out))
                 err = (out.double() - ref).abs().max().item()
                 worst = max(worst, err)
                 print(f"  varlen {pr['dtype']} d{d} g{g} Tq={int(sq[-1])} Tk={int(sk[-1])} ({len(lq)} sequences) "

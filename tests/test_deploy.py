@@ -125,12 +125,21 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
             if has_fwd:  # every attention op of fwd / fwd_ragged on MFMA, padded head dims included
                 ops = [k for k in isa if k["kernel"].startswith("fwd") and "attention" in k["kernel"]]
                 assert ops and all(k["mfma_count"] + k["wmma_count"] for k in ops), (r["module"], ops)
+            # the plan's step on MFMA / WMMA too, head dims 96 / 192 computed at 128 / 256
+            # (source.step_compute); not f32, nor gfx1100 bf16 d192 (its 256 is refused)
+            if r["dtype"] != "f32" and (r["target"], r["dtype"], r["hdim"]) != ("gfx1100", "bf16", 192):
+                steps = [k for k in isa if k["kernel"].startswith("step") and "attention" in k["kernel"]]
+                assert steps and all(k["mfma_count"] + k["wmma_count"] for k in steps), (r["module"], steps)
         else:
             assert man["isa"] is None
         if man["target"]["backend"] == "cuda":  # every exp2 expansion became ex2.approx (fmha_iree/ptx.py)
             ex = man["native_exp2"]
             assert ex["replaced"] > 0 and ex["floors_left"] == 0, (r["module"], ex)
             assert (out / f"{r['module']}.vmfb").read_bytes().count(b"ex2.approx.ftz.f32") >= ex["replaced"]
+            if r["dtype"] != "f32":  # the plan's step on mma.sync, padded head dims included
+                step = [t for n, t in _ptx_entries(out / "dumps" / r["module"]).items()
+                        if n.startswith("step") and "attention" in n]
+                assert step and all("mma.sync" in t for t in step), r["module"]
             if has_fwd:  # K / V / Q read with vector loads (compile.CUDA_FLAGS), not 16-bit scalars
                 ptx = [p for p in (out / "dumps" / r["module"]).glob("*_fwd*.ptx") if "mma.sync" in p.read_text()]
                 scalar = {p.name: p.read_text().count("ld.global.nc.b16") for p in ptx}

@@ -75,6 +75,22 @@ def test_fused_step_padding_and_f16_bshd(fused_module):
     assert_close(lse, ref_lse, torch.float16, kind="lse", what="fused f16 bshd padded lse")
 
 
+@pytest.mark.parametrize("mask,sq,sk", [("b", 77, 130), ("t:3,40", 130, 77), ("0", 50, 200), ("b:20,5", 90, 90)],
+                         ids=["b-77x130", "t-130x77", "0-50x200", "window-90x90"])
+def test_fused_step_padded_head_dims(fused_module, mask, sq, sk):
+    """Head dims without tiles of their own (Dq 96, Dv 192) are computed zero-padded to 128 / 256
+    by the step (source.step_compute): Q / K / V gathered with zero columns, the output cut back
+    to Dv; GQA, bshd, f16."""
+    q, k, v = make_qkv(seed_of("fused-padded", mask, sq, sk), B=2, Hq=4, Hk=2, Sq=sq, Sk=sk, Dq=96, Dv=192,
+                       layout="bshd", dtype=torch.float16)
+    mod = fused_module("f16", "bshd", 2, 96, 192)
+    p, (out, lse) = _run(mod, q, k, v, mask, layout="bshd")
+    assert dense_kind(p, mod.dense) is None and out.shape[-1] == 192
+    ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout="bshd")
+    assert_close(out, ref_out, torch.float16, what=f"padded-dims out mask={mask}")
+    assert_close(lse, ref_lse, torch.float16, kind="lse", what=f"padded-dims lse mask={mask}")
+
+
 # The one-call entry points: aligned lengths, every layout, GQA, dtype; the mask decides the path.
 DENSE_CASES = [
     # (mask, sq, sk, expected path)

@@ -167,3 +167,28 @@ def test_cuda_tiles_edge_subgroups(dtype, hdim, edge_warps):
     spec = KernelSpec(dtype, "bshd", 1, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, dtype), t)
     sizes = [(masked, size) for _, size, _, masked, _ in _fwd_ops(render_tiles(fwd_plan(spec)), "fwd_tiles")]
     assert sorted(sizes) == [(False, 128), (True, 32 * edge_warps)], sizes
+
+
+@pytest.mark.parametrize("arch,dtype,hdim,computed,intrinsic", [
+    ("gfx942", "bf16", 96, 128, "MFMA"), ("gfx90a", "f16", 192, 256, "MFMA"), ("gfx1100", "f16", 96, 128, "WMMA"),
+    ("sm_80", "f16", 96, 128, "NV_MMA_SYNC"), ("gfx1201", "f16", 192, 256, None), ("gfx1100", "bf16", 192, 192, None),
+    ("gfx942", "f32", 96, 96, None)])
+def test_step_computes_padded_head_dims(arch, dtype, hdim, computed, intrinsic):
+    """The plan's ``step`` computes head dims 96 / 192 zero-padded to 128 / 256 with the matrix
+    intrinsic of those (IREE's own config at 96 / 192 has none; gfx1201 at 256 keeps IREE's own,
+    which has WMMA); f32, and gfx1100 bf16 whose 256 is refused, stay at their own dims."""
+    import re
+
+    t = Target.from_name(arch)
+    spec = KernelSpec(dtype, "bshd", 2, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, dtype), t)
+    text = source_mlir(spec, with_fwd=False)
+    step = text[text.index("@step("):]
+    op = step[step.index("iree_linalg_ext.online_attention"):]
+    op = op[:op.index("^bb0")]
+    q_type = re.search(r"ins\([^:]*:\s*tensor<\?x\d+x(\d+)x", op)
+    assert int(q_type.group(1)) == computed, op
+    kind = re.search(r"mma_kind = #iree_gpu\.(?:virtual_)?mma_layout<(\w+)>", op)
+    if intrinsic is None:  # IREE picks the config
+        assert kind is None, op
+    else:
+        assert kind and kind.group(1).startswith(intrinsic), op

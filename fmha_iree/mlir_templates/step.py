@@ -10,7 +10,7 @@ from .lowering import _load, checked_fields, render_lowering_attrs
 
 def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int,
                        dq: int, dv: int, lowering: Mapping[str, Any] | str | None = None,
-                       masked: bool = True) -> str:
+                       masked: bool = True, compute_dims: tuple[int, int] | None = None) -> str:
     """MLIR text of `util.func public @func_name` implementing one wave of the plan.
 
     Signature (dynamic: B, Sq, Sk, Hq, Hk, NT, P; M = group * r):
@@ -22,9 +22,14 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
     ``mlir/step_gathers_cpu.mlir.in`` (K gathered transposed, lowering configs of their own);
     other lowerings those of ``mlir/step_gathers.mlir.in``. ``masked=False`` (CPU only) leaves
     the visibility mask out: the function then takes only units whose rows all see every key of
-    their chunk (``plan.Block.unmasked``).
+    their chunk (``plan.Block.unmasked``). ``compute_dims`` (GPU gathers only): the head dims
+    ``(Dq', Dv')`` the op computes at, the gathered tiles zero past ``dq`` / ``dv`` and the op's
+    output cut back to ``dv`` (``lowering`` is then that of the wider dims).
     """
     t = checked_fields(dtype, layout, group=group, r=r, c=c, dq=dq, dv=dv)
+    dqp, dvp = (int(dq), int(dv)) if compute_dims is None else map(int, compute_dims)
+    if dqp < int(dq) or dvp < int(dv):
+        raise ValueError(f"compute_dims {compute_dims} narrower than the head dims {dq} / {dv}")
     m_total = int(group) * int(r)
     if layout == "bshd":
         seq_dim = 1
@@ -40,17 +45,18 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
     st = "i16" if cpu and t == "bf16" else t  # CPU modules pass bf16 as its int16 bits
     if cpu:
         t = "f32"
+        if (dqp, dvp) != (int(dq), int(dv)):
+            raise ValueError("compute_dims wider than the head dims are rendered for GPU gathers only")
     if t == "f32":
         scale_cast = "  %scale_t = arith.addf %scale_f32, %zero : f32"
     else:
         scale_cast = f"  %scale_t = arith.truncf %scale_f32 : f32 to {t}"
-    attn_props, attn_attrs = render_lowering_attrs(lowering, m_total=m_total, dv=int(dv),
-                                                   c=int(c))
-    fields = dict(T=t, ST=st, G=int(group), R=int(r), C=int(c), DQ=int(dq), DV=int(dv), M=m_total,
-                  q_index=q_index, kv_index=kv_index)
+    attn_props, attn_attrs = render_lowering_attrs(lowering, m_total=m_total, dv=dvp, c=int(c))
+    fields = dict(T=t, ST=st, G=int(group), R=int(r), C=int(c), DQ=int(dq), DV=int(dv), DQP=dqp, DVP=dvp,
+                  M=m_total, q_index=q_index, kv_index=kv_index)
     if not (masked or cpu):
         raise ValueError("an unmasked step is rendered for CPU lowerings only")
-    k_tile = (int(dq), int(c)) if cpu else (int(c), int(dq))
+    k_tile = (int(dq), int(c)) if cpu else (int(c), dqp)
     return _load("online_step.mlir.in").substitute(
         func_name=func_name, layout=layout, seq_dim=seq_dim, q_shape_doc=q_doc, k_shape_doc=k_doc,
         v_shape_doc=v_doc, scale_cast=scale_cast, attn_props=attn_props, attn_attrs=attn_attrs,
@@ -61,11 +67,22 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
 def _gathers(fields: dict, cpu: bool, masked: bool) -> str:
     """The step's gathers of Q / K / V and its mask (``fields``: the template's static fields)."""
     if not cpu:
-        return _load("step_gathers.mlir.in").substitute(**fields)
+        at = {k: fields[k].replace("%i2", "%dcol") for k in ("q_index", "kv_index")}
+        return _load("step_gathers.mlir.in").substitute(
+            {**fields, **at}, q_col=_column(fields["DQ"], fields["DQP"]), v_col=_column(fields["DV"], fields["DVP"]))
     mask = _load("step_mask_cpu.mlir.in").substitute(**fields, **_CPU_GATHER_CONFIGS) if masked else ""
     iotas = _iotas({fields["M"], fields["C"], fields["DQ"], fields["DV"]})
     return _load("step_gathers_cpu.mlir.in").substitute(iotas=iotas, to_t=_TO_F32[fields["ST"]], mask=mask,
                                                         **fields, **_CPU_GATHER_CONFIGS)
+
+
+def _column(d: int, dp: int) -> str:
+    """A gather's head-dim column: ``%dcol`` (the argument's column read) and ``%din`` (whether
+    the op's column ``%i2`` lies inside the argument's ``d``; the op computes at ``dp``)."""
+    if d == dp:  # both fold away
+        return "    %dcol = arith.addi %i2, %c0 : index\n    %din = arith.constant true"
+    return (f"    %dlast = arith.constant {d - 1} : index\n    %dcol = arith.minui %i2, %dlast : index\n"
+            f"    %dlen = arith.constant {d} : index\n    %din = arith.cmpi ult, %i2, %dlen : index")
 
 
 def _mask_fields(masked: bool, m_total: int, c: int) -> dict:
