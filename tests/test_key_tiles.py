@@ -176,6 +176,9 @@ def test_batch_pays():
     assert key_tiles.batch_pays(problem(n, n, "b")) and key_tiles.batch_pays(problem(n, n, "t"))
     assert not key_tiles.batch_pays(problem(n, n, "0")) and not key_tiles.batch_pays(problem(n - 64, n - 64, "b"))
     assert not key_tiles.batch_pays(problem(n, n + 64, "b"))
+    # sliding windows keep fwd's banded path, though their right edge is causal's
+    assert not key_tiles.batch_pays(problem(n, n, "b:256,0")) and not key_tiles.batch_pays(problem(n, n, "t:100,0"))
+    assert key_tiles.batch_pays(problem(n, n, f"b:{n},0"))  # a window as wide as the keys is causal
     assert key_tiles.batch_pays(problem(100, 100, "0", lens=[100, 60]))
 
 
