@@ -22,7 +22,7 @@ LAYERS = [
     ["paged"],  # a paged KV cache's validation and gather
     ["rows"],  # the CPU's whole-key-row graphs (used by the torch graph module)
     ["graph", "mlir_templates"],  # kernel families: the torch graph, MLIR templates and lowering configs
-    ["kernels"],  # the fwd family (uses mlir_templates' lowering configs)
+    ["kernels", "source_cpu"],  # the fwd family (uses mlir_templates' lowering configs); a CPU module's functions
     ["source"],  # what a module holds, as MLIR
     ["entries"],  # the manifest's table of a module's entry points
     ["compile"],  # iree-compile, caches
