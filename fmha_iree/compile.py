@@ -295,8 +295,11 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
         # executables are dumped where they are read (gfx ISA reports) or asked for: on the host
         # IREE then only remarks that it generated no executable benchmarks
         dumped = bool(dump_dir) or spec.target.backend == "rocm"
-        vmfb, record = compile_spec(spec, extra_flags=[f"--iree-hal-dump-executable-files-to={dump}"] if dumped else [],
-                                    native_exp2=native_exp2)
+        dump_flag = f"--iree-hal-dump-executable-files-to={dump}"
+        vmfb, record = compile_spec(spec, extra_flags=[dump_flag] if dumped else [], native_exp2=native_exp2)
+        if not dump_dir:  # a temporary folder, gone after the build: no part of how to build the module again
+            record = {**record, "flags": [f for f in record["flags"] if f != dump_flag],
+                      "command": [c for c in record["command"] if c != dump_flag]}
         isa = isa_report(dump, spec.target.arch) if spec.target.backend == "rocm" else None
         # checked where the executables are dumped (gfx, or asked for): a dump also points the
         # module's debug locations at the dumped files, so CUDA builds without --dump stay as they were

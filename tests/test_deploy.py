@@ -485,3 +485,27 @@ def test_dispatch_limits_name_what_the_runtime_refuses(tmp_path):
     (tmp_path / "a.mlir").write_text(export("ok", 16, 64) + export("wide", 19, 2))
     (tmp_path / "b.mlir").write_text(export("pushy", 3, 65))
     assert dispatch_limits(tmp_path) == ["pushy: 3 bindings, 65 constants", "wide: 19 bindings, 2 constants"]
+
+
+def test_manifest_flags_leave_out_a_temporary_dump(tmp_path, monkeypatch):
+    """A gfx build dumps its executables (for the ISA report) into a temporary folder unless given
+    one: the manifest's flags and command, how to build the module again, leave that folder out,
+    and keep a folder the caller chose."""
+    import fmha_iree.compile as C
+    from fmha_iree.spec import KernelSpec, check_tiles
+
+    seen = []
+
+    def fake_compile(spec, *, extra_flags=None, native_exp2=None):
+        seen.append(list(extra_flags or []))
+        flags = ["--iree-hal-target-device=hip", *(extra_flags or [])]
+        return b"vmfb", {"toolchain": {}, "flags": flags, "command": ["iree-compile", "<module>.mlir", *flags]}
+
+    monkeypatch.setattr(C, "compile_spec", fake_compile)
+    t = Target.from_name("gfx942")
+    spec = KernelSpec("f16", "bhsd", 1, 64, 64, check_tiles(None, t, 64, 64, "f16"), t)
+    man = C.build_artifact(spec, tmp_path / "a.vmfb")
+    assert any(f.startswith("--iree-hal-dump-executable-files-to=") for f in seen[0])
+    assert not any("dump-executable" in f for f in man["flags"] + man["command"]), man["flags"]
+    man = C.build_artifact(spec, tmp_path / "b.vmfb", dump_dir=tmp_path / "dumps")
+    assert f"--iree-hal-dump-executable-files-to={tmp_path / 'dumps'}" in man["flags"]
