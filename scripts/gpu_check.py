@@ -25,7 +25,6 @@ import numpy as np
 def main():
     import torch
 
-    import fmha_iree
     from fmha_iree import Mask
     from fmha_iree import load
 
