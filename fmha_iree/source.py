@@ -248,18 +248,16 @@ def step_compute(spec: KernelSpec) -> tuple[tuple[int, int], dict | None]:
     columns per workgroup (kN1) and at most the rows of the padded dims' default tile. f32 stays
     at its own dims (no matrix intrinsic to gain), as do padded dims the target refuses
     (``tiles.not_supported_reasons``: gfx1100 bf16 at 256)."""
-    from .tiles import compute_head_dim, default_tiles, not_supported_reasons
+    from .tiles import not_supported_reasons
 
-    t, tg = spec.tiles, spec.target
-    dims = (compute_head_dim(spec.dq), compute_head_dim(spec.dv))
-    if dims == (spec.dq, spec.dv) or spec.dtype == "f32":
+    padded = _padded_heads(spec)
+    dims, t, wide, tg = (padded.dq, padded.dv), spec.tiles, padded.tiles, spec.target
+    if dims == (spec.dq, spec.dv) or spec.dtype == "f32" or (
+            tg.family != "cpu" and not_supported_reasons(wide, tg.family, tg.arch, *dims, spec.dtype)):
         return (spec.dq, spec.dv), gpu_lowering(spec)
-    wide = default_tiles(tg.family, *dims, tg.arch, spec.dtype)
-    if tg.family != "cpu" and not_supported_reasons(wide, tg.family, tg.arch, *dims, spec.dtype):
-        return (spec.dq, spec.dv), gpu_lowering(spec)
-    rows = min(t.m0, wide.m0) if t.m0 % min(t.m0, wide.m0) == 0 else t.m0
-    tiles = dataclasses.replace(t, m0=rows, n1=wide.n1)
-    return dims, gpu_lowering(dataclasses.replace(spec, dq=dims[0], dv=dims[1], tiles=tiles))
+    rows = min(t.m0, wide.m0)
+    rows = rows if t.m0 % rows == 0 else t.m0
+    return dims, gpu_lowering(dataclasses.replace(padded, tiles=dataclasses.replace(t, m0=rows, n1=wide.n1)))
 
 
 def _with_funcs(text: str, funcs: list[str]) -> str:

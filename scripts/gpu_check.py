@@ -154,6 +154,9 @@ def _check_paged(f, pr, dt, device: str) -> float:
     hk, worst, (lq, lk) = hq // g, 0.0, PAGED
     sq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
     q = torch.randn(int(sq[-1]), hq, d, dtype=dt)
+    # device arrays where the module reads a paged cache in place (fwd_ragged's family); a module
+    # without it reads one from host arrays only
+    on_device = "fwd_ragged" in f.manifest["entry_points"]
     for page in (16, 64, 256):
         n = [-(-x // page) for x in lk]
         perm = np.random.default_rng(page).permutation(sum(n) + 3)  # three free pages
@@ -166,9 +169,6 @@ def _check_paged(f, pr, dt, device: str) -> float:
             for j in range(x):
                 kc[bt[b, j // page], j % page], vc[bt[b, j // page], j % page] = kb[j], vb[j]
             keys.append((kb, vb))
-        # device arrays where the module reads a paged cache in place (fwd_ragged's family); a
-        # module without it reads one from host arrays only
-        on_device = "fwd_ragged" in f.manifest["entry_points"]
         ins = tuple(fmha_iree.to_device(x, device) for x in (q, kc, vc)) if on_device else (q, kc, vc)
         for mask in ("b", "0", "t:20,5"):
             out = f.varlen(*ins, sq, None, seqlen_k=np.array(lk, np.int32), block_table=bt, mask=mask)
