@@ -199,9 +199,10 @@ def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str) -> dict:
                  "NL": [[], "i64 scalar"], "RL": [[], "i64 scalar"], "E": [[], "i64 scalar"]},
         "results": {"out": [seq(hq, spec.dv), t], "lse": [["NL", hq, "RL"], "f32"],
                     "scratch": [scratch + (["tiles' Q"] if spec.group > 1 else []), "dropped by the caller"]},
-        "rows": shape.rows, "edge_keys": shape.ew, "key_step": STEP, "table_columns": list(TILE_COLUMNS),
+        "rows": shape.rows, "edge_keys": shape.ew, "edge_parts": shape.parts, "key_step": STEP,
+        "table_columns": list(TILE_COLUMNS),
         "note": (f"tiles of {shape.rows} query rows (G heads of a KV head as rows), each over its own keys: "
-                 "idx holds the table [N, 8] longest first, then each out row's tile row (B * Sq) and each LSE "
+                 f"idx holds the table [N, {len(TILE_COLUMNS)}] longest first, then each out row's tile row (B * Sq) and each LSE "
                  "row's (NL * RL), -1 for rows no sequence owns (fmha_iree.key_tiles.tile_table); a tile's "
                  "rows all see keys [0, nk) of its sequence, some see [nk, nk + ne)"),
     }}

@@ -66,8 +66,12 @@ def tile_table(info: dict, mask, starts, tq: int, entry=None) -> tuple[np.ndarra
     assert (ne <= ew).all(), "an edge wider than the module's bound"
     q0 = np.minimum(q_start[b] + p0, tq - pos)
     pos0 = q0 - q_start[b]
+    # the edge keys of the tile's first pos // 2 positions (pos0 on; the keys a row sees after the
+    # interior grow with its position): the left slope, then those after the interior in whole steps
+    hi_half = np.clip(np.minimum(np.minimum(pos0 + pos // 2 - 1, last) + x[b], k_len[b]), 0, None)
+    nh = np.minimum(nl + np.maximum(-(-(hi_half - lo - nk) // step) * step, 0), ne)
     cols = {"q0": q0, "k0": k_start[b], "nk": nk, "ne": ne, "pos0": pos0, "kl": k_len[b], "x": x[b], "entry": entry[b],
-            "y": y[b], "lo": lo, "nl": nl}
+            "y": y[b], "lo": lo, "nl": nl, "nh": nh}
     table = np.stack([cols[name] for name in TILE_COLUMNS], axis=1)
     order = np.argsort(-(nk + ne), kind="stable")
     table, b, p0, last, pos0 = table[order], b[order], p0[order], last[order], pos0[order]

@@ -61,7 +61,8 @@ def test_table_covers_what_each_row_sees(mask, seed):
     pos = INFO["rows"] // INFO["group"]
     assert (np.diff(table[:, 2] + table[:, 3]) <= 0).all(), "tiles longest first"
     col = {name: table[:, i] for i, name in enumerate(TILE_COLUMNS)}
-    assert all(((col[c] % INFO["step"]) == 0).all() for c in ("nk", "ne", "nl")) and (col["nl"] <= col["ne"]).all()
+    assert all(((col[c] % INFO["step"]) == 0).all() for c in ("nk", "ne", "nl", "nh"))
+    assert (col["nl"] <= col["nh"]).all() and (col["nh"] <= col["ne"]).all()
     assert (table[:, 3] <= widest).all() and widest <= INFO["ew"] and widest % INFO["step"] == 0
     assert (table[:, 0] + pos <= tq).all()
     seen = np.zeros(tq, int)
@@ -74,7 +75,9 @@ def test_table_covers_what_each_row_sees(mask, seed):
             q0, k0, nk, ne, pos0 = table[t, :5]
             lo, nl = col["lo"][t], col["nl"][t]
             assert pos0 + row == i and q0 - pos0 == starts[0][b] and k0 == starts[2][b]
-            edge = np.r_[lo - nl:lo, lo + nk:lo + nk + ne - nl]
+            # the first half of a tile's positions reads the edge's first nh keys only
+            span = col["nh"][t] if row < pos // 2 else ne
+            edge = np.r_[lo - nl:lo, lo + nk:lo + nk + span - nl]
             assert vis[i, lo:lo + nk].all() and lo + nk <= lk[b]
             assert np.isin(np.flatnonzero(vis[i]), np.r_[lo:lo + nk, edge]).all()
             seen[starts[0][b] + i] += 1

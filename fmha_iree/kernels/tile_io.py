@@ -17,19 +17,22 @@ from .workgroups import Body, inner_size, load
 __all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "TilesFn", "tile_row", "gathered_keys", "edge_inputs",
            "q_tiles", "gathered", "edge_key"]
 
-TILE_COLUMNS = ("q0", "k0", "nk", "ne", "pos0", "kl", "x", "entry", "y", "lo", "nl")  # a tile's row of the table
+# a tile's row of the table; ``nh``: the edge keys its first half of positions sees (a prefix of ``ne``)
+TILE_COLUMNS = ("q0", "k0", "nk", "ne", "pos0", "kl", "x", "entry", "y", "lo", "nl", "nh")
 TILE_FIELDS = len(TILE_COLUMNS)
 STEP = 64  # the interior's key count is a multiple of it (the ops' key steps divide it)
 
 @dataclasses.dataclass(frozen=True)
 class TilesShape:
     """The static sizes of ``fwd_tiles``: ``rows`` (R, state rows per tile), ``ew`` (edge keys at
-    most), the op lowering (a workgroup is the whole op: ``workgroup_m == rows``)."""
+    most), the op lowering (a workgroup is the whole op: ``workgroup_m == rows``), ``parts``: the
+    edge's workgroups per tile (each over ``rows / parts`` rows; 1 or 2)."""
 
     rows: int
     group: int
     ew: int
     lowering: dict
+    parts: int = 1
 
     @property
     def positions(self) -> int:

@@ -19,7 +19,8 @@ op's key count dynamic per workgroup, one loop whose trip count each workgroup r
    V must be finite), and the edge's mask ``[tiles, R, EW]`` (CK's rule with the sequence's ``y``, ``x``);
 2. the interior: an unmasked ``online_attention`` over ``nk`` keys read in place -> f32 state;
 3. the edge: a masked op over ``ne`` keys chained on that state, normalized -> each tile's rows of
-   out and LSE;
+   out and LSE; two workgroups a tile (``EDGE_PARTS``), the first half of its rows over the ``nh``
+   keys they see;
 4. out (the layout of q) and LSE ``[NL, Hq, RL]`` gathered from the tiles' rows (the table's row
    maps; rows no sequence owns are 0 / -inf).
 
@@ -50,6 +51,11 @@ __all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "tiles_shape", "
 # 0.958, 256 / 32 1.167; B4 S4096 causal 1.809 / 1.850 / 1.989.
 GPU_ROWS, GPU_K2 = 128, 64
 CPU_ROWS, CPU_K2 = 64, 16  # llvm-cpu (tests): whole rows per workgroup, short vector steps
+# The edge's workgroups per tile, each over half the tile's rows and the keys those rows see (a
+# causal tile's first half needs one key step of the two). H100, sm_80 f16 d128, two rounds
+# (2026-12-05, docs/BENCHMARKS.md, "The tiles' edge in halves"): 16 causal sequences 1.197 /
+# 1.187 -> 1.143 / 1.146 ms, B4 S4096 causal 1.958 / 1.948 -> 1.910 / 1.900 against one part.
+EDGE_PARTS = 2
 
 
 def tiles_shape(p: Plan) -> TilesShape | None:
@@ -61,6 +67,7 @@ def tiles_shape(p: Plan) -> TilesShape | None:
         return None
     if lw.get("backend") == "cpu":
         rows, low = CPU_ROWS, {"backend": "cpu", "workgroup_m": CPU_ROWS, "vector_m": 2, "reduction_k2": CPU_K2}
+        edge_rows = 2  # the CPU lowering's vector rows
     else:
         from .banded import band_tier
 
@@ -70,32 +77,40 @@ def tiles_shape(p: Plan) -> TilesShape | None:
         if not k2:
             return None
         low = {**{k: v for k, v in tier.lowering.items() if k != "masked"}, "reduction_k2": k2, "workgroup_m": rows}
-        if p.dv >= 128:
-            # the edge (the masked op) on one subgroup per 16 rows: at 32 rows a warp both ops spill
-            # (ptxas for sm_90, f16 d128: interior 388 bytes, edge 228), at 16 neither; the edge
-            # then ran the 16-sequence prefill 2.5-3.5% faster, the interior 30% slower in a sweep
-            # (H100, 2026-12-05, two rounds: 1.230 / 1.241 -> 1.200 / 1.197 ms; docs/BENCHMARKS.md)
-            sg = int(low.get("subgroup_size", 32))
-            low["masked"] = {"subgroups_m": rows // 16, "workgroup_size": sg * rows // 16}
+        # the edge (the masked op) on one subgroup per 16 rows where Dv >= 128: at 32 rows a warp
+        # both ops spill (ptxas for sm_90, f16 d128: interior 388 bytes, edge 228), at 16 neither;
+        # the edge then ran the 16-sequence prefill 2.5-3.5% faster, the interior 30% slower in a
+        # sweep (H100, 2026-12-05, two rounds: 1.230 / 1.241 -> 1.200 / 1.197 ms; docs/BENCHMARKS.md)
+        edge_rows = 16 if p.dv >= 128 else rows // int(low.get("subgroups_m", 1))
     if rows % p.group:
         return None
     pos = rows // p.group
+    parts = EDGE_PARTS if pos % EDGE_PARTS == 0 and (rows // EDGE_PARTS) % edge_rows == 0 else 1
+    if low.get("backend") == "cpu":
+        low["masked"] = {"workgroup_m": rows // parts}
+    else:
+        sg, m = int(low.get("subgroup_size", 32)), rows // parts
+        low["masked"] = {"workgroup_m": m, "subgroups_m": m // edge_rows, "workgroup_size": sg * m // edge_rows}
     # an edge: before the interior, pos - 1 keys of a window's left slope; after it, < STEP keys of
     # rounding + pos - 1 of the right slope (key_tiles.tile_table)
     ew = -(-(pos - 1) // STEP) * STEP + -(-(pos + STEP - 2) // STEP) * STEP
-    return TilesShape(rows, p.group, ew, low)
+    return TilesShape(rows, p.group, ew, low, parts)
 
 
-def _q_tile(b: Body, c: TilesFn, q, row: dict[str, str], hk: str, tile: str, dims: dict) -> Operand:
-    """The tile's Q rows ``[R, Dq]`` (positions x the G heads of KV head ``hk``): read in place
-    where ``G == 1``, else from the tiles' copy (``q_tiles``: rows of G heads are no strided view
-    of Q, and a collapse inside the dispatch fails to compile for CUDA and llvm-cpu)."""
+def _q_tile(b: Body, c: TilesFn, q, row: dict[str, str], hk: str, tile: str, dims: dict, rows: tuple | None = None
+            ) -> Operand:
+    """The tile's Q rows ``[R, Dq]`` (positions x the G heads of KV head ``hk``), or ``rows`` =
+    (first, count) of them: read in place where ``G == 1``, else from the tiles' copy (``q_tiles``:
+    rows of G heads are no strided view of Q, and a collapse inside the dispatch fails to compile
+    for CUDA and llvm-cpu)."""
     p, t = c.p, c.t
-    ty = tensor_type([t.rows, p.dq], p.dtype)
+    r0, n = rows or (b.c(0), t.rows)
+    ty = tensor_type([n, p.dq], p.dtype)
     if t.group == 1:
-        loaded = c.load_rows(b, q, row["entry"], row["q0"], hk, t.rows, dims["tq"], dims["hq"], ty)
+        first = b.let(f"arith.addi {row['q0']}, {r0} : index")
+        loaded = c.load_rows(b, q, row["entry"], first, hk, n, dims["tq"], dims["hq"], ty)
         return Operand(loaded, ty, ("m", "k1"))
-    return Operand(load(b, q, [tile, hk, b.c(0), b.c(0)], [1, 1, t.rows, p.dq], ty), ty, ("m", "k1"))
+    return Operand(load(b, q, [tile, hk, r0, b.c(0)], [1, 1, n, p.dq], ty), ty, ("m", "k1"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +129,14 @@ class _Part:
     def type(self) -> str:
         return tensor_type(["?", "?", *self.shape], "f32")
 
-    def at(self, b: Body, tile: str, hk: str) -> tuple[list[str], list[int]]:
-        """(offsets, sizes) of the tile's slice for ``load`` / ``store``."""
-        return [tile, hk] + [b.c(0)] * len(self.shape), [1, 1, *self.shape]
+    def at(self, b: Body, tile: str, hk: str, rows: tuple | None = None) -> tuple[list[str], list[int]]:
+        """(offsets, sizes) of the tile's slice for ``load`` / ``store``, or of ``rows`` =
+        (first, count) of its rows."""
+        r0, n = rows or (b.c(0), self.shape[0])
+        return [tile, hk, r0] + [b.c(0)] * (len(self.shape) - 1), [1, 1, n, *self.shape[1:]]
+
+    def rows_type(self, n: int) -> str:
+        return tensor_type([n, *self.shape[1:]], "f32")
 
 
 def _parts(c: TilesFn) -> list[_Part]:
@@ -171,9 +191,12 @@ def _interior(c: TilesFn) -> list[str]:
 
 def _edge(c: TilesFn, state: list[str], mask: str, ek: str, ev: str) -> list[str]:
     """Dispatch 3: the edge keys chained on the state, normalized: each tile's out ``[N, Hk, R,
-    Dv]`` and LSE ``[N, Hk, R]`` (natural log; -inf where a row saw no key)."""
+    Dv]`` and LSE ``[N, Hk, R]`` (natural log; -inf where a row saw no key). With ``parts == 2``
+    a workgroup takes half a tile's rows: the first half the ``nh`` keys its rows see (a prefix of
+    the edge: the left slope, then the keys after the interior), the second all ``ne``."""
     fn, p, t = c.fn, c.p, c.t
-    R, ew = t.rows, t.ew
+    R, ew, parts = t.rows, t.ew, t.parts
+    rh = R // parts
     ops = [c.q_src, *c.dim_ops(), (ek, tensor_type(["?", "?", "?", p.dq], p.dtype), [c.n, c.hk, c.e]),
            (ev, tensor_type(["?", "?", "?", p.dv], p.dtype), [c.n, c.hk, c.e]),
            (mask, tensor_type(["?", R, "?"], "i1"), [c.n, c.e]),
@@ -183,30 +206,42 @@ def _edge(c: TilesFn, state: list[str], mask: str, ek: str, ev: str) -> list[str
 
     def body(b: Body, a, outs):
         hk = b.let("flow.dispatch.workgroup.id[0] : index")
-        tile = b.let("flow.dispatch.workgroup.id[1] : index")
+        wid = b.let("flow.dispatch.workgroup.id[1] : index")
+        tile, r0 = wid, b.c(0)
+        if parts > 1:
+            tile = b.let(f"arith.divui {wid}, {b.c(parts)} : index")
+            half = b.let(f"arith.remui {wid}, {b.c(parts)} : index")
+            r0 = b.let(f"arith.muli {half}, {b.c(rh)} : index")
         row = tile_row(b, a[c.table], tile)
-        ne = b.let(f"util.assume.int {row['ne']}<umin = 0, umax = {ew}, udiv = {STEP}> : index")
-        q = _q_tile(b, c, a[c.q_src[0]], row, hk, tile, c.dims_in(a))
+        ne = row["ne"]
+        if parts > 1:
+            first = b.let(f"arith.cmpi eq, {half}, {b.c(0)} : index")
+            ne = b.let(f"arith.select {first}, {row['nh']}, {ne} : index")
+        ne = b.let(f"util.assume.int {ne}<umin = 0, umax = {ew}, udiv = {STEP}> : index")
+        rows = (r0, rh)
+        q = _q_tile(b, c, a[c.q_src[0]], row, hk, tile, c.dims_in(a), rows)
         kv = []
         for name, d, role in ((ek, p.dq, "k1"), (ev, p.dv, "n")):
             ty = tensor_type(["?", d], p.dtype)
             kv.append(Operand(load(b, a[name], [tile, hk, b.c(0), b.c(0)], [1, 1, ne, d], ty), ty, ("k2", role)))
-        mty = tensor_type([R, "?"], "i1")
-        m = Operand(load(b, a[mask], [tile, b.c(0), b.c(0)], [1, R, ne], mty), mty, ("m", "k2"))
-        prev = [Operand(load(b, a[s], *part.at(b, tile, hk), part.tile_type), part.tile_type, part.dims)
+        mty = tensor_type([rh, "?"], "i1")
+        m = Operand(load(b, a[mask], [tile, r0, b.c(0)], [1, rh, ne], mty), mty, ("m", "k2"))
+        prev = [Operand(load(b, a[s], *part.at(b, tile, hk, rows), part.rows_type(rh)), part.rows_type(rh), part.dims)
                 for s, part in zip(state, _parts(c))]
         acc, mx, sm = online_attention(fn, q=q, k=kv[0], v=kv[1], scale=_scale(b, c, a["%scale"]), scale_type=p.dtype,
                                        outs=prev, nb=0, lowering=t.lowering, dv=p.dv, mask=m)
-        o, lse = _normalized(b, c, acc, mx, sm)
-        store(b, o, tensor_type([R, p.dv], p.dtype), outs[0], [tile, hk, b.c(0), b.c(0)], [1, 1, R, p.dv])
-        store(b, lse, tensor_type([R], "f32"), outs[1], [tile, hk, b.c(0)], [1, 1, R])
+        o, lse = _normalized(b, c, acc, mx, sm, rh)
+        store(b, o, tensor_type([rh, p.dv], p.dtype), outs[0], [tile, hk, r0, b.c(0)], [1, 1, rh, p.dv])
+        store(b, lse, tensor_type([rh], "f32"), outs[1], [tile, hk, r0], [1, 1, rh])
 
-    return workgroups(fn, (c.hk, c.n), ops, [(ty, [c.n, c.hk]) for ty in out_tys], body)
+    return workgroups(fn, (c.hk, fn.mul(c.n, parts) if parts > 1 else c.n), ops,
+                      [(ty, [c.n, c.hk]) for ty in out_tys], body)
 
 
-def _normalized(b: Body, c: TilesFn, acc: str, mx: str, sm: str) -> tuple[str, str]:
-    """(acc / sum in the input type, LSE = (max + log2 sum) ln 2), 0 and -inf where sum is 0."""
-    R, dv, dt = c.t.rows, c.p.dv, c.p.dtype
+def _normalized(b: Body, c: TilesFn, acc: str, mx: str, sm: str, R: int) -> tuple[str, str]:
+    """(acc / sum of ``R`` rows in the input type, LSE = (max + log2 sum) ln 2), 0 and -inf where
+    sum is 0."""
+    dv, dt = c.p.dv, c.p.dtype
     at, vt = tensor_type([R, dv], "f32"), tensor_type([R], "f32")
     ot = tensor_type([R, dv], dt)
     e = b.let(f"tensor.empty() : {ot}")
