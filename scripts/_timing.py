@@ -4,6 +4,7 @@ as bench.json and bench.csv."""
 
 import csv
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -78,14 +79,18 @@ def torch_device_time(fn, reps: int, blocks: int = 3) -> float:
 
 
 def host_time(fn, reps: int) -> float:
-    """Host seconds to issue one call of ``fn`` (the wait for the last result not counted)."""
+    """Host seconds to issue one call of ``fn`` with the device idle: each call's issue timed on
+    its own, then its result waited for (not counted); the median. (Issued back to back, a call
+    longer on the device than on the host waits for room in the runtime's queue and its upload
+    ring, which such a figure would count as the host's.)"""
     _wait_last(fn())
-    t0 = time.perf_counter()
+    times = []
     for _ in range(reps):
+        t0 = time.perf_counter()
         res = fn()
-    t1 = time.perf_counter()
-    _wait_last(res)
-    return (t1 - t0) / reps
+        times.append(time.perf_counter() - t0)
+        _wait_last(res)
+    return statistics.median(times)
 
 
 def write_rows(out_dir, rows: list[dict]):
