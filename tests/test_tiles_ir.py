@@ -156,18 +156,20 @@ def test_rdna_fwd_at_dv_256(arch, hdim):
     assert 32 in [o[4] for o in ops], ops
 
 
-@pytest.mark.parametrize("dtype,hdim,edge_warps", [("f16", 128, 4), ("bf16", 128, 4), ("f16", 64, 2)])
-def test_cuda_tiles_edge_subgroups(dtype, hdim, edge_warps):
-    """``fwd_tiles`` on CUDA: the interior op keeps 128 rows at 32 rows a warp (4 warps); the
-    masked edge op takes half a tile's rows (``EDGE_PARTS``), from Dv 128 at one warp per 16 rows,
-    where neither spills (``tiles_shape``)."""
+@pytest.mark.parametrize("dtype,hdim,edge_rows,edge_warps", [("f16", 128, 64, 4), ("bf16", 128, 64, 4),
+                                                             ("f16", 64, 128, 4), ("f16", 256, 128, 8)])
+def test_cuda_tiles_edge_subgroups(dtype, hdim, edge_rows, edge_warps):
+    """``fwd_tiles`` on CUDA: the interior op keeps 128 rows at 32 rows a warp (Dv 256: 16); the
+    masked edge op takes one warp per 16 rows from Dv 128, and half a tile's rows
+    (``EDGE_PARTS``) where that keeps the interior's warps (``tiles._gpu_edge``)."""
     from fmha_iree.kernels.tiles import render_tiles
     from fmha_iree.source import fwd_plan
 
     t = Target.from_name("sm_80")
     spec = KernelSpec(dtype, "bshd", 1, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, dtype), t)
     ops = [(masked, rows, size) for rows, size, _, masked, _ in _fwd_ops(render_tiles(fwd_plan(spec)), "fwd_tiles")]
-    assert sorted(ops) == [(False, 128, 128), (True, 64, 32 * edge_warps)], ops
+    interior = 256 if hdim == 256 else 128
+    assert sorted(ops) == [(False, 128, interior), (True, edge_rows, 32 * edge_warps)], ops
 
 
 @pytest.mark.parametrize("arch,dtype,hdim,computed,intrinsic", [

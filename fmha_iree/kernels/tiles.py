@@ -67,34 +67,42 @@ def tiles_shape(p: Plan) -> TilesShape | None:
         return None
     if lw.get("backend") == "cpu":
         rows, low = CPU_ROWS, {"backend": "cpu", "workgroup_m": CPU_ROWS, "vector_m": 2, "reduction_k2": CPU_K2}
-        edge_rows = 2  # the CPU lowering's vector rows
+        if rows % p.group:
+            return None
+        parts = EDGE_PARTS if (rows // p.group) % EDGE_PARTS == 0 else 1
+        low["masked"] = {"workgroup_m": rows // parts}
     else:
         from .banded import band_tier
 
         tier = band_tier(p.main, GPU_ROWS)
         rows = tier.tile_rows
         k2 = min(GPU_K2, STEP) if STEP % int(tier.lowering.get("reduction_k2", 32)) == 0 else 0
-        if not k2:
+        if not k2 or rows % p.group:
             return None
         low = {**{k: v for k, v in tier.lowering.items() if k != "masked"}, "reduction_k2": k2, "workgroup_m": rows}
-        # the edge (the masked op) on one subgroup per 16 rows where Dv >= 128: at 32 rows a warp
-        # both ops spill (ptxas for sm_90, f16 d128: interior 388 bytes, edge 228), at 16 neither;
-        # the edge then ran the 16-sequence prefill 2.5-3.5% faster, the interior 30% slower in a
-        # sweep (H100, 2026-12-05, two rounds: 1.230 / 1.241 -> 1.200 / 1.197 ms; docs/BENCHMARKS.md)
-        edge_rows = 16 if p.dv >= 128 else rows // int(low.get("subgroups_m", 1))
-    if rows % p.group:
-        return None
+        parts, low["masked"] = _gpu_edge(low, rows, rows // p.group, p.dv)
     pos = rows // p.group
-    parts = EDGE_PARTS if pos % EDGE_PARTS == 0 and (rows // EDGE_PARTS) % edge_rows == 0 else 1
-    if low.get("backend") == "cpu":
-        low["masked"] = {"workgroup_m": rows // parts}
-    else:
-        sg, m = int(low.get("subgroup_size", 32)), rows // parts
-        low["masked"] = {"workgroup_m": m, "subgroups_m": m // edge_rows, "workgroup_size": sg * m // edge_rows}
     # an edge: before the interior, pos - 1 keys of a window's left slope; after it, < STEP keys of
     # rounding + pos - 1 of the right slope (key_tiles.tile_table)
     ew = -(-(pos - 1) // STEP) * STEP + -(-(pos + STEP - 2) // STEP) * STEP
     return TilesShape(rows, p.group, ew, low, parts)
+
+
+def _gpu_edge(low: dict, rows: int, pos: int, dv: int) -> tuple[int, dict]:
+    """(parts, the masked op's layout) on GPUs. The edge takes one subgroup per 16 rows where Dv
+    >= 128: at 32 rows a warp both ops spill (ptxas for sm_90, f16 d128: interior 388 bytes, edge
+    228), at 16 neither; the edge then ran the 16-sequence prefill 2.5-3.5% faster (H100,
+    2026-12-05, two rounds: 1.230 / 1.241 -> 1.200 / 1.197 ms; docs/BENCHMARKS.md). It splits in
+    ``EDGE_PARTS`` where a part keeps the interior's threads: with fewer, each thread copies more
+    of K / V into shared memory and the edge spills (sm_90: d256 44 bytes on 4 warps, none on 8;
+    d32 G = 8 24 bytes on 2 warps, none on 4)."""
+    sg = int(low.get("subgroup_size", 32))
+    edge_rows = 16 if dv >= 128 else rows // int(low.get("subgroups_m", 1))
+    threads = int(low.get("workgroup_size", sg * int(low.get("subgroups_m", 1))))
+    m = rows // EDGE_PARTS
+    split = pos % EDGE_PARTS == 0 and m % edge_rows == 0 and sg * m // edge_rows >= threads
+    parts, m = (EDGE_PARTS, m) if split else (1, rows)
+    return parts, {"workgroup_m": m, "subgroups_m": m // edge_rows, "workgroup_size": sg * m // edge_rows}
 
 
 def _q_tile(b: Body, c: TilesFn, q, row: dict[str, str], hk: str, tile: str, dims: dict, rows: tuple | None = None
