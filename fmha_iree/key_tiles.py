@@ -27,7 +27,8 @@ def refusal(info: dict | None, starts, tq: int, tk: int) -> str | None:
     module's ``tiles`` record; ``starts``: ``spec.check_varlen``'s; ``tq`` / ``tk``: rows of the
     packed Q and K."""
     if not info:
-        return "the module has no fwd_tiles (built before 2026-12-05, a ROCm or CPU target, or padded head dims)"
+        return ("the module has no fwd_tiles (built before 2026-12-05, a CPU target, padded head dims, or a gfx "
+                "target and head dim whose tiles spilled or failed to compile: source._rocm_tiles)")
     if tuple(info.get("columns", ())) != TILE_COLUMNS:
         return "the module's fwd_tiles reads another table (built before its windows, 2026-12-05): rebuild it"
     q_len = np.asarray(starts[1], np.int64)

@@ -326,7 +326,17 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     return Plan(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, Tier(main, wm), Tier(_short_lowering(spec, main), 16),
                 cols=cols, rows=max(512, wm), fill_wgs=fill, max_groups=4 if cpu else 16,
                 dq_arg=arg_dims[0], dv_arg=arg_dims[1], mask_blocks=spec.target.backend == "cuda",
-                banded=spec.target.backend != "rocm", tiles=spec.target.backend != "rocm")
+                banded=spec.target.backend != "rocm", tiles=spec.target.backend != "rocm" or _rocm_tiles(spec))
+
+
+def _rocm_tiles(spec: KernelSpec) -> bool:
+    """Whether a gfx module carries ``fwd_tiles``: where its kernels compiled on MFMA / WMMA with
+    no spill (iree-compile 3.13, 2026-12-05, ``fwd_tiles`` alone for every gfx target x f16 /
+    bf16 x head dims 32 / 64 / 128, docs/BENCHMARKS.md "fwd_tiles on gfx targets"): all but
+    gfx1100 f16 at 64 (31 VGPRs in the edge op); at 256 IREE failed to compile them. No AMD GPU
+    has run them: the path is the CUDA proxy's (H100 / H200), chosen by the same rules."""
+    d = max(spec.dq, spec.dv)
+    return d <= 128 and not (spec.target.arch.startswith("gfx11") and 32 < d < 128)
 
 
 def _padded_heads(spec: KernelSpec) -> KernelSpec:

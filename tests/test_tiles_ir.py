@@ -172,6 +172,28 @@ def test_cuda_tiles_edge_subgroups(dtype, hdim, edge_rows, edge_warps):
     assert sorted(ops) == [(False, 128, interior), (True, edge_rows, 32 * edge_warps)], ops
 
 
+@pytest.mark.parametrize("arch,dtype,hdim,has", [
+    ("gfx90a", "f16", 128, True), ("gfx942", "bf16", 64, True), ("gfx950", "f16", 32, True),
+    ("gfx1100", "bf16", 128, True), ("gfx1100", "f16", 64, False), ("gfx1100", "f16", 32, True),
+    ("gfx1201", "bf16", 128, True), ("gfx942", "f16", 256, False), ("gfx1201", "f16", 256, False),
+    ("gfx942", "f16", 96, False)])
+def test_gfx_tiles_where_they_compiled_clean(arch, dtype, hdim, has):
+    """gfx modules carry ``fwd_tiles`` up to head dim 128 but gfx1100 at 64 (``source._rocm_tiles``:
+    where its kernels compiled without spills), not where the head dims are padded; where they do,
+    both ops render with a lowering whose workgroup size matches its subgroups (RDNA's split Dv
+    included)."""
+    from fmha_iree.kernels.tiles import render_tiles, tiles_shape
+    from fmha_iree.source import fwd_plan
+
+    t = Target.from_name(arch)
+    spec = KernelSpec(dtype, "bshd", 4, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, dtype), t)
+    plan = fwd_plan(spec)
+    assert (plan is not None and tiles_shape(plan) is not None) == has
+    if has:
+        ops = list(_fwd_ops(render_tiles(plan), "fwd_tiles"))
+        assert sorted(masked for *_, masked, _ in ops) == [False, True], ops
+
+
 @pytest.mark.parametrize("arch,dtype,hdim,computed,intrinsic", [
     ("gfx942", "bf16", 96, 128, "MFMA"), ("gfx90a", "f16", 192, 256, "MFMA"), ("gfx1100", "f16", 96, 128, "WMMA"),
     ("sm_80", "f16", 96, 128, "NV_MMA_SYNC"), ("gfx1201", "f16", 192, 256, None), ("gfx1100", "bf16", 192, 192, None),

@@ -49,8 +49,8 @@ class Plan:
     # the banded path for narrow windows (kernels.banded); off on ROCm: its chained masked op
     # spilled 13 SGPRs on gfx942 (iree-compile 3.13, 2026-12-03), and no AMD GPU measured it
     banded: bool = False
-    # group mode's tiles over their own keys (kernels.tiles, ``fwd_tiles``); off on ROCm until an
-    # AMD GPU has run it (its ops not checked for spills there)
+    # group mode's tiles over their own keys (kernels.tiles, ``fwd_tiles``); on ROCm where its
+    # kernels compile without spills (``source._rocm_tiles``)
     tiles: bool = False
     # the arguments' head dims where they are smaller than dq / dv (0: the same): the work runs at
     # dq / dv over copies zero-padded along the head dim, as CK's kK0max pads 96 to 128 in its tile

@@ -96,13 +96,13 @@ def _gpu_edge(low: dict, rows: int, pos: int, dv: int) -> tuple[int, dict]:
     ``EDGE_PARTS`` where a part keeps the interior's threads: with fewer, each thread copies more
     of K / V into shared memory and the edge spills (sm_90: d256 44 bytes on 4 warps, none on 8;
     d32 G = 8 24 bytes on 2 warps, none on 4)."""
-    sg = int(low.get("subgroup_size", 32))
+    sg, sgn = int(low.get("subgroup_size", 32)), int(low.get("subgroups_n", 1))  # subgroups along Dv (RDNA)
     edge_rows = 16 if dv >= 128 else rows // int(low.get("subgroups_m", 1))
-    threads = int(low.get("workgroup_size", sg * int(low.get("subgroups_m", 1))))
+    threads = int(low.get("workgroup_size", sg * int(low.get("subgroups_m", 1)) * sgn))
     m = rows // EDGE_PARTS
-    split = pos % EDGE_PARTS == 0 and m % edge_rows == 0 and sg * m // edge_rows >= threads
+    split = pos % EDGE_PARTS == 0 and m % edge_rows == 0 and sg * sgn * m // edge_rows >= threads
     parts, m = (EDGE_PARTS, m) if split else (1, rows)
-    return parts, {"workgroup_m": m, "subgroups_m": m // edge_rows, "workgroup_size": sg * m // edge_rows}
+    return parts, {"workgroup_m": m, "subgroups_m": m // edge_rows, "workgroup_size": sg * sgn * m // edge_rows}
 
 
 def _q_tile(b: Body, c: TilesFn, q, row: dict[str, str], hk: str, tile: str, dims: dict, rows: tuple | None = None
