@@ -19,7 +19,9 @@ from .kernels.tiles import TILE_COLUMNS
 __all__ = ["MAX_TILES", "SQUARE_CAUSAL_MIN", "refusal", "tile_table", "tiles_call", "paged_call", "batch_pays",
            "batch_starts", "batch_call", "module_tiles"]
 
-MAX_TILES = 65535  # tiles run along the grid's y dim (heads along x, so the longest tiles of every head start first)
+# tiles run along the grid's y dim (heads along x, so the longest tiles of every head start first),
+# at most 65535 workgroups on CUDA and HIP; the edge launches EDGE_PARTS (2) workgroups a tile
+MAX_TILES = 65535 // 2
 
 
 def refusal(info: dict | None, starts, tq: int, tk: int) -> str | None:
@@ -40,7 +42,7 @@ def refusal(info: dict | None, starts, tq: int, tk: int) -> str | None:
     if int(q_len.max()) * int(info["group"]) <= PIECE_ROWS:
         return "decode-shaped (a few query rows per sequence): split-KV pieces (fwd_packed) serve it"
     if int((-(-q_len // positions)).sum()) > MAX_TILES:
-        return f"more than {MAX_TILES} tiles (the grid's second dim on CUDA)"
+        return f"more than {MAX_TILES} tiles (the grid's second dim on CUDA and HIP, two workgroups a tile's edge)"
     return None
 
 
