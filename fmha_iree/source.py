@@ -332,11 +332,15 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
 def _rocm_tiles(spec: KernelSpec) -> bool:
     """Whether a gfx module carries ``fwd_tiles``: where its kernels compiled on MFMA / WMMA with
     no spill (iree-compile 3.13, 2026-12-05, ``fwd_tiles`` alone for every gfx target x f16 /
-    bf16 x head dims 32 / 64 / 128, docs/BENCHMARKS.md "fwd_tiles on gfx targets"): all but
-    gfx1100 f16 at 64 (31 VGPRs in the edge op); at 256 IREE failed to compile them. No AMD GPU
+    bf16 x head dims 32 / 64 / 128 / 256, docs/BENCHMARKS.md "fwd_tiles on gfx targets"): all
+    but gfx1100 f16 at 64 (31 VGPRs in the edge op) and, at 256, the targets of 64 KB of LDS (its
+    64-key steps take 72-75 KB: refused or failed; gfx950's 160 KB compiled clean). No AMD GPU
     has run them: the path is the CUDA proxy's (H100 / H200), chosen by the same rules."""
+    from .tiles import LDS_LIMIT
+
     d = max(spec.dq, spec.dv)
-    return d <= 128 and not (spec.target.arch.startswith("gfx11") and 32 < d < 128)
+    fits = d <= 128 or LDS_LIMIT.get(spec.target.arch, 65536) > 65536
+    return fits and not (spec.target.arch.startswith("gfx11") and 32 < d < 128)
 
 
 def _padded_heads(spec: KernelSpec) -> KernelSpec:

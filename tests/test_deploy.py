@@ -99,9 +99,11 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
         has_rows = man["target"]["backend"] == "llvm-cpu"
         # modules with fwd also get fwd_tiles (tiles of query rows over their own keys,
         # kernels.tiles) where the head dims are not padded on the way; gfx ones up to head dim
-        # 128 but gfx1100 at 64 (source._rocm_tiles: where its kernels compiled without spills)
+        # 128 but gfx1100 at 64, and at 256 on gfx950 (source._rocm_tiles: where its kernels
+        # compiled without spills and its 256-wide steps fit the LDS)
         gfx11_64 = r["target"].startswith("gfx11") and 32 < r["hdim"] < 128
-        has_tiles = has_fwd and r["hdim"] not in (96, 192) and (fam == "cuda" or r["hdim"] <= 128 and not gfx11_64)
+        gfx_tiles = (r["hdim"] <= 128 or r["target"] == "gfx950") and not gfx11_64
+        has_tiles = has_fwd and r["hdim"] not in (96, 192) and (fam == "cuda" or gfx_tiles)
         assert set(man["entry_points"]) == ({"init", "step", "finalize"} | ({"dense", "causal"} if has_dense else set())
                                             | ({"fwd", "fwd_ragged"} if has_fwd else set())
                                             | ({"fwd_tiles"} if has_tiles else set())

@@ -176,10 +176,11 @@ def test_cuda_tiles_edge_subgroups(dtype, hdim, edge_rows, edge_warps):
     ("gfx90a", "f16", 128, True), ("gfx942", "bf16", 64, True), ("gfx950", "f16", 32, True),
     ("gfx1100", "bf16", 128, True), ("gfx1100", "f16", 64, False), ("gfx1100", "f16", 32, True),
     ("gfx1201", "bf16", 128, True), ("gfx942", "f16", 256, False), ("gfx1201", "f16", 256, False),
-    ("gfx942", "f16", 96, False)])
+    ("gfx950", "bf16", 256, True), ("gfx942", "f16", 96, False)])
 def test_gfx_tiles_where_they_compiled_clean(arch, dtype, hdim, has):
-    """gfx modules carry ``fwd_tiles`` up to head dim 128 but gfx1100 at 64 (``source._rocm_tiles``:
-    where its kernels compiled without spills), not where the head dims are padded; where they do,
+    """gfx modules carry ``fwd_tiles`` up to head dim 128 but gfx1100 at 64, and at 256 where the LDS
+    holds its steps (gfx950) (``source._rocm_tiles``: where its kernels compiled without spills),
+    not where the head dims are padded; where they do,
     both ops render with a lowering whose workgroup size matches its subgroups (RDNA's split Dv
     included)."""
     from fmha_iree.kernels.tiles import render_tiles, tiles_shape
