@@ -14,14 +14,14 @@ from __future__ import annotations
 import numpy as np
 
 from .frames import PIECE_ROWS, FrameCall, descriptors
-from .kernels.tiles import TILE_COLUMNS
+from .kernels.tiles import EDGE_PARTS, TILE_COLUMNS
 
 __all__ = ["MAX_TILES", "SQUARE_CAUSAL_MIN", "refusal", "tile_table", "tiles_call", "paged_call", "batch_pays",
            "batch_starts", "batch_call", "module_tiles"]
 
 # tiles run along the grid's y dim (heads along x, so the longest tiles of every head start first),
-# at most 65535 workgroups on CUDA and HIP; the edge launches EDGE_PARTS (2) workgroups a tile
-MAX_TILES = 65535 // 2
+# at most 65535 workgroups on CUDA and HIP; the edge launches EDGE_PARTS workgroups a tile
+MAX_TILES = 65535 // EDGE_PARTS
 
 
 def refusal(info: dict | None, starts, tq: int, tk: int) -> str | None:
@@ -71,8 +71,7 @@ def tile_table(info: dict, mask, starts, tq: int, entry=None) -> tuple[np.ndarra
     pos0 = q0 - q_start[b]
     # the edge keys of the tile's first pos // 2 positions (pos0 on; the keys a row sees after the
     # interior grow with its position): the left slope, then those after the interior in whole steps
-    hi_half = np.clip(np.minimum(np.minimum(pos0 + pos // 2 - 1, last) + x[b], k_len[b]), 0, None)
-    nh = np.minimum(nl + np.maximum(-(-(hi_half - lo - nk) // step) * step, 0), ne)
+    nh = np.minimum(_edge_keys(_hi(np.minimum(pos0 + pos // 2 - 1, last), x[b], k_len[b]), lo, nk, nl, step), ne)
     cols = {"q0": q0, "k0": k_start[b], "nk": nk, "ne": ne, "pos0": pos0, "kl": k_len[b], "x": x[b], "entry": entry[b],
             "y": y[b], "lo": lo, "nl": nl, "nh": nh}
     table = np.stack([cols[name] for name in TILE_COLUMNS], axis=1)
@@ -97,14 +96,23 @@ def _key_spans(p0, last, y, x, kl, step: int):
     steps, and the edge of ``ne`` keys in whole steps, ``nl`` of them before the interior; where no
     step fits every row, the interior is empty and the edge all of the tile's keys."""
     lo_first, lo_last = np.maximum(p0 - y + 1, 0), np.maximum(last - y + 1, 0)
-    hi_first = np.clip(np.minimum(p0 + x, kl), 0, None)
-    hi_last = np.clip(np.minimum(last + x, kl), 0, None)
+    hi_first, hi_last = _hi(p0, x, kl), _hi(last, x, kl)
     nk = np.maximum(hi_first - lo_last, 0) // step * step
     inner = nk > 0
     lo = np.where(inner, lo_last, np.minimum(lo_first, hi_last))
     nl = np.where(inner, -(-(lo - lo_first) // step) * step, 0)
-    ne = nl + np.maximum(-(-(hi_last - lo - nk) // step) * step, 0)
-    return lo, nk, nl, ne
+    return lo, nk, nl, _edge_keys(hi_last, lo, nk, nl, step)
+
+
+def _hi(row, x, kl):
+    """The end of the keys row ``row`` sees (CK: ``min(row + x, kl)``, at least 0)."""
+    return np.clip(np.minimum(row + x, kl), 0, None)
+
+
+def _edge_keys(hi, lo, nk, nl, step: int):
+    """The edge keys of rows whose keys end at most at ``hi``: the ``nl`` of the left slope, then
+    those after the interior ``[lo, lo + nk)`` in whole steps."""
+    return nl + np.maximum(-(-(hi - lo - nk) // step) * step, 0)
 
 
 def module_tiles(module) -> dict | None:

@@ -326,20 +326,23 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     return Plan(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, Tier(main, wm), Tier(_short_lowering(spec, main), 16),
                 cols=cols, rows=max(512, wm), fill_wgs=fill, max_groups=4 if cpu else 16,
                 dq_arg=arg_dims[0], dv_arg=arg_dims[1], mask_blocks=spec.target.backend == "cuda",
-                banded=spec.target.backend != "rocm", tiles=spec.target.backend != "rocm" or _rocm_tiles(spec))
+                banded=spec.target.backend != "rocm", tiles=spec.target.backend != "rocm" or _rocm_tiles(spec, wm))
 
 
-def _rocm_tiles(spec: KernelSpec) -> bool:
+def _rocm_tiles(spec: KernelSpec, rows: int) -> bool:
     """Whether a gfx module carries ``fwd_tiles``: where its kernels compiled on MFMA / WMMA with
     no spill (iree-compile 3.13, 2026-12-05, ``fwd_tiles`` alone for every gfx target x f16 /
     bf16 x head dims 32 / 64 / 128 / 256, docs/BENCHMARKS.md "fwd_tiles on gfx targets"): all
-    but gfx1100 f16 at 64 (31 VGPRs in the edge op) and, at 256, the targets of 64 KB of LDS (its
-    64-key steps take 72-75 KB: refused or failed; gfx950's 160 KB compiled clean). No AMD GPU
-    has run them: the path is the CUDA proxy's (H100 / H200), chosen by the same rules."""
-    from .tiles import LDS_LIMIT
+    but gfx1100 f16 at 64 (31 VGPRs in the edge op) and those whose K / V steps overflow the
+    target's LDS (``tiles.lds_estimate`` of the ops' ``rows`` x 64-key steps: at 256 73728
+    bytes, as gfx90a's refusal said, over every 64 KB target; gfx950's 160 KB compiled clean).
+    No AMD GPU has run them: the path is the CUDA proxy's (H100 / H200), chosen by the same rules."""
+    from .kernels.tiles import GPU_K2, GPU_ROWS
+    from .tiles import LDS_LIMIT, TileConfig, lds_estimate
 
     d = max(spec.dq, spec.dv)
-    fits = d <= 128 or LDS_LIMIT.get(spec.target.arch, 65536) > 65536
+    step = TileConfig(min(rows, GPU_ROWS), GPU_K2, 16, d, 16)
+    fits = lds_estimate(step, d, d, 2) <= LDS_LIMIT.get(spec.target.arch, 65536)
     return fits and not (spec.target.arch.startswith("gfx11") and 32 < d < 128)
 
 
