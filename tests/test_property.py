@@ -3,7 +3,8 @@ drawn call must match the float64 reference (``reference.attention_ref`` / ``var
 
 Draws are derandomized (the same examples on every run, so CI is reproducible) and limited to
 kernel keys the other test files compile (f32 d64: g1 bhsd, g1 bshd, g2 bhsd, g4 bhsd, and the
-group-mode key g2 bshd), so the examples add calls, not compiles.
+group-mode key g2 bshd; f16 and bf16 d64 g1 bhsd, ``test_dtypes``), so the examples add calls, not
+compiles.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from reference import assert_close, attention_ref, make_qkv, seed_of, varlen_ref
 D = 64
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
-# (layout, Hq // Hk) pairs whose f32 d64 modules other tests build
-BATCH_KEYS = [("bhsd", 1), ("bshd", 1), ("bhsd", 2), ("bhsd", 4)]
+# (layout, Hq // Hk, dtype) whose d64 modules other tests build
+BATCH_KEYS = [("bhsd", 1, torch.float32), ("bshd", 1, torch.float32), ("bhsd", 2, torch.float32),
+              ("bhsd", 4, torch.float32), ("bhsd", 1, torch.float16), ("bhsd", 1, torch.bfloat16)]
 
 side = st.one_of(st.just(-1), st.integers(0, 8), st.integers(9, 300))
 masks = st.one_of(
@@ -42,13 +44,13 @@ def padding(draw, batch: int, full: int):
 
 @st.composite
 def batch_problems(draw):
-    layout, group = draw(st.sampled_from(BATCH_KEYS))
+    layout, group, dtype = draw(st.sampled_from(BATCH_KEYS))
     b, hk = draw(st.integers(1, 3)), draw(st.integers(1, 2))
     sq, sk = draw(length), draw(length)
     kw = dict(mask=draw(masks), layout=layout, cu_seqlen_q=draw(padding(b, sq)), cu_seqlen_k=draw(padding(b, sk)))
     if draw(st.booleans()):
         kw["scale"] = draw(st.floats(0.01, 0.5))
-    return dict(B=b, Hq=hk * group, Hk=hk, Sq=sq, Sk=sk, layout=layout), kw
+    return dict(B=b, Hq=hk * group, Hk=hk, Sq=sq, Sk=sk, layout=layout, dtype=dtype), kw
 
 
 @SETTINGS
@@ -59,8 +61,8 @@ def test_batch_mode_matches_reference(problem):
     out, lse = fmha_iree.fmha_fwd(q, k, v, return_lse=True, **kw)
     ref_out, ref_lse = attention_ref(q, k, v, **kw)
     what = f"{shape} {kw}"
-    assert_close(out, ref_out, torch.float32, kind="out", what=what)
-    assert_close(lse, ref_lse, torch.float32, kind="lse", what=what)
+    assert_close(out, ref_out, shape["dtype"], kind="out", what=what)
+    assert_close(lse, ref_lse, shape["dtype"], kind="lse", what=what)
 
 
 @st.composite
