@@ -180,9 +180,8 @@ def test_cuda_tiles_edge_subgroups(dtype, hdim, edge_rows, edge_warps):
 def test_gfx_tiles_where_they_compiled_clean(arch, dtype, hdim, has):
     """gfx modules carry ``fwd_tiles`` up to head dim 128 but gfx1100 at 64, and at 256 where the LDS
     holds its steps (gfx950) (``source._rocm_tiles``: where its kernels compiled without spills),
-    not where the head dims are padded; where they do,
-    both ops render with a lowering whose workgroup size matches its subgroups (RDNA's split Dv
-    included)."""
+    not where the head dims are padded. Where they carry it, both ops render with a lowering whose
+    workgroup size matches its subgroups (RDNA's split Dv included)."""
     from fmha_iree.kernels.tiles import render_tiles, tiles_shape
     from fmha_iree.source import fwd_plan
 
