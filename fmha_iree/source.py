@@ -274,15 +274,17 @@ def _with_funcs(text: str, funcs: list[str]) -> str:
 _FILL_WGS = {"cuda": 132, "gfx90a": 110, "gfx942": 304, "gfx950": 256, "gfx1100": 96, "gfx1201": 64, "cpu": 8}
 
 
-def _short_lowering(spec: KernelSpec, main: dict) -> dict:
+def _short_lowering(spec: KernelSpec, main: dict, short: dict | None = None) -> dict:
     """The short-query tier (decode: Sq * G up to 16 rows): 16-row tiles, keys in 64-key steps;
     on wave32 targets two subgroups split Dv (H200, 2026-12-01: 272 GB/s at B16 Sk8192 against
-    253 with one subgroup, and K2 = 128 slower, docs/BENCHMARKS.md)."""
+    253 with one subgroup, and K2 = 128 slower, docs/BENCHMARKS.md). ``short``: fields the main
+    tier's lowering sets for this tier (``mlir_templates.lowering.rdna_fwd_lowering``)."""
     if main.get("backend") == "cpu":
         return {"backend": "cpu", "workgroup_m": 16, "reduction_k2": 32}
     sg = int(main.get("subgroup_size", 64))
     sgn = 2 if sg == 32 else 1
-    keep = {k: v for k, v in main.items() if k in ("mma_kind", "qk_mma_kind", "qk_virtual", "subgroup_size")}
+    keep = {k: v for k, v in main.items() if k in ("mma_kind", "qk_mma_kind", "qk_virtual", "subgroup_size",
+                                                    "qk_promote_operands")}
     # K and V tiles of 64 keys at Dv = 256 pass 64 KiB of shared memory; on gfx9 64-key tiles
     # spilled 2-30 SGPRs in the GQA split-KV kernels (iree-compile 3.13, 2026-12-02), 32 none
     k2 = 32 if spec.dv >= 256 or spec.target.backend == "rocm" else 64
@@ -292,7 +294,7 @@ def _short_lowering(spec: KernelSpec, main: dict) -> dict:
         from .mlir_templates.lowering import RDNA_SHORT_D256
 
         low.update(RDNA_SHORT_D256)
-    return low
+    return {**low, **(short or {})}
 
 
 def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
@@ -317,13 +319,14 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
         main = rdna_fwd_lowering(main, arch=spec.target.arch, dtype=spec.dtype, dv=spec.dv)
     if main is None or int(main.get("workgroup_n", spec.dv)) != spec.dv:
         return None
-    main = {k: v for k, v in main.items() if k != "transpose_v"}
+    short = main.get("short")
+    main = {k: v for k, v in main.items() if k not in ("transpose_v", "short")}
     wm, k2 = int(main["workgroup_m"]), int(main["reduction_k2"])
     import math
 
     cols = math.lcm(64, k2)
     fill = _FILL_WGS.get("cpu" if cpu else (spec.target.family if spec.target.family == "cuda" else spec.target.arch), 128)
-    return Plan(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, Tier(main, wm), Tier(_short_lowering(spec, main), 16),
+    return Plan(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, Tier(main, wm), Tier(_short_lowering(spec, main, short), 16),
                 cols=cols, rows=max(512, wm), fill_wgs=fill, max_groups=4 if cpu else 16,
                 dq_arg=arg_dims[0], dv_arg=arg_dims[1], mask_blocks=spec.target.backend == "cuda",
                 banded=spec.target.backend != "rocm", tiles=spec.target.backend != "rocm" or _rocm_tiles(spec, wm))

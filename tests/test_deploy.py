@@ -27,9 +27,10 @@ MANIFEST_KEYS = {"format", "abi_version", "module", "problem", "target", "tiles"
                  "flags", "command", "isa", "dense", "native_exp2"}
 
 
-# CI compiles 17 of the full matrix's 90 entries: every target with two or three head dims, one of
+# CI compiles 19 of the full matrix's 90 entries: every target with two or three head dims, one of
 # them with the one-call entry points where the target has them (f16 / bf16), each head dim on two
-# to four targets, f32 on four, and gfx1100 bf16 d256, the entry it refuses. (Every target with
+# to four targets, f32 on four, gfx1100's layouts with Q in shared memory (bf16 d128, f16 d256),
+# and gfx1100 bf16 d256, the entry it refuses. (Every target with
 # every head dim, the dtypes rotating, was 42 modules: over half of a 55-minute CI run on a
 # 2-core machine, 2026-12-03.) The full matrix is `scripts/compile_matrix.py` (docs/BENCHMARKS.md
 # has its last run).
@@ -37,6 +38,7 @@ MATRIX = [("gfx90a", 128, "f16"), ("gfx90a", 192, "bf16"),
           ("gfx942", 64, "f16"), ("gfx942", 256, "bf16"), ("gfx942", 96, "f32"),
           ("gfx950", 256, "f16"), ("gfx950", 96, "bf16"),
           ("gfx1100", 256, "bf16"), ("gfx1100", 128, "f16"), ("gfx1100", 64, "f32"),
+          ("gfx1100", 128, "bf16"), ("gfx1100", 256, "f16"),
           ("gfx1201", 32, "f16"), ("gfx1201", 192, "bf16"),
           ("sm_80", 128, "f16"), ("sm_80", 96, "bf16"), ("sm_80", 256, "f32"),
           ("host", 64, "f32"), ("host", 32, "f16")]
@@ -88,10 +90,12 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
         # mask, kernels.general) and fwd_ragged (sequences of their own lengths in one frame,
         # kernels.ragged), head dims 96 / 192 included (run zero-padded to 128 / 256); RDNA ones
         # up to head dim 128 (gfx1100's d128 tile splits Dv; fwd keeps it whole), gfx12 at every
-        # head dim (192 / 256 with a layout of their own, lowering.RDNA_D256)
+        # head dim and gfx11 at every f16 one (192 / 256 with a layout of their own,
+        # lowering.RDNA_D256 / RDNA3_D256)
         fam = man["target"]["family"]
         has_fwd = r["dtype"] != "f32" and (fam in ("cuda", "cdna") and man["tiles"]["ck"]["kN1"] == r["hdim"]
-                                          or fam == "rdna" and (r["hdim"] <= 128 or r["target"].startswith("gfx12")))
+                                          or fam == "rdna" and (r["hdim"] <= 128 or r["target"].startswith("gfx12")
+                                                               or r["dtype"] == "f16"))
         # CPU modules get rows / rows_kpad (short queries, any lengths and mask, rows.Rows),
         # step_open (the plan's units that see every key of their chunk, no mask), units (the
         # plan's units looped inside the module, mlir_templates.unit_loop) and waves_varlen

@@ -136,24 +136,52 @@ def test_rdna_fwd_splits_dv_in_masked_ops(arch, rows, all_split):
         assert (split, size) == (want, 32 * rows // 16 * want), (arch, masked, split, size)
 
 
-@pytest.mark.parametrize("arch,hdim", [("gfx1201", 256), ("gfx1201", 192), ("gfx1100", 256)])
-def test_rdna_fwd_at_dv_256(arch, hdim):
-    """At Dv 256 (192 computes at 256) gfx12 modules carry ``fwd`` with a layout of its own:
-    16 rows, four subgroups along Dv in every op, 32-key steps and 16 in masked ops
-    (``mlir_templates.lowering.RDNA_D256``, the layout that compiled without spills); gfx11
-    modules carry none (every layout tried spilled)."""
-    t = Target.from_name(arch)
-    spec = KernelSpec("bf16", "bshd", 4, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, "bf16"), t)
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_gfx1100_d128_q_in_shared_memory(dtype):
+    """gfx1100 bf16 d128 stages Q in shared memory in every ``fwd`` op and takes 16-key steps in
+    the short tier's masked ops (the layout that compiled without spills,
+    ``mlir_templates.lowering._RDNA_SPLIT_ALL``); f16 keeps Q in registers."""
+    import re
+
+    t = Target.from_name("gfx1100")
+    spec = KernelSpec(dtype, "bshd", 4, 128, 128, default_tiles(t.family, 128, 128, t.arch, dtype), t)
     text = source_mlir(spec, with_ragged=False)
-    if arch == "gfx1100":
+    fwd = text[text.index("@fwd("):]
+    qk = re.findall(r"attention_qk_matmul, lowering_config = [^}]*promote_operands = \[([\d, ]*)\]", fwd)
+    assert qk and set(qk) == {"0, 1" if dtype == "bf16" else "1"}, set(qk)
+    short = [o for o in _fwd_ops(text) if o[0] == 16]
+    assert short and any(o[3] for o in short), short
+    for _, _, _, masked, k2 in short:
+        assert k2 == (16 if masked and dtype == "bf16" else 32), short
+
+
+@pytest.mark.parametrize("arch,dtype,hdim", [("gfx1201", "bf16", 256), ("gfx1201", "bf16", 192),
+                                             ("gfx1100", "f16", 256), ("gfx1100", "f16", 192), ("gfx1100", "bf16", 256)])
+def test_rdna_fwd_at_dv_256(arch, dtype, hdim):
+    """At Dv 256 (192 computes at 256) RDNA modules carry ``fwd`` with a layout of its own:
+    16 rows, four subgroups along Dv, 32-key steps and 16 in masked ops
+    (``mlir_templates.lowering.RDNA_D256``, the layout that compiled without spills); on gfx11
+    (f16 only: bf16 spilled with each layout tried) Q is staged in shared memory in every op and
+    the short tier's ops run sixteen subgroups along Dv (``RDNA3_D256``)."""
+    import re
+
+    t = Target.from_name(arch)
+    spec = KernelSpec(dtype, "bshd", 4, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, dtype), t)
+    text = source_mlir(spec, with_ragged=False)
+    if (arch, dtype) == ("gfx1100", "bf16"):
         assert "@fwd(" not in text
         return
     ops = list(_fwd_ops(text))
     assert ops and any(o[3] for o in ops)
+    gfx11 = arch == "gfx1100"
     for rows, size, split, masked, k2 in ops:
-        assert (rows, size, split) == (16, 128, 4), (rows, size, split, masked)
+        assert rows == 16 and size == 32 * split and split in ((4, 16) if gfx11 else (4,)), (rows, size, split, masked)
         assert k2 == 16 if masked else k2 in (16, 32), (masked, k2)  # unmasked: the main tier 32, split-KV 16
     assert 32 in [o[4] for o in ops], ops
+    assert (16 in [o[2] for o in ops]) == gfx11, ops  # gfx11's short tier
+    fwd = text[text.index("@fwd("):]
+    qk = re.findall(r"attention_qk_matmul, lowering_config = [^}]*promote_operands = \[([\d, ]*)\]", fwd)
+    assert qk and set(qk) == {"0, 1" if gfx11 else "1"}, set(qk)
 
 
 @pytest.mark.parametrize("dtype,hdim,edge_rows,edge_warps", [("f16", 128, 64, 4), ("bf16", 128, 64, 4),

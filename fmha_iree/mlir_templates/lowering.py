@@ -23,6 +23,8 @@ blocks.
     qk_mma_kind      intrinsic for Q@K^T (default: mma_kind); may be a virtual one
                      ("VMFMA_F32_16x16x32_F16"), see `qk_virtual`
     qk_virtual       True if qk_mma_kind is a virtual_mma_layout (default: name starts with "V")
+    qk_promote_operands  operands of Q@K^T staged in shared memory (default [1]: K; [0, 1] also
+                     stages Q, read from there at every key step instead of held in registers)
     promote_operands operands of the attention op staged in shared memory (default [1, 2]: K, V;
                      as IREE's gfx942 tuning spec. [0, 1, 2] also stages Q: M=128 d=128 then
                      needs 80 KB LDS and fails on gfx9's 64 KB)
@@ -264,12 +266,15 @@ def lowering_for_runtime_sizes(lowering, dv: int, batch_dims: int = 1, k2o: bool
 # -> the tiles used there (gfx1100's d128 default tile splits Dv across workgroups, which fwd
 # cannot do; 32-key steps spilled). gfx1100 f16 d128 takes 32-key steps and 16 in masked ops:
 # bshd G = 4 modules then compile without a spill (before: 1-43 VGPRs in 11 kernels), bhsd G = 1
-# ones stay without (2026-12-05, docs/BENCHMARKS.md). Left spilling: gfx1100 bf16 d128 bshd, 1-51
-# VGPRs in 11 kernels (the same steps: 1-14 in 7, but bhsd G = 1 then spilled 6-13 in 6 of
-# fwd_ragged's; docs/tried.md); it keeps fwd, the plan being far slower.
+# ones stay without (2026-12-05, docs/BENCHMARKS.md). gfx1100 bf16 d128 keeps 64-key steps with Q
+# staged in shared memory (``qk_promote_operands``: LLVM otherwise hoists Q's loads out of the key
+# loop and holds its fragments in 64 VGPRs) and 16-key steps in the short tier's masked ops
+# (``short``): bshd G = 4 then compiles without a spill (before: 1-51 VGPRs in 11 kernels; other
+# steps 1-14 in 7), bhsd G = 1 too (2026-12-06, docs/BENCHMARKS.md "RDNA3 with Q in shared memory").
 _RDNA_SPLIT_ALL = {("gfx1100", "f16", 128): {"workgroup_m": 32, "subgroups_m": 2, "reduction_k2": 32,
                                              "masked": {"reduction_k2": 16}},
-                   ("gfx1100", "*", 128): {"workgroup_m": 32, "subgroups_m": 2, "reduction_k2": 64},
+                   ("gfx1100", "*", 128): {"workgroup_m": 32, "subgroups_m": 2, "reduction_k2": 64,
+                                           "qk_promote_operands": [0, 1], "short": {"masked": {"reduction_k2": 16}}},
                    ("gfx1100", "*", 64): {}, ("gfx1201", "bf16", 128): {}}
 
 
@@ -286,19 +291,28 @@ _RDNA_SPLIT_ALL = {("gfx1100", "f16", 128): {"workgroup_m": 32, "subgroups_m": 2
 RDNA_D256 = {"workgroup_m": 16, "reduction_k2": 32, "promote_operands": [1, 2], "subgroup_size": 32,
              "subgroups_m": 1, "subgroups_n": 4, "workgroup_size": 128, "masked": {"reduction_k2": 16}}
 RDNA_SHORT_D256 = {"subgroups_n": 4, "workgroup_size": 128, "reduction_k2": 16}
+# gfx11 at Dv 256 (f16): the same layout with Q staged in shared memory, where RDNA3's WMMA would
+# hold each of its fragments twice over in VGPRs (128 of them for 16 x 256 of Q), and a short tier
+# of sixteen waves along Dv (four spilled 20 VGPRs in bshd G = 4's split-KV op, eight 1 in three
+# ops). f16 bhsd G = 1 and bshd G = 4 modules (d192 and d256) then compile without a spill, every
+# attention op on WMMA (2026-12-06, docs/BENCHMARKS.md "RDNA3 with Q in shared memory"); bf16
+# still spills there (34-48 VGPRs in two of fwd's ops) and keeps no fwd.
+RDNA3_D256 = {"qk_promote_operands": [0, 1], "short": {"subgroups_n": 16, "workgroup_size": 512}}
 
 
 def rdna_fwd_lowering(main: dict | None, *, arch: str, dtype: str, dv: int) -> dict | None:
     """The main tier of ``fwd`` (``source.fwd_plan``) on RDNA from the module's ``main`` lowering
     (None where IREE picks the module's config): two subgroups along Dv for masked ops, or for all
-    ops with the tiles of ``_RDNA_SPLIT_ALL``; at Dv >= 256 ``RDNA_D256`` on gfx12, None on gfx11,
-    where no layout was found that compiles without spills (a ``main`` that still splits Dv is
-    refused by ``fwd_plan`` itself)."""
+    ops with the tiles of ``_RDNA_SPLIT_ALL``; at Dv >= 256 ``RDNA_D256`` on gfx12, and with
+    ``RDNA3_D256`` on gfx11 in f16 (None in bf16, where no layout was found that compiles without
+    spills). A ``main`` that still splits Dv is refused by ``fwd_plan`` itself. The result may
+    carry ``short``: fields of the short-query tier's lowering (``source.fwd_plan``)."""
     if dv >= 256:
-        if not arch.startswith("gfx12") or dtype not in ("f16", "bf16"):
+        gfx12 = arch.startswith("gfx12")
+        if dtype not in ("f16", "bf16") or (not gfx12 and dtype == "bf16"):
             return None
-        kind = f"WMMAR4_F32_16x16x16_{'F16' if dtype == 'f16' else 'BF16'}"
-        return {**RDNA_D256, "workgroup_n": dv, "mma_kind": kind}
+        kind = f"{'WMMAR4' if gfx12 else 'WMMAR3'}_F32_16x16x16_{'F16' if dtype == 'f16' else 'BF16'}"
+        return {**RDNA_D256, "workgroup_n": dv, "mma_kind": kind, **({} if gfx12 else RDNA3_D256)}
     if main is None:
         return None
     tiles = _RDNA_SPLIT_ALL.get((arch, dtype, dv), _RDNA_SPLIT_ALL.get((arch, "*", dv)))
