@@ -20,6 +20,15 @@ __all__ = ["source_mlir", "gpu_lowering", "step_compute", "dense_params", "dense
            "native_exp2_default", "CAUSAL_MASKED_MAX", "CAUSAL_BLOCKS"]
 
 
+def scale_on_scores(spec: KernelSpec) -> bool:
+    """Whether the attention ops apply the softmax scale to the f32 scores instead of to Q (a
+    lowering's ``scale_on_scores``, ``kernels.attention``): bf16 on ROCm, where IREE's bf16
+    multiply of Q is emulated (gfx942, gfx1100) and spilled gfx1100's d256 ``step`` (90 VGPRs; none with the
+    scale on the scores) and cost a gfx942 ``fwd`` op 13% of its instructions (2026-12-06,
+    docs/BENCHMARKS.md "bf16's scale on the scores"). CUDA (sm_80 multiplies bf16) keeps IREE's."""
+    return spec.target.backend == "rocm" and spec.dtype == "bf16"
+
+
 def gpu_lowering(spec: KernelSpec) -> dict | None:
     """The IREE lowering config a GPU spec's tiles become: kM0 -> workgroup M, kN1 -> workgroup N,
     kN0 -> reduction over keys (K2); intrinsic and subgroups from the target family. ``None`` for
@@ -41,6 +50,8 @@ def gpu_lowering(spec: KernelSpec) -> dict | None:
     # CUDA; the tuned CUDA tiles bring their own warp layout (tiles.tuned_lowering).
     most = 8 if spec.target.family == "cuda" else 4
     low = {**base, "workgroup_m": t.m0, "workgroup_n": n1, "reduction_k2": t.n0, "subgroups_m": min(most, t.m0 // 16)}
+    if scale_on_scores(spec):
+        low["scale_on_scores"] = True
     return {**low, **tuned_lowering(spec.target.family, t, spec.dv)}
 
 
@@ -247,7 +258,7 @@ def step_compute(spec: KernelSpec) -> tuple[tuple[int, int], dict | None]:
     it has. The padded op keeps the module's rows and key chunk (the plan's units), with the V
     columns per workgroup (kN1) and at most the rows of the padded dims' default tile. f32 stays
     at its own dims (no matrix intrinsic to gain), as do padded dims the target refuses
-    (``tiles.not_supported_reasons``: gfx1100 bf16 at 256)."""
+    (``tiles.not_supported_reasons``)."""
     from .tiles import not_supported_reasons
 
     padded = _padded_heads(spec)
@@ -284,7 +295,7 @@ def _short_lowering(spec: KernelSpec, main: dict, short: dict | None = None) -> 
     sg = int(main.get("subgroup_size", 64))
     sgn = 2 if sg == 32 else 1
     keep = {k: v for k, v in main.items() if k in ("mma_kind", "qk_mma_kind", "qk_virtual", "subgroup_size",
-                                                    "qk_promote_operands")}
+                                                    "qk_promote_operands", "scale_on_scores")}
     # K and V tiles of 64 keys at Dv = 256 pass 64 KiB of shared memory; on gfx9 64-key tiles
     # spilled 2-30 SGPRs in the GQA split-KV kernels (iree-compile 3.13, 2026-12-02), 32 none
     k2 = 32 if spec.dv >= 256 or spec.target.backend == "rocm" else 64
@@ -321,6 +332,8 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
         return None
     short = main.get("short")
     main = {k: v for k, v in main.items() if k not in ("transpose_v", "short")}
+    if scale_on_scores(spec):
+        main["scale_on_scores"] = True
     wm, k2 = int(main["workgroup_m"]), int(main["reduction_k2"])
     import math
 

@@ -260,8 +260,6 @@ def not_supported_reasons(tiles: TileConfig, family: str, arch: str, dq: int, dv
         why.append(f"tiles.n1 = {tiles.n1} does not divide the V head dim {dv}")
     if dq % MMA_K or dv % MMA_K:
         why.append(f"head dims {dq}/{dv} must be multiples of 16 on GPU targets")
-    if arch == "gfx1100" and dtype == "bf16" and max(dq, dv) > 192:
-        why.append("gfx1100 bf16 with head dim > 192: every config IREE 3.13 compiles spills VGPRs")
     if iree_picks_config(family, dtype, dv, arch, dq):
         return why
     limit = SMEM_LIMIT_CUDA if family == "cuda" else LDS_LIMIT.get(arch, 65536)

@@ -5,6 +5,15 @@ keys, the V head dim. Every operand is given with the dims it is indexed by, so 
 K/V read in place in either layout (``bhsd``: ``(b, h, k2, k1)``; ``bshd``: ``(b, k2, h, k1)``)
 and split-KV pieces as a third batch dim. The op's max is in log2 units (IREE's decomposition
 uses exp2); a mask operand adds ``-inf`` where it is false.
+
+IREE scales Q by ``scale * log2(e)`` in Q's own element type before Q K^T. In bf16 on gfx942 and
+gfx1100 (the ISA read) that multiply is emulated, each element a dozen integer ops whose results
+stay live (gfx1100 bf16 d256's ``step``: 90 VGPRs spilled). A lowering with
+``scale_on_scores`` gives the op the scale ``lowering.SCALE_ONE`` instead, whose product with
+IREE's log2(e) folds to 1 so that the multiply of Q folds away, and multiplies the f32 scores by
+the true ``scale * log2(e)`` in the op's score region (that ``step``: no spill; gfx942 bf16 d128's
+masked ``fwd`` op 1875 -> 1624 instructions; iree-compile 3.13, 2026-12-06, docs/BENCHMARKS.md
+"bf16's scale on the scores").
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from ..mlir_templates.lowering import lowering_for_runtime_sizes
+from ..mlir_templates.lowering import LOG2E, SCALE_ONE, lowering_for_runtime_sizes
 from .ir import Fn
 
 __all__ = ["Operand", "online_attention", "lowering_attrs"]
@@ -43,12 +52,25 @@ def _map(dims: Sequence[str], nb: int, k2o: bool = False) -> str:
     return f"affine_map<({', '.join(all_dims)}) -> ({', '.join(dims)})>"
 
 
+def _score_scale(fn: Fn, scale: str, scale_type: str) -> tuple[str, list[str]]:
+    """(the op's scale operand, its score region's body lines) for a lowering with
+    ``scale_on_scores`` (module docstring): ``scale * log2(e)`` in f32 multiplies the scores."""
+    # emitted where the op is (a dispatch region's body is isolated from the function's constants)
+    s32 = scale if scale_type == "f32" else fn.let(f"arith.extf {scale} : {scale_type} to f32", "sf")
+    factor = fn.let(f"arith.mulf {s32}, {fn.let(f'arith.constant {LOG2E} : f32', 'log2e')} : f32", "sl")
+    one = fn.let(f"arith.constant {SCALE_ONE} : {scale_type}", "sone")
+    return one, [f"    %scaled = arith.mulf %score, {factor} : f32", "    iree_linalg_ext.yield %scaled : f32"]
+
+
 def online_attention(fn: Fn, *, q: Operand, k: Operand, v: Operand, scale: str, scale_type: str,
                      outs: Sequence[Operand], nb: int, lowering, dv: int, mask: Operand | None = None,
                      k2o: bool = False) -> list[str]:
     """Emit the op (``outs``: acc, max, sum as its initial state); returns its three results.
     ``k2o``: keys in two dims, ``k2o`` (outer, one per step) and ``k2``."""
     props, attrs = lowering_attrs(lowering, dv=dv, batch_dims=nb, k2o=k2o, masked=mask is not None)
+    body = ["    iree_linalg_ext.yield %score : f32"]
+    if isinstance(lowering, dict) and lowering.get("scale_on_scores"):
+        scale, body = _score_scale(fn, scale, scale_type)
     _m = lambda dims: _map(dims, nb, k2o)  # noqa: E731
     maps = [_m(q.dims), _m(k.dims), _m(v.dims), _m(())]
     ins = [q.name, k.name, v.name, scale]
@@ -66,7 +88,6 @@ def online_attention(fn: Fn, *, q: Operand, k: Operand, v: Operand, scale: str, 
         + ",\n      ".join(maps) + f"]}}>{attrs}\n"
         f"    ins({', '.join(ins)} : {', '.join(in_tys)})\n"
         f"    outs({', '.join(o.name for o in outs)} : {out_tys}) {{\n"
-        "  ^bb0(%score: f32):\n"
-        "    iree_linalg_ext.yield %score : f32\n"
+        "  ^bb0(%score: f32):\n" + "\n".join(body) + "\n"
         f"  }} -> {out_tys}")
     return res

@@ -25,6 +25,7 @@ blocks.
     qk_virtual       True if qk_mma_kind is a virtual_mma_layout (default: name starts with "V")
     qk_promote_operands  operands of Q@K^T staged in shared memory (default [1]: K; [0, 1] also
                      stages Q, read from there at every key step instead of held in registers)
+    scale_on_scores  bf16: the softmax scale multiplies the f32 scores instead of Q (SCALE_ONE)
     promote_operands operands of the attention op staged in shared memory (default [1, 2]: K, V;
                      as IREE's gfx942 tuning spec. [0, 1, 2] also stages Q: M=128 d=128 then
                      needs 80 KB LDS and fails on gfx9's 64 KB)
@@ -68,6 +69,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "mlir"
+
+# A lowering's ``scale_on_scores`` (``kernels.attention``'s docstring): the op's scale is ln 2
+# rounded to bf16, whose product with IREE's log2(e) (a bf16 constant, 1.4453125) rounds to exactly
+# 1 in bf16, so IREE's multiply of Q folds away; the scores are multiplied by scale * LOG2E in f32.
+SCALE_ONE = "6.914060e-01"
+LOG2E = "1.44269504"
 
 
 _DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32", "float16": "f16",
@@ -291,28 +298,33 @@ _RDNA_SPLIT_ALL = {("gfx1100", "f16", 128): {"workgroup_m": 32, "subgroups_m": 2
 RDNA_D256 = {"workgroup_m": 16, "reduction_k2": 32, "promote_operands": [1, 2], "subgroup_size": 32,
              "subgroups_m": 1, "subgroups_n": 4, "workgroup_size": 128, "masked": {"reduction_k2": 16}}
 RDNA_SHORT_D256 = {"subgroups_n": 4, "workgroup_size": 128, "reduction_k2": 16}
-# gfx11 at Dv 256 (f16): the same layout with Q staged in shared memory, where RDNA3's WMMA would
+# gfx11 at Dv 256: the same layout with Q staged in shared memory, where RDNA3's WMMA would
 # hold each of its fragments twice over in VGPRs (128 of them for 16 x 256 of Q), and a short tier
 # of sixteen waves along Dv (four spilled 20 VGPRs in bshd G = 4's split-KV op, eight 1 in three
 # ops). f16 bhsd G = 1 and bshd G = 4 modules (d192 and d256) then compile without a spill, every
-# attention op on WMMA (2026-12-06, docs/BENCHMARKS.md "RDNA3 with Q in shared memory"); bf16
-# still spills there (34-48 VGPRs in two of fwd's ops) and keeps no fwd.
+# attention op on WMMA (2026-12-06, docs/BENCHMARKS.md "RDNA3 with Q in shared memory"). bf16 also
+# needs the scale on the scores (``scale_on_scores``) and eight waves in its masked main-tier ops
+# (four spilled 3 VGPRs in bshd G = 4; docs/BENCHMARKS.md "bf16's scale on the scores").
 RDNA3_D256 = {"qk_promote_operands": [0, 1], "short": {"subgroups_n": 16, "workgroup_size": 512}}
+RDNA3_BF16_D256_MASKED = {"reduction_k2": 16, "subgroups_n": 8, "workgroup_size": 256}
 
 
 def rdna_fwd_lowering(main: dict | None, *, arch: str, dtype: str, dv: int) -> dict | None:
     """The main tier of ``fwd`` (``source.fwd_plan``) on RDNA from the module's ``main`` lowering
     (None where IREE picks the module's config): two subgroups along Dv for masked ops, or for all
     ops with the tiles of ``_RDNA_SPLIT_ALL``; at Dv >= 256 ``RDNA_D256`` on gfx12, and with
-    ``RDNA3_D256`` on gfx11 in f16 (None in bf16, where no layout was found that compiles without
-    spills). A ``main`` that still splits Dv is refused by ``fwd_plan`` itself. The result may
-    carry ``short``: fields of the short-query tier's lowering (``source.fwd_plan``)."""
+    ``RDNA3_D256`` on gfx11 (bf16's masked ops with ``RDNA3_BF16_D256_MASKED``). A ``main`` that
+    still splits Dv is refused by ``fwd_plan`` itself. The result may carry ``short``: fields of
+    the short-query tier's lowering (``source.fwd_plan``)."""
     if dv >= 256:
         gfx12 = arch.startswith("gfx12")
-        if dtype not in ("f16", "bf16") or (not gfx12 and dtype == "bf16"):
+        if dtype not in ("f16", "bf16"):
             return None
         kind = f"{'WMMAR4' if gfx12 else 'WMMAR3'}_F32_16x16x16_{'F16' if dtype == 'f16' else 'BF16'}"
-        return {**RDNA_D256, "workgroup_n": dv, "mma_kind": kind, **({} if gfx12 else RDNA3_D256)}
+        low = {**RDNA_D256, "workgroup_n": dv, "mma_kind": kind, **({} if gfx12 else RDNA3_D256)}
+        if not gfx12 and dtype == "bf16":
+            low["masked"] = RDNA3_BF16_D256_MASKED
+        return low
     if main is None:
         return None
     tiles = _RDNA_SPLIT_ALL.get((arch, dtype, dv), _RDNA_SPLIT_ALL.get((arch, "*", dv)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .lowering import _load, checked_fields, render_lowering_attrs
+from .lowering import LOG2E, SCALE_ONE, _load, checked_fields, render_lowering_attrs
 
 def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int,
                        dq: int, dv: int, lowering: Mapping[str, Any] | str | None = None,
@@ -47,8 +47,13 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
         t = "f32"
         if (dqp, dvp) != (int(dq), int(dv)):
             raise ValueError("compute_dims wider than the head dims are rendered for GPU gathers only")
+    score_body = "    iree_linalg_ext.yield %score : f32"
     if t == "f32":
         scale_cast = "  %scale_t = arith.addf %scale_f32, %zero : f32"
+    elif isinstance(lowering, Mapping) and lowering.get("scale_on_scores"):  # kernels.attention's docstring
+        scale_cast = (f"  %scale_t = arith.constant {SCALE_ONE} : {t}\n  %log2e_s = arith.constant {LOG2E} : f32\n"
+                      "  %scale_l = arith.mulf %scale_f32, %log2e_s : f32")
+        score_body = "    %scaled = arith.mulf %score, %scale_l : f32\n    iree_linalg_ext.yield %scaled : f32"
     else:
         scale_cast = f"  %scale_t = arith.truncf %scale_f32 : f32 to {t}"
     attn_props, attn_attrs = render_lowering_attrs(lowering, m_total=m_total, dv=dvp, c=int(c))
@@ -59,7 +64,7 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
     k_tile = (int(dq), int(c)) if cpu else (int(c), dqp)
     return _load("online_step.mlir.in").substitute(
         func_name=func_name, layout=layout, seq_dim=seq_dim, q_shape_doc=q_doc, k_shape_doc=k_doc,
-        v_shape_doc=v_doc, scale_cast=scale_cast, attn_props=attn_props, attn_attrs=attn_attrs,
+        v_shape_doc=v_doc, scale_cast=scale_cast, score_body=score_body, attn_props=attn_props, attn_attrs=attn_attrs,
         gathers=_gathers(fields, cpu, masked), K_TILE=f"{k_tile[0]}x{k_tile[1]}",
         k_map="(d0, d2, d3)" if cpu else "(d0, d3, d2)", **_mask_fields(masked, m_total, int(c)), **fields)
 
