@@ -23,9 +23,10 @@ __all__ = ["source_mlir", "gpu_lowering", "step_compute", "dense_params", "dense
 def scale_on_scores(spec: KernelSpec) -> bool:
     """Whether the attention ops apply the softmax scale to the f32 scores instead of to Q (a
     lowering's ``scale_on_scores``, ``kernels.attention``): bf16 on ROCm, where IREE's bf16
-    multiply of Q is emulated (gfx942, gfx1100) and spilled gfx1100's d256 ``step`` (90 VGPRs; none with the
-    scale on the scores) and cost a gfx942 ``fwd`` op 13% of its instructions (2026-12-06,
-    docs/BENCHMARKS.md "bf16's scale on the scores"). CUDA (sm_80 multiplies bf16) keeps IREE's."""
+    multiply of Q is emulated (gfx942, gfx1100): it spilled gfx1100's d256 ``step`` (90 VGPRs;
+    none with the scale on the scores) and cost a gfx942 ``fwd`` op 13% of its instructions
+    (2026-12-06, docs/BENCHMARKS.md "bf16's scale on the scores"). CUDA (sm_80 multiplies bf16
+    with ``fma.rn.bf16``) keeps IREE's form."""
     return spec.target.backend == "rocm" and spec.dtype == "bf16"
 
 

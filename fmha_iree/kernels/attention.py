@@ -55,10 +55,12 @@ def _map(dims: Sequence[str], nb: int, k2o: bool = False) -> str:
 def _score_scale(fn: Fn, scale: str, scale_type: str) -> tuple[str, list[str]]:
     """(the op's scale operand, its score region's body lines) for a lowering with
     ``scale_on_scores`` (module docstring): ``scale * log2(e)`` in f32 multiplies the scores."""
+    if scale_type != "bf16":  # SCALE_ONE folds to 1 with IREE's log2(e) in bf16 only
+        raise ValueError(f"scale_on_scores: the op's scale type must be bf16, got {scale_type}")
     # emitted where the op is (a dispatch region's body is isolated from the function's constants)
-    s32 = scale if scale_type == "f32" else fn.let(f"arith.extf {scale} : {scale_type} to f32", "sf")
+    s32 = fn.let(f"arith.extf {scale} : bf16 to f32", "sf")
     factor = fn.let(f"arith.mulf {s32}, {fn.let(f'arith.constant {LOG2E} : f32', 'log2e')} : f32", "sl")
-    one = fn.let(f"arith.constant {SCALE_ONE} : {scale_type}", "sone")
+    one = fn.let(f"arith.constant {SCALE_ONE} : bf16", "sone")
     return one, [f"    %scaled = arith.mulf %score, {factor} : f32", "    iree_linalg_ext.yield %scaled : f32"]
 
 

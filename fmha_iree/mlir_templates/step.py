@@ -50,7 +50,7 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
     score_body = "    iree_linalg_ext.yield %score : f32"
     if t == "f32":
         scale_cast = "  %scale_t = arith.addf %scale_f32, %zero : f32"
-    elif isinstance(lowering, Mapping) and lowering.get("scale_on_scores"):  # kernels.attention's docstring
+    elif t == "bf16" and isinstance(lowering, Mapping) and lowering.get("scale_on_scores"):  # kernels.attention
         scale_cast = (f"  %scale_t = arith.constant {SCALE_ONE} : {t}\n  %log2e_s = arith.constant {LOG2E} : f32\n"
                       "  %scale_l = arith.mulf %scale_f32, %log2e_s : f32")
         score_body = "    %scaled = arith.mulf %score, %scale_l : f32\n    iree_linalg_ext.yield %scaled : f32"
