@@ -9,7 +9,7 @@ uses exp2); a mask operand adds ``-inf`` where it is false.
 IREE scales Q by ``scale * log2(e)`` in Q's own element type before Q K^T. In bf16 on gfx942 and
 gfx1100 (the ISA read) that multiply is emulated, each element a dozen integer ops whose results
 stay live (gfx1100 bf16 d256's ``step``: 90 VGPRs spilled). A lowering with
-``scale_on_scores`` gives the op the scale ``lowering.SCALE_ONE`` instead, whose product with
+``scale_on_scores`` gives the op the scale ``lowering.SCALE_ONE`` instead (``lowering.scores_scale``), whose product with
 IREE's log2(e) folds to 1 so that the multiply of Q folds away, and multiplies the f32 scores by
 the true ``scale * log2(e)`` in the op's score region (that ``step``: no spill; gfx942 bf16 d128's
 masked ``fwd`` op 1875 -> 1624 instructions; iree-compile 3.13, 2026-12-06, docs/BENCHMARKS.md
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from ..mlir_templates.lowering import LOG2E, SCALE_ONE, lowering_for_runtime_sizes
+from ..mlir_templates.lowering import lowering_for_runtime_sizes, scores_scale
 from .ir import Fn
 
 __all__ = ["Operand", "online_attention", "lowering_attrs"]
@@ -55,13 +55,13 @@ def _map(dims: Sequence[str], nb: int, k2o: bool = False) -> str:
 def _score_scale(fn: Fn, scale: str, scale_type: str) -> tuple[str, list[str]]:
     """(the op's scale operand, its score region's body lines) for a lowering with
     ``scale_on_scores`` (module docstring): ``scale * log2(e)`` in f32 multiplies the scores."""
-    if scale_type != "bf16":  # SCALE_ONE folds to 1 with IREE's log2(e) in bf16 only
-        raise ValueError(f"scale_on_scores: the op's scale type must be bf16, got {scale_type}")
-    # emitted where the op is (a dispatch region's body is isolated from the function's constants)
-    s32 = fn.let(f"arith.extf {scale} : bf16 to f32", "sf")
-    factor = fn.let(f"arith.mulf {s32}, {fn.let(f'arith.constant {LOG2E} : f32', 'log2e')} : f32", "sl")
-    one = fn.let(f"arith.constant {SCALE_ONE} : bf16", "sone")
-    return one, [f"    %scaled = arith.mulf %score, {factor} : f32", "    iree_linalg_ext.yield %scaled : f32"]
+    # emitted where the op is (a dispatch region's body is isolated from the function's constants);
+    # scores_scale refuses a scale type other than bf16
+    names = (fn.fresh("sone"), fn.fresh("log2e"), fn.fresh("sl"))
+    defs, body = scores_scale(fn.let(f"arith.extf {scale} : {scale_type} to f32", "sf"), scale_type, names)
+    for line in defs:
+        fn.emit(line)
+    return names[0], body
 
 
 def online_attention(fn: Fn, *, q: Operand, k: Operand, v: Operand, scale: str, scale_type: str,

@@ -77,6 +77,18 @@ SCALE_ONE = "6.914060e-01"
 LOG2E = "1.44269504"
 
 
+def scores_scale(scale_f32: str, scale_type: str, names: tuple[str, str, str]) -> tuple[list[str], list[str]]:
+    """``scale_on_scores`` as text, for every template that writes the op: (the lines defining
+    ``names`` = (the op's scale operand, SCALE_ONE; the log2(e) constant; the f32 factor
+    ``scale_f32 * log2(e)``), the op's score region body multiplying the scores by the factor)."""
+    if scale_type != "bf16":  # SCALE_ONE folds to 1 with IREE's log2(e) in bf16 only
+        raise ValueError(f"scale_on_scores: the op's scale type must be bf16, got {scale_type}")
+    one, log2e, factor = names
+    defs = [f"{one} = arith.constant {SCALE_ONE} : bf16", f"{log2e} = arith.constant {LOG2E} : f32",
+            f"{factor} = arith.mulf {scale_f32}, {log2e} : f32"]
+    return defs, [f"    %scaled = arith.mulf %score, {factor} : f32", "    iree_linalg_ext.yield %scaled : f32"]
+
+
 _DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32", "float16": "f16",
            "bfloat16": "bf16", "float32": "f32"}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .lowering import LOG2E, SCALE_ONE, _load, checked_fields, render_lowering_attrs
+from .lowering import _load, checked_fields, render_lowering_attrs, scores_scale
 
 def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int,
                        dq: int, dv: int, lowering: Mapping[str, Any] | str | None = None,
@@ -50,10 +50,9 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
     score_body = "    iree_linalg_ext.yield %score : f32"
     if t == "f32":
         scale_cast = "  %scale_t = arith.addf %scale_f32, %zero : f32"
-    elif t == "bf16" and isinstance(lowering, Mapping) and lowering.get("scale_on_scores"):  # kernels.attention
-        scale_cast = (f"  %scale_t = arith.constant {SCALE_ONE} : {t}\n  %log2e_s = arith.constant {LOG2E} : f32\n"
-                      "  %scale_l = arith.mulf %scale_f32, %log2e_s : f32")
-        score_body = "    %scaled = arith.mulf %score, %scale_l : f32\n    iree_linalg_ext.yield %scaled : f32"
+    elif isinstance(lowering, Mapping) and lowering.get("scale_on_scores"):  # kernels.attention's docstring
+        defs, body = scores_scale("%scale_f32", t, ("%scale_t", "%log2e_s", "%scale_l"))
+        scale_cast, score_body = "\n".join("  " + d for d in defs), "\n".join(body)
     else:
         scale_cast = f"  %scale_t = arith.truncf %scale_f32 : f32 to {t}"
     attn_props, attn_attrs = render_lowering_attrs(lowering, m_total=m_total, dv=dvp, c=int(c))
