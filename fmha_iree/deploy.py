@@ -38,12 +38,17 @@ class DeployedFmha:
         self.tiles = TileConfig(ck["kM0"], ck["kN0"], ck["kK0"], ck["kN1"], ck["kK1"], kv_chunk=t["kv_chunk"])
         self._prepared = PreparedCalls()
 
+    @property
+    def device_uri(self) -> str:
+        """The IREE device the module was loaded on (``local-task``, ``cuda://0`` ...)."""
+        return self._module.device_uri
+
     def __call__(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None):
         """Batch mode, as :func:`fmha_iree.fmha_fwd`. A repeated call on DeviceTensors of the
         same shapes (and cu_seqlen values) replays its checked and routed form
         (``prepared.PreparedCalls``). torch GPU tensors on the module's GPU are shared with it
         both ways (``torch_gpu``)."""
-        gpu = torch_gpu({"q": q, "k": k, "v": v}, self._module.device_uri)
+        gpu = torch_gpu({"q": q, "k": k, "v": v}, self.device_uri)
         if gpu is not None:
             call = TorchCall(gpu)
             return call.outputs(self._batch_call(*call.inputs((q, k, v)), mask, scale, return_lse, cu_seqlen_q,
@@ -80,7 +85,7 @@ class DeployedFmha:
         if pr["layout"] != "bshd":
             raise ValueError(f"group mode needs a module compiled with --layout bshd; this one has layout {pr['layout']!r}")
         mask = pr.get("mask") if mask is None else mask
-        gpu = torch_gpu({"q": q, "k": k, "v": v}, self._module.device_uri)
+        gpu = torch_gpu({"q": q, "k": k, "v": v}, self.device_uri)
         if gpu is not None:
             call = TorchCall(gpu)
             return call.outputs(self.varlen(*call.inputs((q, k, v)), seqstart_q, seqstart_k, seqlen_k=seqlen_k,
@@ -117,18 +122,23 @@ class DeployedFmha:
 
     def _check(self, p, return_lse):
         """Refuse a problem the module was not compiled for, before anything runs."""
-        pr = self.manifest["problem"]
-        if p.q.dtype != pr["dtype"]:
-            raise TypeError(f"q has dtype {p.q.dtype} but the module was compiled for {pr['dtype']}")
-        if p.hq // p.hk != pr["group"]:
-            raise ValueError(f"q/k heads {p.hq}/{p.hk} give a group of {p.hq // p.hk}; the module expects {pr['group']}")
-        if (p.dq, p.dv) != (pr["hdim"], pr["hdim_v"]):
-            raise ValueError(f"head dims q/k {p.dq}, v {p.dv} differ from the module's {pr['hdim']}, {pr['hdim_v']}")
-        for key, have in (("heads", p.hq), ("kv_heads", p.hk)):
-            if pr.get(key) not in (None, have):
-                raise ValueError(f"{'q' if key == 'heads' else 'k'} has {have} heads; the module was compiled for {pr[key]}")
+        self.check_heads(p.q.dtype, p.hq, p.hk, p.dq, p.dv)
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+
+    def check_heads(self, dtype: str, hq: int, hk: int, dq: int, dv: int):
+        """Refuse, naming the argument, a dtype (``f16`` / ``bf16`` / ``f32``), head counts or head
+        dims the module was not compiled for."""
+        pr = self.manifest["problem"]
+        if dtype != pr["dtype"]:
+            raise TypeError(f"q has dtype {dtype} but the module was compiled for {pr['dtype']}")
+        if hq // hk != pr["group"]:
+            raise ValueError(f"q/k heads {hq}/{hk} give a group of {hq // hk}; the module expects {pr['group']}")
+        if (dq, dv) != (pr["hdim"], pr["hdim_v"]):
+            raise ValueError(f"head dims q/k {dq}, v {dv} differ from the module's {pr['hdim']}, {pr['hdim_v']}")
+        for key, have in (("heads", hq), ("kv_heads", hk)):
+            if pr.get(key) not in (None, have):
+                raise ValueError(f"{'q' if key == 'heads' else 'k'} has {have} heads; the module was compiled for {pr[key]}")
 
 
 def load(path, device: str = "local-task") -> DeployedFmha:

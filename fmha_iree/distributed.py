@@ -13,29 +13,26 @@ the same amount of work at every ring step; unmasked attention uses the same lay
 depend on positions, so any layout would give the same result; one convention keeps shards
 interchangeable between the two).
 
-Devices: today :func:`fmha_iree.fmha_fwd` reads torch tensors through host memory, so each block
-computed here copies its query rows and K/V to the host and its result back to ``q``'s device. The
-ring itself moves ``q``'s tensors (CPU with ``gloo``, CUDA with ``nccl``). Once ``fmha_fwd`` takes
-CUDA tensors in place, the blocks will stay on the GPU; nothing else here needs to change.
+Devices: the blocks run where the tensors are. CUDA tensors are shared with IREE in place
+(``fmha_iree.torch_gpu``: no host copy; each call waits on the host for torch's stream before it
+starts and for its results after, so one rank's block calls run one after another while the
+ring's exchange for the next step proceeds on NCCL's streams). Each block is one
+:func:`fmha_iree.fmha_fwd` call (compiled on first use) or, given ``module=``, one call of a module
+loaded with :func:`fmha_iree.load`, which needs no compiler on the ranks' machines.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .spec import _check_torch_kind
+from .distributed_args import check_local, check_meta, gather_meta, group_info
 
 __all__ = ["Block", "chunk_bounds", "shard_lengths", "shard_sequence", "unshard_sequence", "gather_sequence",
            "ring_blocks", "merge_attention", "context_parallel_attention"]
-
-_LAYOUTS = ("bhsd", "bshd")
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 class Block(NamedTuple):
     """One ``fmha_fwd`` call of a ring step: local query rows ``q0:q1`` against rows ``k0:k1`` of
@@ -121,7 +118,7 @@ def gather_sequence(x: torch.Tensor, *, group: dist.ProcessGroup | None = None, 
     """Every rank's shard of ``x`` gathered into the whole sequence, on every rank of ``group``
     (a collective: two ``all_gather`` calls, the shard lengths then the zero-padded shards)."""
     dim = _seq_dim(x, dim, "x")
-    world, _ = _group_info(group)
+    world, _ = group_info(group)
     n = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
     lens = [torch.empty_like(n) for _ in range(world)]
     dist.all_gather(lens, n, group=group)
@@ -170,131 +167,64 @@ def merge_attention(out: torch.Tensor, lse: torch.Tensor, out_i: torch.Tensor,
     return w * out.float() + w_i * out_i.float(), new
 
 
-def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(world size, rank) of ``group``; ValueError naming ``group`` when there is none."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("group: torch.distributed is not initialised (call torch.distributed.init_process_group "
-                         "first)")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("group: this process is not a member of the given process group")
-    return dist.get_world_size(group), rank
-
-
-def _check_local(q, k, v, causal, scale, layout, return_lse, device) -> tuple[list[int], float]:
-    """This rank's arguments: ([B, Hq, Hk, S, Dq, Dv, dtype, layout], scale), or an error naming the
-    argument. Not yet checked against the other ranks."""
-    from .spec import check_scale
-    from .targets import resolve_device
-
-    for name, flag in (("causal", causal), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if not isinstance(layout, str) or layout not in _LAYOUTS:
-        raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
-    for name, x in zip("qkv", (q, k, v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in _DTYPES or x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype}; q, k and v must share one of float16, bfloat16, float32")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D ({layout}), got shape {list(x.shape)}")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
-        _check_torch_kind(x, name)  # meta / sparse / nested tensors, inputs that want a gradient
-    (B, Hq, S, Dq), (Bk, Hk, Sk, Dk), (Bv, Hv, Sv, Dv) = (_bhsd_shape(x, layout) for x in (q, k, v))
-    if (Bk, Bv) != (B, B) or (Hv, Sv) != (Hk, Sk) or Dk != Dq:
-        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} do not match q {list(q.shape)} ({layout}: "
-                         "same batch, k/v same heads and length, k head dim = q head dim)")
-    if Hk == 0 or Hq % Hk:
-        raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hk})")
-    if Sk != S:
-        raise ValueError(f"k/v shards have {Sk} positions but q's has {S}: q, k and v share one sharded sequence")
-    resolve_device(device)
-    return [B, Hq, Hk, S, Dq, Dv, _DTYPES.index(q.dtype), _LAYOUTS.index(layout)], check_scale(scale, Dq)
-
-
-def _bhsd_shape(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
-    b, x1, x2, d = x.shape
-    return (b, x1, x2, d) if layout == "bhsd" else (b, x2, x1, d)
-
-
-_META = ("batch", "q heads", "k/v heads", "shard length", "q/k head dim", "v head dim", "dtype", "layout",
-         "causal", "scale")
-
-
-def _gather_meta(local, error: Exception | None, causal: bool, group, world: int, device) -> list[list[int]]:
-    """Every rank's arguments (one ``all_gather`` of ``len(_META) + 1`` int64 each): the first
-    entry is 1 where that rank refused its own arguments."""
-    fields, scale = local if error is None else ([0] * 8, 0.0)
-    bits = struct.unpack("<q", struct.pack("<d", scale))[0]
-    flag = int(causal) if error is None else 0
-    row = torch.tensor([int(error is not None), *fields, flag, bits], dtype=torch.int64, device=device)
-    rows = [torch.empty_like(row) for _ in range(world)]
-    dist.all_gather(rows, row, group=group)
-    return [r.tolist() for r in rows]
-
-
-def _shown(what: str, value: int):
-    """A gathered field as the caller wrote it (the int64 codes of dtype, layout, scale decoded)."""
-    if what == "scale":
-        return struct.unpack("<d", struct.pack("<q", value))[0]
-    if what == "dtype":
-        return str(_DTYPES[value]).replace("torch.", "")
-    return _LAYOUTS[value] if what == "layout" else value
-
-
-def _check_meta(meta: list[list[int]], rank: int, error: Exception | None) -> list[tuple[int, int]]:
-    """Raise (on every rank alike) unless all ranks agree; return every rank's chunk lengths."""
-    if error is not None:
-        raise error
-    bad = [r for r, m in enumerate(meta) if m[0]]
-    if bad:
-        raise ValueError(f"ranks {bad} of the group refused their arguments (their error says why)")
-    for i, what in enumerate(_META):
-        if what != "shard length" and len({m[i + 1] for m in meta}) > 1:
-            raise ValueError(f"ranks disagree on {what}: {[_shown(what, m[i + 1]) for m in meta]} (rank order); "
-                             "every rank must call with the same heads, head dims, dtype, layout, causal and scale")
-    lens = [m[4] for m in meta]
-    lengths = shard_lengths(sum(lens), len(meta))
-    if lens != [a + b for a, b in lengths]:
-        raise ValueError(f"shard lengths {lens} (rank order) do not follow the load-balanced layout of S={sum(lens)} "
-                         f"over {len(meta)} ranks, {[a + b for a, b in lengths]} (see shard_sequence)")
-    return lengths
-
-
-def _exchange(cur: torch.Tensor, send_len: int, recv_len: int, rank: int, world: int,
-              group) -> tuple[list, torch.Tensor]:
-    """Start sending ``cur`` to the next rank and receiving the previous rank's block (of
-    ``recv_len`` rows) into a new tensor; returns (work handles, receive buffer). Empty blocks are
-    neither sent nor received (both sides know the lengths)."""
-    shape = list(cur.shape)
-    shape[2] = recv_len
-    buf = cur.new_empty(shape)
+def _exchange(cur: tuple[torch.Tensor, ...], send_len: int, recv_len: int, rank: int, world: int,
+              group) -> tuple[list, tuple[torch.Tensor, ...]]:
+    """Start sending the tensors ``cur`` (K and V) to the next rank and receiving the previous
+    rank's (of ``recv_len`` rows) into new tensors; returns (work handles, receive buffers). Empty
+    blocks are neither sent nor received (both sides know the lengths)."""
+    bufs = []
+    for x in cur:
+        shape = list(x.shape)
+        shape[2] = recv_len
+        bufs.append(x.new_empty(shape))
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     if group is not None:
         nxt, prv = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prv)
     ops = []
     if send_len:
-        ops.append(dist.P2POp(dist.isend, cur, nxt, group))
+        ops += [dist.P2POp(dist.isend, x, nxt, group) for x in cur]
     if recv_len:
-        ops.append(dist.P2POp(dist.irecv, buf, prv, group))
-    return (dist.batch_isend_irecv(ops) if ops else []), buf
+        ops += [dist.P2POp(dist.irecv, x, prv, group) for x in bufs]
+    return (dist.batch_isend_irecv(ops) if ops else []), tuple(bufs)
 
 
-def _ring(q: torch.Tensor, kv: torch.Tensor, dq: int, lengths, rank: int, world: int, group, causal: bool,
-          scale: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ring over ``bhsd`` q ``[B, Hq, S, Dq]`` and packed ``kv`` ``[B, Hk, S, Dq + Dv]``:
-    float32 ``(out [B, Hq, S, Dv], lse [B, Hq, S])``. The next block's exchange is issued before the
-    current block is computed, and waited for after."""
-    from .api import fmha_fwd
+def _block_runner(module, device, scale: float):
+    """``run(q, k, v, mask) -> (out, lse)`` on ``bhsd`` blocks (``mask`` None or ``"t"``): a call of
+    the loaded ``module`` in its own layout, or :func:`fmha_iree.fmha_fwd` on ``device``."""
+    if module is None:
+        from .api import fmha_fwd
 
-    B, Hq, S, _ = q.shape
-    out = torch.zeros(B, Hq, S, kv.shape[-1] - dq, dtype=torch.float32, device=q.device)
-    lse = torch.full((B, Hq, S), -math.inf, dtype=torch.float32, device=q.device)
-    cur = kv
+        return lambda q, k, v, mask: fmha_fwd(q, k, v, mask=mask, scale=scale, return_lse=True, device=device)
+    swap = module.manifest["problem"]["layout"] == "bshd"
+
+    def run(q, k, v, mask):
+        # "0": unmasked, whatever default mask the module was compiled with
+        args = (x.transpose(1, 2) for x in (q, k, v)) if swap else (q, k, v)
+        o, l_ = module(*args, mask=mask or "0", scale=scale, return_lse=True)
+        return (o.transpose(1, 2) if swap else o), l_
+
+    return run
+
+
+def _merge_rows(out, lse, o, l_, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` with rows ``q0:q1`` merged with a block's ``(o, l_)``, as new tensors (the
+    state may be a block's result, which this never writes)."""
+    m_out, m_lse = merge_attention(out[:, :, q0:q1], lse[:, :, q0:q1], o, l_)
+    if (q0, q1) == (0, out.shape[2]):
+        return m_out, m_lse
+    return (torch.cat([out[:, :, :q0], m_out, out[:, :, q1:]], 2),
+            torch.cat([lse[:, :, :q0], m_lse, lse[:, :, q1:]], 2))
+
+
+def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, rank: int, world: int, group,
+          causal: bool, run) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring over contiguous ``bhsd`` q ``[B, Hq, S, Dq]``, k ``[B, Hk, S, Dq]`` and v ``[B, Hk,
+    S, Dv]``, each block computed by ``run`` (:func:`_block_runner`): float32 ``(out [B, Hq, S,
+    Dv], lse [B, Hq, S])``. The next block's exchange is issued before the current block is
+    computed, and waited for after. The first step (this rank's own K / V) covers every query row
+    (:func:`ring_blocks`), so its result is the state the later steps merge into."""
+    out = lse = None
+    cur = (k, v)
     for step in range(world):
         src = (rank - step) % world
         works, nxt = [], None
@@ -302,16 +232,27 @@ def _ring(q: torch.Tensor, kv: torch.Tensor, dq: int, lengths, rank: int, world:
             send_len, recv_len = sum(lengths[src]), sum(lengths[(src - 1) % world])
             works, nxt = _exchange(cur, send_len, recv_len, rank, world, group)
         for b in ring_blocks(rank, src, lengths, causal):
-            keys = cur[:, :, b.k0:b.k1]
-            o, l_ = fmha_fwd(q[:, :, b.q0:b.q1], keys[..., :dq], keys[..., dq:], mask=b.mask, scale=scale,
-                             return_lse=True, device=device)
-            o, l_ = o.to(q.device), l_.to(q.device)
-            out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1] = merge_attention(out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1],
-                                                                         o, l_)
+            o, l_ = run(q[:, :, b.q0:b.q1], cur[0][:, :, b.k0:b.k1], cur[1][:, :, b.k0:b.k1], b.mask)
+            o, l_ = o.to(q.device, torch.float32), l_.to(q.device, torch.float32)
+            out, lse = (o, l_) if out is None else _merge_rows(out, lse, o, l_, b.q0, b.q1)
         for w in works:
             w.wait()
         cur = nxt
+    if out is None:  # no query row on this rank
+        B, Hq, S, _ = q.shape
+        out = q.new_zeros(B, Hq, S, v.shape[-1], dtype=torch.float32)
+        lse = q.new_full((B, Hq, S), -math.inf, dtype=torch.float32)
     return out, lse
+
+
+def _layout_lengths(lens: list[int]) -> list[tuple[int, int]]:
+    """Every rank's two chunk lengths, from the shard lengths the ranks gave (rank order); a
+    ValueError unless they follow the load-balanced layout."""
+    lengths = shard_lengths(sum(lens), len(lens))
+    if lens != [a + b for a, b in lengths]:
+        raise ValueError(f"shard lengths {lens} (rank order) do not follow the load-balanced layout of S={sum(lens)} "
+                         f"over {len(lens)} ranks, {[a + b for a, b in lengths]} (see shard_sequence)")
+    return lengths
 
 
 def _comm_device(group, q) -> torch.device:
@@ -323,7 +264,8 @@ def _comm_device(group, q) -> torch.device:
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                                group: dist.ProcessGroup | None = None, causal: bool = False, scale: float | None = None,
-                               layout: str = "bhsd", device: str | None = None, return_lse: bool = False):
+                               layout: str = "bhsd", device: str | None = None, module=None,
+                               return_lse: bool = False):
     """Attention of this rank's queries over the whole (sharded) sequence, ring-style.
 
     A collective over ``group`` (default: the world group): every rank calls it with its own shard
@@ -331,7 +273,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``scale``, ``layout``, dtype, batch, heads and head dims. What is synchronised: one
     ``all_gather`` of a few int64 per rank first (the arguments are checked against every rank's,
     so a mismatch is the same ValueError on every rank instead of a hang), then ``N - 1`` ring
-    steps, each sending this rank's current K/V block (K and V packed into one tensor) to rank
+    steps, each sending this rank's current K and V blocks to rank
     ``r + 1`` and receiving rank ``r - 1``'s with ``batch_isend_irecv``; the exchange for the next
     step is started before the current block is computed and waited for before the next step. No
     barrier at the end: a rank returns once its last block is merged.
@@ -345,33 +287,33 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         causal: causal attention over global positions (top-left, ``j <= i``); else unmasked.
         scale: multiplies ``q @ k^T``; default ``1 / sqrt(Dq)``.
         layout: ``"bhsd"`` or ``"bshd"``.
-        device: the IREE device URI each ``fmha_fwd`` call runs on (default ``"local-task"``, the
-            CPU); on GPUs, this rank's own, e.g. ``f"cuda://{local_rank}"``.
+        device: the IREE device URI each ``fmha_fwd`` call runs on (default: the CPU for CPU
+            tensors, the tensors' own GPU for CUDA tensors); on GPUs, this rank's own, e.g.
+            ``f"cuda://{local_rank}"``.
+        module: a module loaded with :func:`fmha_iree.load` on this rank's device, which then
+            computes every block instead of ``fmha_fwd`` (no compiler needed); its dtype, heads
+            and head dims must be the call's, any layout and default mask (each block passes its
+            own). Give ``module`` or ``device``, not both.
         return_lse: also return float32 ``lse [B, Hq, S_r]`` (natural log).
 
-    Each ring step is one ``fmha_fwd(..., return_lse=True)`` call (:func:`ring_blocks`: causal
-    pairs of chunks are unmasked, causal top-left or skipped); partials merge in float32
-    (:func:`merge_attention`; ``fmha_fwd`` returns each partial in the input dtype, so float16 /
-    bfloat16 partials are rounded once before that merge). The blocks are computed inside IREE in ``bhsd`` (``bshd`` inputs
-    are transposed views; ``fmha_fwd`` copies its inputs to contiguous host arrays either way).
-    Today ``fmha_fwd`` takes torch tensors through host memory, so on GPUs every block's inputs
-    and results cross the host bus; the call blocks until its block is done, so the exchange
-    overlaps one block's compute at most. Returns ``out`` (the input's dtype, layout and device,
-    ``Dv`` wide) or ``(out, lse)``.
+    Each ring step is one call with the LSE (:func:`ring_blocks`: causal pairs of chunks are
+    unmasked, causal top-left or skipped); partials merge in float32 (:func:`merge_attention`; each
+    partial comes back in the input dtype, so float16 / bfloat16 partials are rounded once before
+    that merge). Blocks are ``bhsd`` views of the shards (transposed views for ``bshd`` inputs and
+    modules). Returns ``out`` (the input's dtype, layout and device, ``Dv`` wide) or ``(out, lse)``.
     """
-    world, rank = _group_info(group)
+    world, rank = group_info(group)
     error, local = None, None
     try:
-        local = _check_local(q, k, v, causal, scale, layout, return_lse, device)
+        local = check_local(q, k, v, causal, scale, layout, return_lse, device, module)
     except (TypeError, ValueError) as e:
         error = e
-    meta = _gather_meta(local, error, causal, group, world, _comm_device(group, q))
-    lengths = _check_meta(meta, rank, error)
+    meta = gather_meta(local, error, causal, group, world, _comm_device(group, q))
+    lengths = _layout_lengths(check_meta(meta, error))
     if layout == "bshd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    dq = q.shape[-1]
-    kv = torch.cat([k, v], -1).contiguous()
-    out, lse = _ring(q, kv, dq, lengths, rank, world, group, causal, local[1], device)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    out, lse = _ring(q, k, v, lengths, rank, world, group, causal, _block_runner(module, device, local[1]))
     out = out.to(q.dtype)
     if layout == "bshd":
         out = out.transpose(1, 2).contiguous()

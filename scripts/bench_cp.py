@@ -14,7 +14,9 @@ its own GPU (``--device cuda://0`` means ``cuda://LOCAL_RANK`` on every rank; to
 target of the modules fmha_iree compiles comes from ``FMHA_IREE_CUDA_TARGET`` (default sm_80).
 
 - ``ring``: fmha_iree's ring on every rank, inputs sharded in the load-balanced layout (torch
-  tensors: today every block crosses host memory, ``fmha_fwd`` does not yet read CUDA tensors).
+  tensors; CUDA tensors are shared with IREE in place). With ``--module`` every rank loads that
+  module (``fmha_iree.load``, compiled ahead of time by ``fmha-iree compile`` for the rows' dtype,
+  heads and head dim) and the ring and ``one_gpu`` call it: no compiler on the ranks' machine.
 - ``torch_cp``: ``torch.distributed.tensor.experimental.context_parallel`` over
   ``scaled_dot_product_attention`` restricted to the flash backend (its default head-tail load
   balancing for causal, none for unmasked). Flash SDPA takes no GQA here, so K/V are expanded to
@@ -61,6 +63,8 @@ def _args():
     ap.add_argument("--peers", default="ring,torch_cp,one_gpu", help="which of ring, torch_cp, one_gpu to run")
     ap.add_argument("--torch-gqa", choices=("expand", "native"), default="expand",
                     help="torch_cp: expand K/V to Hq heads (flash SDPA has no GQA) or pass enable_gqa=True")
+    ap.add_argument("--module", help="a .vmfb from fmha-iree compile that every rank loads and calls "
+                    "(default: fmha_fwd, compiling on first use)")
     ap.add_argument("--out", help="JSON file (written by rank 0)")
     return ap.parse_args()
 
@@ -111,7 +115,8 @@ def _inputs(S: int, args, dev: torch.device):
 
 def _ring(q, k, v, causal, rank, world, iree_device, args, dev):
     shards = [shard_sequence(x, rank, world, 2) for x in (q, k, v)]
-    fn = lambda: context_parallel_attention(*shards, causal=causal, device=iree_device)  # noqa: E731
+    where = {"module": args.loaded} if args.loaded is not None else {"device": iree_device}
+    fn = lambda: context_parallel_attention(*shards, causal=causal, **where)  # noqa: E731
     return _dist_time(fn, args.reps, dev), fn()
 
 
@@ -148,7 +153,11 @@ def _torch_cp(q, k, v, causal, world, args, dev):
 def _one_gpu(q, k, v, causal, iree_device, args):
     """(seconds, output as torch) of fmha_fwd on DeviceTensors, best of 3 blocks of --reps calls."""
     qd, kd, vd = (fmha_iree.to_device(x, iree_device) for x in (q, k, v))
-    call = lambda: fmha_iree.fmha_fwd(qd, kd, vd, mask="t" if causal else None, device=iree_device)  # noqa: E731
+    mask = "t" if causal else "0"
+    if args.loaded is not None:
+        call = lambda: args.loaded(qd, kd, vd, mask=mask)  # noqa: E731
+    else:
+        call = lambda: fmha_iree.fmha_fwd(qd, kd, vd, mask=mask, device=iree_device)  # noqa: E731
     call().wait()
     best = float("inf")
     for _ in range(3):
@@ -222,6 +231,7 @@ def report(rows, args, world):
 def main():
     args = _args()
     ctx = _setup(args.device)
+    args.loaded = fmha_iree.load(args.module, device=ctx[2]) if args.module else None
     rows = []
     masks = {"both": (True, False), "causal": (True,), "none": (False,)}[args.mask]
     try:
@@ -234,7 +244,8 @@ def main():
             report(rows, args, ctx[1])
             if args.out:
                 meta = dict(date=time.strftime("%Y-%m-%d"), host=platform.node(), torch=torch.__version__,
-                            device=args.device, ranks=ctx[1], reps=args.reps, torch_gqa=args.torch_gqa)
+                            device=args.device, ranks=ctx[1], reps=args.reps, torch_gqa=args.torch_gqa,
+                            module=args.module)
                 with open(args.out, "w") as f:
                     json.dump(dict(meta=meta, rows=rows), f, indent=2)
     finally:

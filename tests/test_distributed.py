@@ -6,7 +6,9 @@ are tested on their own (no IREE).
 
 Kernel key: f32, Hq=4 Hk=2 (GQA 2), D=32, bhsd, for every case (``bshd`` inputs too: the ring
 computes in bhsd). The ``module`` fixture loads it here first (compiling it once into the disk
-cache), so the ranks read it from the cache instead of each compiling it.
+cache), so the ranks read it from the cache instead of each compiling it. The ``deployed`` fixture
+compiles a module ahead of time (``fmha-iree compile``, ``bshd``, default mask ``b``) that the
+ring is also given as ``module=`` (the deployment path: no compiler on the ranks).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -75,7 +79,19 @@ def _errors(rank: int, world: int) -> dict:
     return got
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str):
+def _module_cases(rank: int, world: int, vmfb: str) -> dict:
+    """The ring over a loaded module: causal and unmasked (the module's default mask is ``b``, so an
+    unmasked block must pass its own), bhsd inputs into a bshd module."""
+    f = fmha_iree.load(vmfb)
+    got = {}
+    for causal in (True, False):
+        shards = [shard_sequence(x, rank, world) for x in _inputs("mod", 45, "bhsd", 1)]
+        out, lse = context_parallel_attention(*shards, causal=causal, module=f, return_lse=True)
+        got[causal] = dict(out=out, lse=lse)
+    return got
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str, vmfb: str):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -88,6 +104,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str):
             results[name] = dict(out=out, lse=lse, gathered=gather_sequence(out, dim=dim))
         if world == 2:
             results["errors"] = _errors(rank, world)
+            results["module"] = _module_cases(rank, world, vmfb)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -104,7 +121,17 @@ def module():
 
 
 @pytest.fixture(scope="module")
-def spawned(module, tmp_path_factory):
+def deployed(tmp_path_factory):
+    """A host module compiled ahead of time for the kernel key, ``--layout bshd --mask b``."""
+    vmfb = tmp_path_factory.mktemp("deployed") / "cp.vmfb"
+    subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "host", "--dtype", "f32",
+                    "--hdim", str(HEADS["Dq"]), "--heads", f"{HEADS['Hq']}:{HEADS['Hk']}", "--layout", "bshd",
+                    "--mask", "b", "-o", str(vmfb)], check=True, capture_output=True)
+    return str(vmfb)
+
+
+@pytest.fixture(scope="module")
+def spawned(module, deployed, tmp_path_factory):
     """``spawned(world)``: every rank's results of ``CASES[world]`` (one start per world size).
     The ranks are forked from a forkserver that imported torch and fmha_iree once (starting each
     rank as a fresh interpreter cost about 8 s for 4 ranks on a 2-core machine); the forkserver
@@ -116,7 +143,7 @@ def spawned(module, tmp_path_factory):
     def run(world: int) -> list[dict]:
         if world not in cache:
             out_dir = tmp_path_factory.mktemp(f"cp{world}")
-            ctx = mp.start_processes(_rank_main, args=(world, _free_port(), str(out_dir)), nprocs=world,
+            ctx = mp.start_processes(_rank_main, args=(world, _free_port(), str(out_dir), deployed), nprocs=world,
                                      join=False, start_method="forkserver")
             deadline = time.monotonic() + SPAWN_TIMEOUT_S
             while not ctx.join(timeout=1):
@@ -170,6 +197,17 @@ def test_mismatched_arguments_raise_on_every_rank(spawned):
     assert "ranks [1]" in errors[0]["heads"]
 
 
+def test_ring_over_a_loaded_module(spawned):
+    ranks = spawned(2)
+    q, k, v = _inputs("mod", 45, "bhsd", 1)
+    for causal in (True, False):
+        out = unshard_sequence([res["module"][causal]["out"] for res in ranks])
+        lse = unshard_sequence([res["module"][causal]["lse"] for res in ranks], 2)
+        ref_out, ref_lse = attention_ref(q, k, v, mask="t" if causal else None)
+        assert_close(out, ref_out, F32, what=f"module causal={causal}")
+        assert_close(lse, ref_lse, F32, kind="lse", what=f"module causal={causal}")
+
+
 @pytest.fixture
 def world_of_one(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
@@ -208,6 +246,24 @@ def test_bad_arguments_name_the_argument(world_of_one):
         context_parallel_attention(q, k, v, causal=1)
     with pytest.raises(ValueError, match="4-D"):
         context_parallel_attention(q[0], k[0], v[0])
+
+
+def test_one_rank_over_a_loaded_module(deployed, world_of_one):
+    f = fmha_iree.load(deployed)
+    for layout in ("bhsd", "bshd"):
+        q, k, v = _inputs(f"one-mod-{layout}", 29, layout, 2)
+        for causal in (True, False):
+            out = context_parallel_attention(q, k, v, causal=causal, layout=layout, module=f)
+            ref_out, _ = attention_ref(q, k, v, mask="t" if causal else None, layout=layout)
+            assert_close(out, ref_out, F32, what=f"{layout} causal={causal}")
+    with pytest.raises(ValueError, match="device"):
+        context_parallel_attention(q, k, v, layout="bshd", module=f, device="local-task")
+    with pytest.raises(TypeError, match="module"):
+        context_parallel_attention(q, k, v, layout="bshd", module=deployed)
+    with pytest.raises(TypeError, match="dtype"):
+        context_parallel_attention(*(x.half() for x in (q, k, v)), layout="bshd", module=f)
+    with pytest.raises(ValueError, match="head dims"):
+        context_parallel_attention(q[..., :16], k[..., :16], v[..., :16], layout="bshd", module=f)
 
 
 # ---------------------------------------------------------------------------------------------
