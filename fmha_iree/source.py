@@ -182,9 +182,10 @@ CAUSAL_BLOCKS = 2
 
 def _dense_lowering(spec: KernelSpec) -> dict | None:
     if spec.target.backend == "llvm-cpu":
-        # The GPU formulation built for llvm-cpu (tests): N whole, tiles from the spec.
-        return {"backend": "cpu", "workgroup_m": spec.tiles.m0, "reduction_k2": spec.tiles.n0,
-                "workgroup_n": spec.dv}
+        # The GPU formulation built for llvm-cpu (tests): N whole, tiles from the spec; the scale on
+        # the scores where scale_on_scores says so (never for the CPU itself: tests force it).
+        low = {"backend": "cpu", "workgroup_m": spec.tiles.m0, "reduction_k2": spec.tiles.n0, "workgroup_n": spec.dv}
+        return {**low, "scale_on_scores": True} if scale_on_scores(spec) else low
     return gpu_lowering(spec)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fmha_iree
-from fmha_iree import cpu_calls, dispatch
+from fmha_iree import cpu_calls
 from common import MAIN, check_fwd, cu, len_id
 from reference import make_qkv, seed_of
 

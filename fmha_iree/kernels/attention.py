@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from ..mlir_templates.lowering import lowering_for_runtime_sizes, scores_scale
+from ..mlir_templates.lowering import SCORE_YIELD, lowering_for_runtime_sizes, scores_scale
 from .ir import Fn
 
 __all__ = ["Operand", "online_attention", "lowering_attrs"]
@@ -70,7 +70,7 @@ def online_attention(fn: Fn, *, q: Operand, k: Operand, v: Operand, scale: str, 
     """Emit the op (``outs``: acc, max, sum as its initial state); returns its three results.
     ``k2o``: keys in two dims, ``k2o`` (outer, one per step) and ``k2``."""
     props, attrs = lowering_attrs(lowering, dv=dv, batch_dims=nb, k2o=k2o, masked=mask is not None)
-    body = ["    iree_linalg_ext.yield %score : f32"]
+    body = [SCORE_YIELD]
     if isinstance(lowering, dict) and lowering.get("scale_on_scores"):
         scale, body = _score_scale(fn, scale, scale_type)
     _m = lambda dims: _map(dims, nb, k2o)  # noqa: E731

@@ -250,7 +250,7 @@ def render_causal_tree(*, func_name: str, dtype: str, layout: str, group: int, d
     copies V once to [BH, Dv, S] and gives each op its V^T blocks (`_tree_blocks_vt`).
     Work: S*C/2-ish masked plus S^2/2 - S*C/2 unmasked, about (1 + C/S) / 2 of the unmasked problem,
     in n + 1 attention dispatches. `workspace`: see `_dense_common`."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, lowering=lowering)
     S, C, A, G = int(seqlen), int(diag), f["A"], f["G"]
     if vt is None:
         vt = bool(isinstance(lowering, Mapping) and lowering.get("transpose_v")) and S >= TRANSPOSE_V_MIN_SEQLEN

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .copies import _pin_batch, _rt_zero, _transpose_copy
-from .lowering import _DTYPES, _load, lowering_for_runtime_sizes
+from .lowering import _DTYPES, _load, lowering_for_runtime_sizes, scale_operand
 
 def _check_dense(dtype: str, layout: str, group: int, dq: int, dv: int, align: int, seqlen: int | None) -> str:
     """The element type of a dense template's arguments; ValueError for arguments it cannot take."""
@@ -25,9 +25,10 @@ def _check_dense(dtype: str, layout: str, group: int, dq: int, dv: int, align: i
     return t
 
 
-def _prologue(t: str, layout: str, group: int, a: int, st: str, dq: int, dv: int) -> tuple[list[str], dict]:
-    """The prologue's lines (constants, ``%scale_t``, q/k/v as bhsd ``%qb``/``%kb``/``%vb``, the
-    dims ``%B``, ``%Hk``, ``%BH``) and the arguments' types."""
+def _prologue(t: str, layout: str, group: int, a: int, st: str, dq: int, dv: int,
+              scale: list[str]) -> tuple[list[str], dict]:
+    """The prologue's lines (constants, ``scale``: the lines defining ``%scale_t``, q/k/v as bhsd
+    ``%qb``/``%kb``/``%vb``, the dims ``%B``, ``%Hk``, ``%BH``) and the arguments' types."""
     ty = {x: f"tensor<?x?x?x{a}x{d}x{t}>" for x, d in (("q", dq), ("k", dq), ("v", dv))}
     lines = [
         "  %c0 = arith.constant 0 : index", "  %c1 = arith.constant 1 : index",
@@ -36,8 +37,7 @@ def _prologue(t: str, layout: str, group: int, a: int, st: str, dq: int, dv: int
         "  %zero = arith.constant 0.0 : f32", "  %fmin = arith.constant -3.40282347E+38 : f32",
         "  %ln2 = arith.constant 0.693147180559945309 : f32",
         "  %scale_f32 = tensor.extract %scale[%c0] : tensor<1xf32>",
-        "  %scale_t = arith.addf %scale_f32, %zero : f32" if t == "f32"
-        else f"  %scale_t = arith.truncf %scale_f32 : f32 to {t}",
+        *("  " + line for line in scale),
     ]
     arg_ty = {}
     for x in ("q", "k", "v"):
@@ -81,15 +81,18 @@ def _from_bhsd(t: str, layout: str, a: int, st: str, dv: int) -> tuple[str, str,
 
 
 def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
-                  seqlen: int | None = None, workspace: bool = False, extra_args: tuple[str, ...] = ()) -> dict:
+                  seqlen: int | None = None, workspace: bool = False, extra_args: tuple[str, ...] = (), *,
+                  lowering=None) -> dict:
     """Fields shared by the dense and causal templates.
 
     The sequence axis crosses the ABI split as (S / A, A) with A = `align` (the host reshapes, for
     free): IREE's GPU pipeline only distributes an attention whose M and K2 it can prove to be
     multiples of its tiles, and a product with a static factor is such a proof.
-    `prologue` defines the constants, `%scale_t`, the inputs as bhsd (`%qb`, `%kb`, `%vb`:
-    [B, H, S/A, A, D], a transpose each for bshd) and their dims; `from_bhsd` turns `%o4`
-    [B, Hq, S/A, A, Dv] into `%out` in `layout`, `epilogue` casts it and `%lse` to the result types.
+    `prologue` defines the constants, the ops' scale operand `%scale_t`, the inputs as bhsd
+    (`%qb`, `%kb`, `%vb`: [B, H, S/A, A, D], a transpose each for bshd) and their dims;
+    `from_bhsd` turns `%o4` [B, Hq, S/A, A, Dv] into `%out` in `layout`, `epilogue` casts it and
+    `%lse` to the result types. `score_body` is the ops' score region (`lowering.scale_operand`:
+    with the lowering's `scale_on_scores` the scale multiplies the f32 scores instead of Q).
 
     `seqlen` (a multiple of A) makes S static in the function's types (a shape-specialized entry
     point; the runtime refuses other lengths): the arguments are cast to the dynamic types the
@@ -103,7 +106,8 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
     t = _check_dense(dtype, layout, group, dq, dv, align, seqlen)
     a = int(align)
     st = "?" if seqlen is None else str(int(seqlen) // a)
-    lines, arg_ty = _prologue(t, layout, int(group), a, st, dq, dv)
+    scale, score_body = scale_operand(lowering, t)
+    lines, arg_ty = _prologue(t, layout, int(group), a, st, dq, dv, scale)
     from_bhsd, res_dyn, res = _from_bhsd(t, layout, a, st, dv)
     args = ", ".join([f"%{x}_arg: {arg_ty[x]}" for x in ("q", "k", "v")] + ["%scale: tensor<1xf32>", *extra_args]
                      + (["%workspace: !hal.buffer {iree.abi.transients}"] if workspace else []))
@@ -116,7 +120,7 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
                   else ("[B,Sq/A,A,Hq,Dq]", "[B,Sk/A,A,Hk,Dq]", "[B,Sk/A,A,Hk,Dv]"))
     return dict(T=t, G=int(group), DQ=int(dq), DV=int(dv), A=a, layout=layout, prologue="\n".join(lines),
                 epilogue=epilogue, epilogue_out=epilogue_out, out_cast=out_cast, q_shape_doc=qd, k_shape_doc=kd, v_shape_doc=vd,
-                args=args, out_type=res, lse_type=lse_ty, seqlen=seqlen)
+                args=args, out_type=res, lse_type=lse_ty, seqlen=seqlen, score_body=score_body)
 
 
 def _normalize(f: dict, suffix: str, rows: str) -> str:
@@ -130,7 +134,7 @@ def render_dense(*, func_name: str, dtype: str, layout: str, group: int, dq: int
     """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: attention where
     every row sees every key, as one online_attention (template `mlir/dense.mlir.in`). `seqlen`:
     Sq = Sk fixed at compile time, `workspace` (see `_dense_common`)."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, lowering=lowering)
     props, attrs = lowering_for_runtime_sizes(lowering, dv)
     return _load("dense.mlir.in").substitute(func_name=func_name, attn_props=props, attn_attrs=attrs,
                                              normalize=_normalize(f, "", "%M"), **f)
@@ -159,7 +163,7 @@ def render_dense_out(*, func_name: str, dtype: str, layout: str, group: int, dq:
     `mlir/dense_out.mlir.in`). `causal` (needs `seqlen`, Sq == Sk): row i sees keys j <= i
     through a broadcast [G*S, S] i1 mask; every block is still computed (IREE does not skip
     masked tiles). `workspace`: see `_dense_common`."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, lowering=lowering)
     props, attrs = lowering_for_runtime_sizes(lowering, dv)
     mask = dict(mask="", mask_map="", mask_in="", mask_ty="", mask_doc="Every row sees every key.")
     if causal:
@@ -220,7 +224,7 @@ def render_causal(*, func_name: str, dtype: str, layout: str, group: int, dq: in
     (Sq == Sk, S a multiple of `blocks * align`) as `blocks` independent row blocks, each against
     the keys up to its diagonal (templates `mlir/causal.mlir.in`, `mlir/causal_block.mlir.in`).
     `workspace`: see `_dense_common`."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace)
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, lowering=lowering)
     nb = int(blocks)
     if nb < 1:
         raise ValueError(f"blocks must be positive, got {blocks}")

@@ -89,6 +89,23 @@ def scores_scale(scale_f32: str, scale_type: str, names: tuple[str, str, str]) -
     return defs, [f"    %scaled = arith.mulf %score, {factor} : f32", "    iree_linalg_ext.yield %scaled : f32"]
 
 
+# The op's score region in IREE's own form: the scores as they are.
+SCORE_YIELD = "    iree_linalg_ext.yield %score : f32"
+
+
+def scale_operand(lowering, t: str) -> tuple[list[str], str]:
+    """The templates' scale: (the lines defining the op's scale operand ``%scale_t``, element type
+    ``t``, from the caller's ``%scale_f32``; the op's score region body). IREE's form casts the
+    scale to ``t`` and yields the scores as they are; a lowering with ``scale_on_scores`` takes
+    ``scores_scale``'s (``%scale_t`` = SCALE_ONE, the factor ``%scale_l`` on the scores)."""
+    if isinstance(lowering, Mapping) and lowering.get("scale_on_scores"):
+        defs, body = scores_scale("%scale_f32", t, ("%scale_t", "%log2e_s", "%scale_l"))
+        return defs, "\n".join(body)
+    if t == "f32":
+        return ["%scale_t = arith.addf %scale_f32, %zero : f32"], SCORE_YIELD
+    return [f"%scale_t = arith.truncf %scale_f32 : f32 to {t}"], SCORE_YIELD
+
+
 _DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32", "float16": "f16",
            "bfloat16": "bf16", "float32": "f32"}
 

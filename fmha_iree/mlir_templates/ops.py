@@ -10,9 +10,9 @@ from .copies import _rt_zero
 from .lowering import lowering_for_runtime_sizes
 
 def _fresh_online_attention(name: str, n: str, maps: list[str], ins: str, tys: str, acc: str, ml: str, props: str,
-                            attrs: str) -> str:
+                            attrs: str, score: str) -> str:
     """`%name:3` = online_attention from a fresh state (acc 0, max -inf, sum 0) of types `acc` /
-    `ml` (dynamic batch `n`)."""
+    `ml` (dynamic batch `n`); `score`: its score region's body (`_dense_common`'s `score_body`)."""
     return f"""  %{name}_ae = tensor.empty({n}) : {acc}
   %{name}_a0 = linalg.fill ins(%zero : f32) outs(%{name}_ae : {acc}) -> {acc}
   %{name}_me = tensor.empty({n}) : {ml}
@@ -23,7 +23,7 @@ def _fresh_online_attention(name: str, n: str, maps: list[str], ins: str, tys: s
       ins({ins} : {tys})
       outs(%{name}_a0, %{name}_m0, %{name}_l0 : {acc}, {ml}, {ml}) {{
   ^bb0(%score: f32):
-    iree_linalg_ext.yield %score : f32
+{score}
   }} -> {acc}, {ml}, {ml}
 """
 
@@ -42,7 +42,7 @@ def _attn_op(name: str, q: str, k: str, v: str, *, f: dict, n: int, rows: int, k
     maps += [m + "(d0, d1, d4)>", m + "(d0, d1)>", m + "(d0, d1)>"]
     acc, ml = f"tensor<?x{rows}x{DV}xf32>", f"tensor<?x{rows}xf32>"
     return (f"  %{name}_c = arith.constant {int(n)} : index\n  %{name}_n = arith.muli %BH, %{name}_c : index\n"
-            + _fresh_online_attention(name, f"%{name}_n", maps, ins, tys, acc, ml, props, attrs))
+            + _fresh_online_attention(name, f"%{name}_n", maps, ins, tys, acc, ml, props, attrs, f["score_body"]))
 
 
 def _attn_op_vt(name: str, q: str, k: str, vt: str, *, f: dict, nb: int, rows: int, keys: int, lowering,
@@ -66,7 +66,7 @@ def _attn_op_vt(name: str, q: str, k: str, vt: str, *, f: dict, nb: int, rows: i
         ins, tys = ins + f", {mask}", tys + f", tensor<{rows}x{keys}xi1>"
     maps += [m + f"({p}, d2, d5)>", m + f"({p}, d2)>", m + f"({p}, d2)>"]
     acc, ml = f"tensor<?x{nbx}{rows}x{DV}xf32>", f"tensor<?x{nbx}{rows}xf32>"
-    text = _fresh_online_attention(name, "%BH", maps, ins, tys, acc, ml, props, attrs)
+    text = _fresh_online_attention(name, "%BH", maps, ins, tys, acc, ml, props, attrs, f["score_body"])
     # compute_barrier.end keeps the merge's reshapes of the partials out of the op (see `_pair_slice`)
     for i, (ty, cty, re) in enumerate(((acc, f"tensor<?x{rows}x{DV}xf32>", "[[0, 1], [2], [3]]"),
                                        (ml, f"tensor<?x{rows}xf32>", "[[0, 1], [2]]"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .lowering import _load, checked_fields, render_lowering_attrs, scores_scale
+from .lowering import _load, checked_fields, render_lowering_attrs, scale_operand
 
 def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int,
                        dq: int, dv: int, lowering: Mapping[str, Any] | str | None = None,
@@ -47,14 +47,8 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
         t = "f32"
         if (dqp, dvp) != (int(dq), int(dv)):
             raise ValueError("compute_dims wider than the head dims are rendered for GPU gathers only")
-    score_body = "    iree_linalg_ext.yield %score : f32"
-    if t == "f32":
-        scale_cast = "  %scale_t = arith.addf %scale_f32, %zero : f32"
-    elif isinstance(lowering, Mapping) and lowering.get("scale_on_scores"):  # kernels.attention's docstring
-        defs, body = scores_scale("%scale_f32", t, ("%scale_t", "%log2e_s", "%scale_l"))
-        scale_cast, score_body = "\n".join("  " + d for d in defs), "\n".join(body)
-    else:
-        scale_cast = f"  %scale_t = arith.truncf %scale_f32 : f32 to {t}"
+    defs, score_body = scale_operand(lowering, t)  # scale_on_scores: kernels.attention's docstring
+    scale_cast = "\n".join("  " + d for d in defs)
     attn_props, attn_attrs = render_lowering_attrs(lowering, m_total=m_total, dv=dvp, c=int(c))
     fields = dict(T=t, ST=st, G=int(group), R=int(r), C=int(c), DQ=int(dq), DV=int(dv), DQP=dqp, DVP=dvp,
                   M=m_total, q_index=q_index, kv_index=kv_index)

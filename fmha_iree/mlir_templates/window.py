@@ -219,7 +219,8 @@ def render_window(*, func_name: str, dtype: str, layout: str, group: int, dq: in
 
     `vt` (default: the lowering's `transpose_v` at S >= TRANSPOSE_V_MIN_SEQLEN): V transposed once
     and both ops over (BH, blocks) with their blocks read in place (`_window_blocks_vt`)."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, extra_args=("%win: tensor<1xi32>",))
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, extra_args=("%win: tensor<1xi32>",),
+                      lowering=lowering)
     S, C, A, G = int(seqlen), int(block), f["A"], f["G"]
     T, DQ, DV = f["T"], f["DQ"], f["DV"]
     nd = S // C if C > 0 and S % C == 0 else 0
