@@ -30,6 +30,11 @@ def scale_on_scores(spec: KernelSpec) -> bool:
     return spec.target.backend == "rocm" and spec.dtype == "bf16"
 
 
+def _scale_form(spec: KernelSpec, low: dict) -> dict:
+    """``low`` with ``scale_on_scores`` set where :func:`scale_on_scores` asks for it."""
+    return {**low, "scale_on_scores": True} if scale_on_scores(spec) else low
+
+
 def gpu_lowering(spec: KernelSpec) -> dict | None:
     """The IREE lowering config a GPU spec's tiles become: kM0 -> workgroup M, kN1 -> workgroup N,
     kN0 -> reduction over keys (K2); intrinsic and subgroups from the target family. ``None`` for
@@ -51,9 +56,7 @@ def gpu_lowering(spec: KernelSpec) -> dict | None:
     # CUDA; the tuned CUDA tiles bring their own warp layout (tiles.tuned_lowering).
     most = 8 if spec.target.family == "cuda" else 4
     low = {**base, "workgroup_m": t.m0, "workgroup_n": n1, "reduction_k2": t.n0, "subgroups_m": min(most, t.m0 // 16)}
-    if scale_on_scores(spec):
-        low["scale_on_scores"] = True
-    return {**low, **tuned_lowering(spec.target.family, t, spec.dv)}
+    return _scale_form(spec, {**low, **tuned_lowering(spec.target.family, t, spec.dv)})
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,8 +187,8 @@ def _dense_lowering(spec: KernelSpec) -> dict | None:
     if spec.target.backend == "llvm-cpu":
         # The GPU formulation built for llvm-cpu (tests): N whole, tiles from the spec; the scale on
         # the scores where scale_on_scores says so (never for the CPU itself: tests force it).
-        low = {"backend": "cpu", "workgroup_m": spec.tiles.m0, "reduction_k2": spec.tiles.n0, "workgroup_n": spec.dv}
-        return {**low, "scale_on_scores": True} if scale_on_scores(spec) else low
+        return _scale_form(spec, {"backend": "cpu", "workgroup_m": spec.tiles.m0, "reduction_k2": spec.tiles.n0,
+                                  "workgroup_n": spec.dv})
     return gpu_lowering(spec)
 
 
@@ -333,9 +336,7 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     if main is None or int(main.get("workgroup_n", spec.dv)) != spec.dv:
         return None
     short = main.get("short")
-    main = {k: v for k, v in main.items() if k not in ("transpose_v", "short")}
-    if scale_on_scores(spec):
-        main["scale_on_scores"] = True
+    main = _scale_form(spec, {k: v for k, v in main.items() if k not in ("transpose_v", "short")})
     wm, k2 = int(main["workgroup_m"]), int(main["reduction_k2"])
     import math
 
