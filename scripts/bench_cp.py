@@ -31,6 +31,13 @@ best of 3 such blocks. TFLOP/s are derived from those times (4·B·Hq·S²·D, t
 causal). Agreement: the max |difference| of ring and torch_cp against one_gpu, on the output rank 0
 holds (ring) or on torch's unsharded output (torch_cp). Printed and written (``--out``, rank 0)
 are only the figures measured in this run.
+
+Device memory (CUDA): ``<peer>_mem_gib`` is the GPU memory in use once the peer's calls are done
+(``torch.cuda.mem_get_info``, torch's cache emptied first) less what was in use before the first
+row, the largest over the ranks that ran it: the row's inputs, torch's live tensors and the
+buffers IREE keeps for reuse (``FMHA_IREE_CUDA_CACHE_BYTES``). IREE's kept buffers and the inputs
+of earlier rows stay in the figure of later peers and rows, so a per-peer working set is read from
+a process that runs one peer and one length (``--peers ring --seqlens 131072``).
 """
 
 from __future__ import annotations
@@ -81,6 +88,16 @@ def _setup(device: str):
     iree_device = f"{driver}://{local}" if sep else device
     dev = torch.device("cuda", local) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), iree_device, dev
+
+
+def _mem_used(dev: torch.device) -> int:
+    """Bytes in use on ``dev``'s GPU (every process's), torch's cache emptied first; 0 on the CPU."""
+    if dev.type != "cuda":
+        return 0
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(dev)
+    return total - free
 
 
 def _sync(dev: torch.device):
@@ -169,13 +186,20 @@ def _one_gpu(q, k, v, causal, iree_device, args):
     return best, call().to_torch()
 
 
-def _peer(name, row, fn):
-    """Run one peer into ``row`` (``<name>_ms``, or ``<name>_skipped`` with the reason)."""
+def _peer(name, row, fn, ctx, every_rank=True):
+    """Run one peer into ``row`` (``<name>_ms``, or ``<name>_skipped`` with the reason), and its
+    device memory (``<name>_mem_gib``: the module docstring; over every rank when ``every_rank``)."""
     try:
         t, out, *note = fn()
     except Exception as e:  # a peer that cannot run here: say why, show no figure
         row[f"{name}_ms"], row[f"{name}_skipped"] = None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         return None
+    dev, base = ctx[3], ctx[4]
+    if dev.type == "cuda":
+        used = torch.tensor([_mem_used(dev) - base], dtype=torch.float64, device=dev)
+        if every_rank:
+            dist.all_reduce(used, op=dist.ReduceOp.MAX)
+        row[f"{name}_mem_gib"] = float(used.item()) / 2**30
     row[f"{name}_ms"] = t * 1e3
     row[f"{name}_tflops"] = row["flop"] / t / 1e12
     if note and note[0]:
@@ -184,19 +208,20 @@ def _peer(name, row, fn):
 
 
 def bench_row(S, causal, ctx, args):
-    rank, world, iree_device, dev = ctx
+    rank, world, iree_device, dev, _ = ctx
     q, k, v = _inputs(S, args, dev)
     B, hq, _, D = q.shape
     row = dict(B=B, Hq=hq, Hk=k.shape[1], S=S, D=D, dtype=args.dtype, mask="causal" if causal else "none",
                ranks=world, flop=4 * B * hq * S * S * D * ((S + 1) / (2 * S) if causal else 1.0))
     peers = args.peers.split(",")
-    ring = _peer("ring", row, lambda: _ring(q, k, v, causal, rank, world, iree_device, args, dev)) \
+    ring = _peer("ring", row, lambda: _ring(q, k, v, causal, rank, world, iree_device, args, dev), ctx) \
         if "ring" in peers else None
-    cp = _peer("torch_cp", row, lambda: _torch_cp(q, k, v, causal, world, args, dev)) if "torch_cp" in peers else None
+    cp = _peer("torch_cp", row, lambda: _torch_cp(q, k, v, causal, world, args, dev), ctx) \
+        if "torch_cp" in peers else None
     one = None
     if "one_gpu" in peers:
         if rank == 0:
-            one = _peer("one_gpu", row, lambda: _one_gpu(q, k, v, causal, iree_device, args))
+            one = _peer("one_gpu", row, lambda: _one_gpu(q, k, v, causal, iree_device, args), ctx, False)
         dist.barrier()
     if one is not None:
         one = one.to(dev).float()
@@ -223,6 +248,9 @@ def report(rows, args, world):
         cols = " | ".join(_fmt(r, name) for name in ("ring", "torch_cp", "one_gpu"))
         print(f"{r['S']:>7} {r['mask']:<6} | {cols} | {diffs}")
     for r in rows:
+        mem = [f"{name} {r[name + '_mem_gib']:.2f}" for name in ("ring", "torch_cp", "one_gpu") if name + "_mem_gib" in r]
+        if mem:
+            print(f"  S={r['S']} {r['mask']}: device memory GiB (rank max) " + ", ".join(mem))
         for k, v in r.items():
             if k.endswith(("_skipped", "_note")):
                 print(f"  S={r['S']} {r['mask']}: {k} {v}")
@@ -231,6 +259,7 @@ def report(rows, args, world):
 def main():
     args = _args()
     ctx = _setup(args.device)
+    ctx = (*ctx, _mem_used(ctx[3]))
     args.loaded = fmha_iree.load(args.module, device=ctx[2]) if args.module else None
     rows = []
     masks = {"both": (True, False), "causal": (True,), "none": (False,)}[args.mask]
