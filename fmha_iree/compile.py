@@ -95,7 +95,7 @@ def _host_cpu() -> str:
 # Modules above this one in the package's layers (tests/test_layers.py): nothing they hold can
 # reach a compiled module, so editing them keeps the disk cache.
 ABOVE_COMPILE = frozenset({"staging", "runtime", "frames", "cpu_calls", "key_tiles", "dispatch", "torch_gpu", "prepared", "api",
-                           "deploy", "cli", "demo", "torch_ops", "hf", "distributed", "__init__"})
+                           "deploy", "cli", "demo", "torch_ops", "distributed_args", "hf", "distributed", "__init__"})
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,7 +31,7 @@ LAYERS = [
     ["cpu_calls", "key_tiles"],  # CPU modules' calls beyond the one-call routes; fwd_tiles' tables
     ["dispatch", "torch_gpu", "prepared"],  # which entry point a call takes; torch GPU tensors in and out; replays
     ["api", "deploy"],  # public entry points
-    ["cli", "demo", "torch_ops"],
+    ["cli", "demo", "torch_ops", "distributed_args"],  # ...; context parallelism's arguments checked on every rank
     ["hf", "distributed", "__init__"],  # transformers integration, context parallelism (torch.distributed)
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
