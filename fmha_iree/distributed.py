@@ -34,6 +34,7 @@ from .distributed_args import check_local, check_meta, gather_meta, group_info
 __all__ = ["Block", "chunk_bounds", "shard_lengths", "shard_sequence", "unshard_sequence", "gather_sequence",
            "ring_blocks", "merge_attention", "context_parallel_attention"]
 
+
 class Block(NamedTuple):
     """One ``fmha_fwd`` call of a ring step: local query rows ``q0:q1`` against rows ``k0:k1`` of
     the visiting K/V shard, under ``mask`` (None: unmasked, ``"t"``: causal top-left)."""
