@@ -213,15 +213,16 @@ def _merge_rows(out, lse, o, l_, q0: int, q1: int) -> tuple[torch.Tensor, torch.
     m_out, m_lse = merge_attention(out[:, :, q0:q1], lse[:, :, q0:q1], o, l_)
     if (q0, q1) == (0, out.shape[2]):
         return m_out, m_lse
-    return (torch.cat([out[:, :, :q0], m_out, out[:, :, q1:]], 2),
+    return (torch.cat([out[:, :, :q0].float(), m_out, out[:, :, q1:].float()], 2),
             torch.cat([lse[:, :, :q0], m_lse, lse[:, :, q1:]], 2))
 
 
 def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, rank: int, world: int, group,
           causal: bool, run) -> tuple[torch.Tensor, torch.Tensor]:
     """The ring over contiguous ``bhsd`` q ``[B, Hq, S, Dq]``, k ``[B, Hk, S, Dq]`` and v ``[B, Hk,
-    S, Dv]``, each block computed by ``run`` (:func:`_block_runner`): float32 ``(out [B, Hq, S,
-    Dv], lse [B, Hq, S])``. The next block's exchange is issued before the current block is
+    S, Dv]``, each block computed by ``run`` (:func:`_block_runner`): ``(out [B, Hq, S, Dv], lse
+    [B, Hq, S])``, ``out`` float32 once a later block merged into it (in the inputs' dtype where
+    none did), ``lse`` float32. The next block's exchange is issued before the current block is
     computed, and waited for after. The first step (this rank's own K / V) covers every query row
     (:func:`ring_blocks`), so its result is the state the later steps merge into."""
     out = lse = None
@@ -234,7 +235,7 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, rank: int,
             works, nxt = _exchange(cur, send_len, recv_len, rank, world, group)
         for b in ring_blocks(rank, src, lengths, causal):
             o, l_ = run(q[:, :, b.q0:b.q1], cur[0][:, :, b.k0:b.k1], cur[1][:, :, b.k0:b.k1], b.mask)
-            o, l_ = o.to(q.device, torch.float32), l_.to(q.device, torch.float32)
+            o, l_ = o.to(q.device), l_.to(q.device, torch.float32)
             out, lse = (o, l_) if out is None else _merge_rows(out, lse, o, l_, b.q0, b.q1)
         for w in works:
             w.wait()

@@ -327,3 +327,26 @@ def test_merge_attention_equals_softmax_over_both_key_sets():
     assert torch.isneginf(lse[:, :, 2]).all() and (out[:, :, 2] == 0).all()
     assert_close(out, ref_out.double().numpy(), F32)
     assert_close(lse, ref_lse.double().numpy(), F32, kind="lse")
+
+
+def test_merge_rows_keeps_the_unmerged_rows_and_promotes_to_float32():
+    """A ring's state starts as the first block's result in the inputs' dtype; merging a later
+    block into some of its rows gives float32 for every row, the other rows' values unchanged."""
+    from fmha_iree.distributed import _merge_rows
+
+    g = torch.Generator().manual_seed(seed_of("merge-rows"))
+    s = torch.randn(1, 2, 6, 10, generator=g, dtype=torch.float64)
+    val = torch.randn(1, 2, 10, 4, generator=g, dtype=torch.float64)
+
+    def part(rows, keys):
+        lse = torch.logsumexp(s[:, :, rows, keys], -1)
+        return (torch.softmax(s[:, :, rows, keys], -1) @ val[:, :, keys]), lse
+
+    o0, l0 = part(slice(0, 6), slice(0, 5))
+    o1, l1 = part(slice(2, 6), slice(5, 10))
+    out, lse = _merge_rows(o0.to(torch.bfloat16), l0.float(), o1.float(), l1.float(), 2, 6)
+    assert out.dtype == F32 and lse.dtype == F32
+    assert torch.equal(out[:, :, :2], o0[:, :, :2].to(torch.bfloat16).float())
+    ref_out, ref_lse = part(slice(2, 6), slice(0, 10))
+    assert_close(out[:, :, 2:], ref_out.numpy(), torch.bfloat16)
+    assert_close(lse[:, :, 2:], ref_lse.numpy(), F32, kind="lse")
