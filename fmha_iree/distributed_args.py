@@ -11,13 +11,12 @@ import struct
 import torch
 import torch.distributed as dist
 
-from .spec import _check_torch_kind
+from .spec import _TORCH_DTYPES, _check_torch_kind
 
 __all__ = ["LAYOUTS", "group_info", "check_local", "gather_meta", "check_meta"]
 
 LAYOUTS = ("bhsd", "bshd")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_DTYPE_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 _META = ("batch", "q heads", "k/v heads", "shard length", "q/k head dim", "v head dim", "dtype", "layout",
          "causal", "scale")
 
@@ -79,7 +78,7 @@ def _check_runner(module, device, dtype: torch.dtype, heads: tuple[int, int, int
     if device is not None:
         raise ValueError(f"device: a loaded module runs on its own device ({module.device_uri}); pass module or "
                          "device, not both")
-    module.check_heads(_DTYPE_NAMES[dtype], *heads)
+    module.check_heads(_TORCH_DTYPES[str(dtype)], *heads)
 
 
 def check_local(q, k, v, causal, scale, layout, return_lse, device, module) -> tuple[list[int], float]:
