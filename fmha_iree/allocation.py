@@ -3,13 +3,13 @@
 IREE 3.13's CUDA HAL allocates a call's results from a stream-ordered pool (``cuMemPoolCreate``)
 whose release threshold it leaves at 0: the pool hands its free memory back to the driver at
 each synchronization, which its semaphores make after every call, and maps it again for the
-next one. On the H200 (2026-12-02, ``docs/BENCHMARKS.md``, "Device memory between calls") that
-held the host 2.5 ms per group-mode decode call (a 1.1 GB frame) and 0.4 ms per S=4096 prefill,
-with the GPU idle. The threshold cannot be set from outside IREE, so on CUDA fmha_iree turns the
-stream-ordered allocations off (``--cuda_async_allocations=false``) and wraps the device's
-allocator in IREE's caching allocator: a released buffer is kept and handed out again for a
-request of exactly its size (ragged frames round their key counts, ``frames.frame_keys``, so a
-decode loop repeats its sizes).
+next one. On the H200 that held the host on every call with the GPU idle, longer than the GPU work
+for a group-mode decode (a 1.1 GB frame; ``docs/BENCHMARKS.md``, "Device memory between calls: kept
+buffers on CUDA"). The threshold cannot be set from outside IREE, so on CUDA fmha_iree turns the
+stream-ordered allocations off (``--cuda_async_allocations=false``) and wraps the device's allocator
+in IREE's caching allocator: a released buffer is kept and handed out again for a request of exactly
+its size (ragged frames round their key counts, ``frames.frame_keys``, so a decode loop repeats its
+sizes).
 
 IREE's cache only bounds the count of kept buffers; a :class:`CacheKeeper` per device bounds
 their bytes: after each call it reads the allocator's statistics and returns every kept buffer
@@ -28,7 +28,7 @@ __all__ = ["CUDA_CACHE_ENV", "CUDA_CACHE_DEFAULT", "AllocatorPolicy", "allocator
 
 CUDA_CACHE_ENV = "FMHA_IREE_CUDA_CACHE_BYTES"
 # bytes of released buffers a CUDA device keeps beyond its live ones: two decode frames of the
-# 2026-12-02 H200 benchmark (1.1 GB each) and their LSE variants fit
+# H200 group-mode benchmark (1.1 GB each) and their LSE variants fit
 CUDA_CACHE_DEFAULT = 4 << 30
 _KEPT = 1024  # IREE's limit on kept buffers (its free list)
 _MISSES = _KEPT // 2  # calls that allocated anew before the kept buffers are returned

@@ -6,12 +6,13 @@ import threading
 
 from . import compile as _compile
 from .device import DeviceTensor, get_device
-from .dispatch import Route, prepare, route as _route, run_batch, run_paged, run_varlen
+from .entries import capabilities
+from .paged import check_paged
+from .paths import (Capabilities, Loaded, Route, batch_route, group_route, paged_problem, prepare_batch,
+                    problem_route, run_batch, run_group, run_paged)
 from .prepared import PreparedCalls, varlen_call_key
 from .runtime import FmhaModule
-from .paged import check_paged
-from .entries import entry_points
-from .source import dense_abi, dense_params
+from .source import dense_params
 from .spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
 from .targets import resolve_device
 from .torch_gpu import TorchCall, torch_gpu
@@ -30,19 +31,19 @@ class LoadedModules:
         with self._lock:
             return len(self._modules)
 
-    def get(self, spec: KernelSpec, device_uri: str) -> FmhaModule:
+    def get(self, spec: KernelSpec, device_uri: str) -> Loaded:
         key = (spec, device_uri)
         with self._lock:
             mod = self._modules.get(key)
         if mod is None:
             vmfb = _compile.get_vmfb(spec)
-            mod = FmhaModule(vmfb, device_uri, spec.module_name, typed_bf16=spec.target.backend != "llvm-cpu",
-                             dense=dense_abi(spec), layout=spec.layout)
-            missing = mod.lacks(entry_points(spec))
-            if missing:  # the cache checked the bytes and their spec: this would be a build fault
-                raise RuntimeError(f"module {spec.module_name} lacks the entry points {missing} of its spec")
+            module = FmhaModule(vmfb, device_uri, spec.module_name, typed_bf16=spec.target.backend != "llvm-cpu")
+            try:
+                caps = Capabilities.from_record(capabilities(spec), module.functions)
+            except ValueError as e:  # the cache checked the bytes and their spec: this would be a build fault
+                raise RuntimeError(str(e)) from e
             with self._lock:
-                mod = self._modules.setdefault(key, mod)
+                mod = self._modules.setdefault(key, Loaded(module, caps))
         return mod
 
     def clear(self):
@@ -69,7 +70,7 @@ def clear_memory_caches():
 
 
 def _compiled(p: BatchProblem, tiles, device, specialize: bool = False):
-    """(tiles, module getter, target family) for a problem on ``device``, compiling on first use.
+    """(target family, ``() -> paths.Loaded``) for a problem on ``device``, compiling on first use.
     ``specialize``: a module with entry points fixed to this problem's length (and, on the CPU,
     batch and KV heads), when the problem is one they take (``_specialized``)."""
     device_uri, target = resolve_device(device)
@@ -80,7 +81,7 @@ def _compiled(p: BatchProblem, tiles, device, specialize: bool = False):
     if specialize:
         spec = _specialized(p, spec)
     get_device(device_uri)  # opened before anything compiles: an unavailable device is a ValueError now
-    return tiles, lambda: LOADED.get(spec, device_uri), target.family
+    return target.family, lambda: LOADED.get(spec, device_uri)
 
 
 def _specialized(p: BatchProblem, spec: KernelSpec) -> KernelSpec:
@@ -176,27 +177,39 @@ def fmha_fwd(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if not isinstance(specialize, bool):
         raise TypeError(f"specialize must be a bool, got {type(specialize).__name__}")
-    tiles, get_module, family = _compiled(p, tiles, device, specialize)
+    _, get = _compiled(p, tiles, device, specialize)
     if key is not None:
-        run = prepare(p, return_lse, get_module())
+        run = prepare_batch(p, return_lse, get)
         PREPARED.put(key, run)
         if run is not None:
             return run(q, k, v)
-    return run_batch(p, return_lse, tiles, get_module, family)
+    return run_batch(p, return_lse, get)
 
 
-def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None, tiles=None,
-          device=None, specialize=False) -> Route:
-    """The path :func:`fmha_fwd` with these arguments takes (``Route``: ``fwd``, ``units`` (CPU
-    modules), ``ragged`` (cu_seqlen padding in one frame), ``rows``, a one-call entry point, or the
-    tile plan; which
-    entry point; and why), without running it. Loads (and on
-    first use compiles) the module, as the call would."""
-    p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
+def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None, seqstart_q=None,
+          seqstart_k=None, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None, block_table=None,
+          tiles=None, device=None, specialize=False) -> Route:
+    """The path a call with these arguments takes, without running it: :func:`fmha_fwd`'s (batch
+    mode) or, given ``seqstart_q``, :func:`fmha_fwd_varlen`'s (group mode; a paged cache with
+    ``block_table``). The :class:`paths.Route` names the path, the module function it calls and
+    why; ``str()`` of it also lists each path tried before with the reasons it refused. Loads (and
+    on first use compiles) the module, as the call would."""
     if not isinstance(return_lse, bool) or not isinstance(specialize, bool):
         raise TypeError("return_lse and specialize must be bools")
-    _, get_module, _ = _compiled(p, tiles, device, specialize)
-    return _route(p, get_module() if p.sq and p.sk and p.batch else None, return_lse)
+    if seqstart_q is None:
+        for name, val in (("seqstart_k", seqstart_k), ("seqlen_k", seqlen_k), ("seqstart_padded_q", seqstart_padded_q),
+                          ("seqstart_padded_k", seqstart_padded_k), ("block_table", block_table)):
+            if val is not None:
+                raise ValueError(f"{name} is group mode's: give seqstart_q too")
+        p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
+        return batch_route(p, return_lse, _compiled(p, tiles, device, specialize)[1])
+    if block_table is not None:
+        cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
+        prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=None, with_lse=return_lse)
+        return problem_route(prob, _compiled(prob.p, tiles, device)[1])
+    p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
+                             seqstart_padded_k=seqstart_padded_k, mask=mask, scale=None)
+    return group_route(p, starts, return_lse, _compiled(p, tiles, device)[1])
 
 
 def fmha_fwd_varlen(
@@ -243,11 +256,14 @@ def fmha_fwd_varlen(
     memo = PREPARED.memo(key)
     if block_table is not None:
         cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
-        return run_paged(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, return_lse=return_lse,
-                         modules=lambda p: _compiled(p, tiles, device), memo=memo)
+        prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, with_lse=return_lse)
+        family, get = _compiled(prob.p, tiles, device)
+        if cache.on_device and family == "cpu":  # CPU modules read a paged cache on the host: refused before compiling
+            raise TypeError("k_cache: CPU modules read a paged cache from host arrays (torch CPU tensors or numpy); "
+                            "got a DeviceTensor")
+        return run_paged(prob, get, memo)
     p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
                              seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale)
-    tiles, get_module, family = _compiled(p, tiles, device)
-    return run_varlen(p, starts, return_lse, tiles, get_module, family, memo=memo)
+    return run_group(p, starts, return_lse, _compiled(p, tiles, device)[1], memo)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .cache import DiskCache, atomic_write, cache_root
 from .entries import entry_points
-from .source import _iree_tiles, dense_abi, native_exp2_default, source_mlir
+from .source import _iree_tiles, native_exp2_default, source_mlir
 from .spec import KernelSpec
 
 __all__ = ["compile_flags", "compile_spec", "get_vmfb", "build_artifact", "cache_dir", "stats", "toolchain",
@@ -94,8 +94,8 @@ def _host_cpu() -> str:
 
 # Modules above this one in the package's layers (tests/test_layers.py): nothing they hold can
 # reach a compiled module, so editing them keeps the disk cache.
-ABOVE_COMPILE = frozenset({"staging", "runtime", "frames", "cpu_calls", "key_tiles", "dispatch", "torch_gpu", "prepared", "api",
-                           "deploy", "cli", "demo", "torch_ops", "distributed_args", "hf", "distributed", "__init__"})
+ABOVE_COMPILE = frozenset({"staging", "runtime", "paths", "torch_gpu", "prepared", "api", "deploy", "cli", "demo",
+                           "torch_ops", "distributed_args", "hf", "distributed", "__init__"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,15 +116,16 @@ def cache_dir() -> Path:
     return cache_root() / source_fingerprint()
 
 
-# llvm-cpu: about 15% off a step call on the dev CPU (f32, S=1024, 2026-11-29), results within 1e-7
-# and NaN rows still NaN (tests/test_api.py).
+# llvm-cpu: a step call measured faster on the dev CPU, results within 1e-7 and NaN rows still NaN
+# (tests/test_api.py; docs/BENCHMARKS.md, "CPU: the 2-core x86_64 development machine").
 _CPU_FLAGS = ["--iree-llvmcpu-reassociate-fp-reductions", "--iree-llvmcpu-use-fast-min-max-ops",
               "--iree-llvmcpu-fail-on-large-vector=false", "--iree-global-opt-enable-attention-v-transpose=false"]
 
 
 # GPU modules: every function takes a wait and a signal fence and returns at once
 # (runtime.FmhaModule chains them), so consecutive calls queue on the device without a host round
-# trip; on the H200 (2026-11-30) that took B=32 S=512 d128 from 1.57 to 0.57 ms per call.
+# trip: much faster per call on the H200 (docs/tried.md, "IREE's CUDA runtime flags against idle GPU
+# between calls").
 ASYNC_FLAGS = ["--iree-execution-model=async-external"]
 
 # CUDA: every dispatch binding keeps its own buffer (offset applied by the HAL) instead of IREE's
@@ -134,8 +135,8 @@ ASYNC_FLAGS = ["--iree-execution-model=async-external"]
 # 16-bit load: NVPTX cannot prove the 16-byte alignment of a vector load (iree-compile 3.13,
 # sm_80; fwd's interior and split-KV ops, every fwd_ragged op: 32-320 `ld.global.nc.b16` per key
 # step, 4 `ld.global.nc.v4.b32` with this flag). ROCm keeps the fusion: its loads are vectors
-# either way, and without it gfx90a's GQA kernels spill more scalar registers (3 -> 9 kernels,
-# bf16 d128 G=4, 2026-12-02).
+# either way, and without it gfx90a's GQA kernels spill more scalar registers (bf16 d128 G=4;
+# docs/BENCHMARKS.md, "How the constants were chosen").
 CUDA_FLAGS = ["--iree-scheduling-optimize-bindings=false"]
 
 
@@ -284,7 +285,8 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
     """
     import tempfile
 
-    from .graph import ABI_VERSION
+    from .abi import ABI_VERSION, MANIFEST_FORMAT
+    from .entries import capabilities
     from .isa import MAX_BINDINGS, MAX_CONSTANTS, dispatch_limits, isa_report
 
     out_path = Path(out_path)
@@ -309,7 +311,7 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
                            f"bindings and {MAX_CONSTANTS} constants a dispatch): {'; '.join(over[:4])}")
     t = spec.tiles
     manifest = {
-        "format": "fmha_iree.module/1",
+        "format": MANIFEST_FORMAT,
         "abi_version": ABI_VERSION,
         "sha256": hashlib.sha256(vmfb).hexdigest(),
         "module": spec.module_name,
@@ -319,7 +321,7 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
         "tiles": {"ck": {"kM0": t.m0, "kN0": t.n0, "kK0": t.k0, "kN1": t.n1, "kK1": t.k1}, "kv_chunk": t.kv_chunk,
                   "iree": _iree_tiles(spec)},
         "entry_points": entry_points(spec),
-        "dense": dense_abi(spec),
+        "capabilities": capabilities(spec),
         "toolchain": record["toolchain"],
         "flags": record["flags"],
         "command": record["command"],

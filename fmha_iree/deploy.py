@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .dispatch import Route, prepare, route, run_batch, run_paged, run_varlen
-from .prepared import PreparedCalls, varlen_call_key
-from .kernels.bounds import PREFIX_STEPS
+from .abi import MANIFEST_FORMAT
 from .paged import check_paged
+from .paths import (Capabilities, Loaded, Route, batch_route, group_route, paged_problem, prepare_batch,
+                    problem_route, run_batch, run_group, run_paged)
+from .prepared import PreparedCalls, varlen_call_key
 from .runtime import FmhaModule
 from .spec import check_batch, check_varlen
 from .targets import resolve_device
-from .tiles import TileConfig
 from .torch_gpu import TorchCall, torch_gpu
 
 __all__ = ["DeployedFmha", "load"]
@@ -30,18 +30,24 @@ class DeployedFmha:
     module); inputs are checked against the manifest before anything runs.
     """
 
-    def __init__(self, manifest: dict, module: FmhaModule):
+    def __init__(self, manifest: dict, loaded: Loaded):
         self.manifest = manifest
-        self._module = module
-        t = manifest["tiles"]
-        ck = t["ck"]
-        self.tiles = TileConfig(ck["kM0"], ck["kN0"], ck["kK0"], ck["kN1"], ck["kK1"], kv_chunk=t["kv_chunk"])
+        self._loaded = loaded
+        self.tiles = loaded.caps.tiles
         self._prepared = PreparedCalls()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the module can run (``paths.capabilities``), read from its manifest."""
+        return self._loaded.caps
 
     @property
     def device_uri(self) -> str:
         """The IREE device the module was loaded on (``local-task``, ``cuda://0`` ...)."""
-        return self._module.device_uri
+        return self._loaded.module.device_uri
+
+    def _get(self) -> Loaded:
+        return self._loaded
 
     def __call__(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None):
         """Batch mode, as :func:`fmha_iree.fmha_fwd`. A repeated call on DeviceTensors of the
@@ -62,17 +68,39 @@ class DeployedFmha:
             return run(q, k, v)
         p = self._batch(q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse)
         if key is not None:
-            run = prepare(p, return_lse, self._module)
+            run = prepare_batch(p, return_lse, self._get)
             self._prepared.put(key, run)
             if run is not None:
                 return run(q, k, v)
-        return run_batch(p, return_lse, self.tiles, lambda: self._module, self.manifest["target"]["family"])
+        return run_batch(p, return_lse, self._get)
 
-    def route(self, q, k, v, *, mask=None, scale=None, cu_seqlen_q=None, cu_seqlen_k=None) -> Route:
-        """The path a batch-mode call with these arguments would take (``dispatch.route``: which
-        entry point, and why), without running it."""
-        p = self._batch(q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, False)
-        return route(p, self._module if p.sq and p.sk and p.batch else None)
+    def route(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None,
+              seqstart_q=None, seqstart_k=None, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
+              block_table=None) -> Route:
+        """The path a call with these arguments would take, without running it: a batch-mode
+        call's or, given ``seqstart_q``, :meth:`varlen`'s (a paged cache with ``block_table``).
+        ``str()`` of the :class:`paths.Route` lists each path tried before with its reasons."""
+        if seqstart_q is None:
+            p = self._batch(q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse)
+            return batch_route(p, return_lse, self._get)
+        mask = self._group_mask(mask)
+        if block_table is not None:
+            cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
+            prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, with_lse=return_lse)
+            self._check(prob.p, return_lse)
+            return problem_route(prob, self._get)
+        p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
+                                 seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale)
+        self._check(p, return_lse)
+        return group_route(p, starts, return_lse, self._get)
+
+    def _group_mask(self, mask):
+        """The call's mask (the module's default where None), once the module is known to take
+        group mode."""
+        pr = self.manifest["problem"]
+        if pr["layout"] != "bshd":
+            raise ValueError(f"group mode needs a module compiled with --layout bshd; this one has layout {pr['layout']!r}")
+        return pr.get("mask") if mask is None else mask
 
     def varlen(self, q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
                seqstart_padded_k=None, block_table=None, mask=None, scale=None, return_lse=False):
@@ -81,10 +109,7 @@ class DeployedFmha:
         are bshd rows of one sequence). A call on DeviceTensors whose shapes and metadata values
         (starts, lengths, block table) repeat an earlier one's replays its plan
         (``prepared.varlen_call_key``)."""
-        pr = self.manifest["problem"]
-        if pr["layout"] != "bshd":
-            raise ValueError(f"group mode needs a module compiled with --layout bshd; this one has layout {pr['layout']!r}")
-        mask = pr.get("mask") if mask is None else mask
+        mask = self._group_mask(mask)
         gpu = torch_gpu({"q": q, "k": k, "v": v}, self.device_uri)
         if gpu is not None:
             call = TorchCall(gpu)
@@ -99,18 +124,19 @@ class DeployedFmha:
         if run is not None:
             return run(q, k, v)
 
-        def modules(p):
-            self._check(p, return_lse)
-            return self.tiles, lambda: self._module, self.manifest["target"]["family"]
-
         memo = self._prepared.memo(key)
         if block_table is not None:
             cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
-            return run_paged(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, return_lse=return_lse,
-                             modules=modules, memo=memo)
+            prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, with_lse=return_lse)
+            self._check(prob.p, return_lse)
+            if cache.on_device and self.capabilities.formulation == "cpu":
+                raise TypeError("k_cache: CPU modules read a paged cache from host arrays (torch CPU tensors or numpy); "
+                                "got a DeviceTensor")
+            return run_paged(prob, self._get, memo)
         p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
                                  seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale)
-        return run_varlen(p, starts, return_lse, *modules(p), memo=memo)
+        self._check(p, return_lse)
+        return run_group(p, starts, return_lse, self._get, memo)
 
     def _batch(self, q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse):
         """A batch-mode call checked against the arguments' rules and the manifest."""
@@ -146,26 +172,26 @@ def load(path, device: str = "local-task") -> DeployedFmha:
     ``device``. Needs only ``iree-base-runtime`` and numpy.
 
     The bytes are checked against the manifest's sha256 before they reach IREE's runtime (a
-    damaged module can crash it), and the module's functions against the manifest's entry points;
-    either mismatch is a ``ValueError`` naming the file."""
+    damaged module can crash it), and the module's functions against the manifest's capabilities;
+    either mismatch, or a manifest of another format (a module compiled by an earlier fmha_iree), is
+    a ``ValueError`` naming the file."""
     import hashlib
 
     path = Path(path)
     manifest = json.loads(path.with_suffix(".json").read_text())
-    if not isinstance(manifest, dict) or manifest.get("format") != "fmha_iree.module/1":
+    if not isinstance(manifest, dict) or not str(manifest.get("format", "")).startswith("fmha_iree.module/"):
         raise ValueError(f"{path.with_suffix('.json')} is not an fmha_iree module manifest")
+    if manifest["format"] != MANIFEST_FORMAT:
+        raise ValueError(f"{path} was compiled by an earlier fmha_iree (manifest {manifest['format']}, this one reads "
+                         f"{MANIFEST_FORMAT}): compile it again with fmha-iree compile")
     vmfb = path.read_bytes()
     want = manifest.get("sha256")
     if want is not None and hashlib.sha256(vmfb).hexdigest() != want:
         raise ValueError(f"{path} does not match its manifest's sha256 (damaged, or another module's file)")
-    ragged = (manifest.get("entry_points") or {}).get("fwd_ragged")
-    if isinstance(ragged, dict) and f"nb{PREFIX_STEPS - 1}" not in ragged.get("args", {}):
-        raise ValueError(f"{path} was compiled by an earlier fmha_iree: its fwd_ragged takes no prefix table "
-                         "(fwd_ragged's U, nb0 ..); compile it again")
     uri, _ = resolve_device(device)
-    mod = FmhaModule(vmfb, uri, manifest["module"], dense=manifest.get("dense"),
-                     typed_bf16=manifest["target"]["backend"] != "llvm-cpu", layout=manifest["problem"]["layout"])
-    missing = mod.lacks(manifest.get("entry_points", ()))
-    if missing:
-        raise ValueError(f"{path} lacks the entry points its manifest lists: {missing}")
-    return DeployedFmha(manifest, mod)
+    mod = FmhaModule(vmfb, uri, manifest["module"], typed_bf16=manifest["capabilities"]["formulation"] == "gpu")
+    try:
+        caps = Capabilities.from_record(manifest["capabilities"], mod.functions)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    return DeployedFmha(manifest, Loaded(mod, caps))

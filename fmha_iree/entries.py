@@ -1,18 +1,37 @@
-"""The manifest's table of a module's entry points: each function's arguments and results (shape,
-dtype; ``?`` a runtime size) and what problems it takes, from the same parameters ``source.py``
-renders the module from. Written into every module's manifest (``compile.build_artifact``) and
-checked against the loaded module's functions (``api``, ``deploy``).
+"""The manifest's table of a module's entry points (each function's arguments and results: shape,
+dtype, ``?`` a runtime size; and what problems it takes) and its capabilities record
+(``paths.capabilities``), from the same parameters ``source.py`` renders the module from. Written
+into every module's manifest (``compile.build_artifact``) and checked against the loaded
+module's functions (``api``, ``deploy``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from .source import dense_params, fwd_plan, step_compute
+from .abi import (PACKED_SCALARS, PLAN_DESC_COLUMNS, PREFIX_SCALARS, RAGGED_SCALARS, ROWS_DESC_COLUMNS,
+                  ROWS_PACKED_DESC_COLUMNS, TILE_COLUMNS, TILE_STEP, UNIT_TILE_COLUMNS)
+from .source import dense_params, dense_record, fwd_plan, step_compute, tiles_record
 from .spec import KernelSpec
 from .tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS, varlen_rows
 
-__all__ = ["entry_points", "dense_entry"]
+__all__ = ["entry_points", "capabilities"]
+
+
+def capabilities(spec: KernelSpec, *, fused_step: bool | None = None) -> dict:
+    """The manifest's ``capabilities`` record (``paths.capabilities.Capabilities.from_record``):
+    what the paths need to know of the module, and nothing they would have to probe it for.
+    ``fused_step=True`` on the CPU: the GPU formulation built for llvm-cpu (tests)."""
+    gpu = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    t = spec.tiles
+    return {"module": spec.module_name, "formulation": "gpu" if gpu else "cpu",
+            "family": spec.target.family, "layout": spec.layout, "dtype": spec.dtype, "group": spec.group,
+            "dq": spec.dq, "dv": spec.dv,
+            "tiles": {"kM0": t.m0, "kN0": t.n0, "kK0": t.k0, "kN1": t.n1, "kK1": t.k1, "kv_chunk": t.kv_chunk},
+            "entries": sorted(entry_points(spec, fused_step=fused_step)),
+            "unit_rows": 0 if gpu else varlen_rows(t),
+            "dense": dense_record(spec, fused_step=fused_step),
+            "key_tiles": tiles_record(spec, fused_step=fused_step)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,29 +67,28 @@ class _Io:
         return {"acc": [["?", "Hk", gr, self.spec.dv], "f32"], "m": [["?", "Hk", gr], "f32"], "l": [["?", "Hk", gr], "f32"]}
 
 
-def entry_points(spec: KernelSpec) -> dict:
+def entry_points(spec: KernelSpec, *, fused_step: bool | None = None) -> dict:
     """The module's functions and argument shapes/dtypes; ``?`` marks a runtime (dynamic) size."""
     io = _Io(spec)
     out = _plan_entry_points(io)
-    plan = fwd_plan(spec)
+    plan = fwd_plan(spec, fused_step=fused_step)
     if plan is not None:
         out.update(_one_call_entry_points(io, plan))
-    if spec.target.backend == "llvm-cpu":
+    gpu = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    if not gpu:
         out.update(_cpu_entry_points(io, out["step"]))
-    out.update(_dense_entry_points(spec, io.t, io.seq, io.hq))
+    out.update(_dense_entry_points(spec, io.t, io.seq, io.hq, fused_step))
     return out
 
 
 def _plan_entry_points(io: _Io) -> dict:
     """The host-driven tile plan's ``init`` / ``step`` / ``finalize``."""
-    from .graph import DESC_COLUMNS
-
     spec, state = io.spec, io.state()
     # the step template takes bf16 typed as bf16 on GPUs, as its int16 bits on the CPU (as the torch graphs do)
     cpu = spec.target.backend == "llvm-cpu"
     st = io.t if cpu else spec.dtype
-    step = {"args": {**io.qkv(st), "scale": [[1], "f32"], **state, "desc": [["P", len(DESC_COLUMNS)], "i32"]},
-            "results": state, "desc_columns": list(DESC_COLUMNS)}
+    step = {"args": {**io.qkv(st), "scale": [[1], "f32"], **state, "desc": [["P", len(PLAN_DESC_COLUMNS)], "i32"]},
+            "results": state, "desc_columns": list(PLAN_DESC_COLUMNS)}
     if not cpu:  # head dims 96 / 192 computed zero-padded (source.step_compute)
         step = {"compute_head_dims": list(step_compute(spec)[0]), **step}
     return {
@@ -86,8 +104,6 @@ def _plan_entry_points(io: _Io) -> dict:
 def _one_call_entry_points(io: _Io, plan) -> dict:
     """The GPU formulation's one-call entry points: ``fwd``, ``fwd_ragged``, ``fwd_tiles`` and (bshd,
     no padded head dims) the packed ones."""
-    from .kernels.ragged import PREFIX_SCALARS, RAGGED_SCALARS
-
     spec, t, hq = io.spec, io.t, io.hq
     lay = "[B, Hq, Sq, D]" if spec.layout == "bhsd" else "[B, Sq, Hq, D]"
     out = {"fwd": {
@@ -117,8 +133,6 @@ def _one_call_entry_points(io: _Io, plan) -> dict:
 
 def _gpu_packed_entry_points(io: _Io, frame_args: dict) -> dict:
     """``fwd_packed`` and its paged forms (``kernels.packed``)."""
-    from .kernels.packed import PACKED_SCALARS
-
     out = {}
     for name, extra, note in (
             ("fwd_packed", (), "K / V read in place as pieces of W rows (fwd_ragged's problem when "
@@ -141,9 +155,6 @@ def _gpu_packed_entry_points(io: _Io, frame_args: dict) -> dict:
 def _cpu_entry_points(io: _Io, step: dict) -> dict:
     """A CPU module's ``rows`` / ``rows_kpad``, ``units``, ``waves_varlen``, ``units_varlen``
     (bshd), ``step_open`` and (bshd) ``rows_packed`` / ``rows_packed_pages``."""
-    from .mlir_templates.unit_varlen import TILE_COLUMNS
-    from .rows import ROWS_DESC_COLUMNS
-
     spec, t, hq = io.spec, io.t, io.hq
     rows = {"args": {**io.qkv(), "scale": [[1], "f32"], "desc": [["B", len(ROWS_DESC_COLUMNS)], "i32"]},
             "results": io.out_lse(), "desc_columns": list(ROWS_DESC_COLUMNS)}
@@ -174,7 +185,7 @@ def _cpu_entry_points(io: _Io, step: dict) -> dict:
                      "v": [[1, "Tk", "Hk", spec.dv], t], "tiles": [["N", 8], "i64 host buffer"],
                      "scale": [[], "f32 scalar"]},
             "results": {"out": [[1, "Tq", hq, spec.dv], t], "lse": [[1, hq, "Tq"], "f32"]},
-            "tile_columns": list(TILE_COLUMNS),
+            "tile_columns": list(UNIT_TILE_COLUMNS),
             "note": (f"group mode's packed sequences in one call: a table of {varlen_rows(spec.tiles)}-row tiles "
                      "(fmha_iree.plan.unit_tiles) looped inside the module, rows of no tile 0 (lse -inf)"),
         }
@@ -187,7 +198,7 @@ def _cpu_entry_points(io: _Io, step: dict) -> dict:
 
 def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str) -> dict:
     """``fwd_tiles`` where the module has it (``kernels.tiles``)."""
-    from .kernels.tiles import STEP, TILE_COLUMNS, tiles_shape
+    from .kernels.tiles import tiles_shape
 
     shape = tiles_shape(plan)
     if shape is None:
@@ -199,7 +210,7 @@ def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str) -> dict:
                  "NL": [[], "i64 scalar"], "RL": [[], "i64 scalar"], "E": [[], "i64 scalar"]},
         "results": {"out": [seq(hq, spec.dv), t], "lse": [["NL", hq, "RL"], "f32"],
                     "scratch": [scratch + (["tiles' Q"] if spec.group > 1 else []), "dropped by the caller"]},
-        "rows": shape.rows, "edge_keys": shape.ew, "edge_parts": shape.parts, "key_step": STEP,
+        "rows": shape.rows, "edge_keys": shape.ew, "edge_parts": shape.parts, "key_step": TILE_STEP,
         "table_columns": list(TILE_COLUMNS),
         "note": (f"tiles of {shape.rows} query rows (G heads of a KV head as rows), each over its own keys: "
                  f"idx holds the table [N, {len(TILE_COLUMNS)}] longest first, then each out row's tile row (B * Sq) and each LSE "
@@ -218,11 +229,11 @@ def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str) -> dict:
     return out
 
 
-def _dense_entry_points(spec: KernelSpec, t: str, seq, hq: str) -> dict:
+def _dense_entry_points(spec: KernelSpec, t: str, seq, hq: str, fused_step: bool | None) -> dict:
     """The one-call entry points of ``entry_points``: compiled-in CPU row blocks, or the GPU
-    templates (``dense``, ``causal`` and the per-length entries)."""
+    templates (``dense`` and the per-length entries)."""
     out = {}
-    dense = dense_params(spec)
+    dense = dense_params(spec, fused_step=fused_step)
     if dense and not dense["tiled"]:
         for s in sorted(dense["seqlens"]):
             io = {"q": [seq(hq, spec.dq, s), t], "k": [seq("Hk", spec.dq, s), t], "v": [seq("Hk", spec.dv, s), t]}
@@ -235,7 +246,7 @@ def _dense_entry_points(spec: KernelSpec, t: str, seq, hq: str) -> dict:
                 out[f"{kind}_o_s{s}"] = {"args": {**io, "scale": [[1], "f32"]}, "results": {"out": res["out"]},
                                          "note": f"as {kind}_s{s}, without lse"}
     elif dense:
-        a, nb = dense["align"], dense["causal_blocks"]
+        a = dense["align"]
         tiled = lambda h, d: ["?", h, f"S/{a}", a, d] if spec.layout == "bhsd" else ["?", f"S/{a}", a, h, d]  # noqa: E731
         tt = spec.dtype  # the templates take bf16 typed as bf16 (the torch entry points take i16 bits)
         io = {"q": [tiled(hq, spec.dq), tt], "k": [tiled("Hk", spec.dq), tt], "v": [tiled("Hk", spec.dv), tt]}
@@ -245,8 +256,6 @@ def _dense_entry_points(spec: KernelSpec, t: str, seq, hq: str) -> dict:
         io_s = {**io, "scale": [[1], "f32"], "workspace": [["<name>_transients_size"], "hal.buffer"]}
         out["dense"] = {"args": io_s, "results": res,
                         "note": f"every row sees every key; Sq, Sk multiples of {a}"}
-        out["causal"] = {"args": io_s, "results": res,
-                         "note": f"row i sees keys j <= i; Sq == Sk, a multiple of {a * nb}"}
         for s, c in sorted(dense["seqlens"].items()):
             fix = lambda shp: [s // a if x == f"S/{a}" else x for x in shp]  # noqa: E731
             sio = {n: [fix(shp), ty] for n, (shp, ty) in io_s.items()}
@@ -269,8 +278,6 @@ def _dense_entry_points(spec: KernelSpec, t: str, seq, hq: str) -> dict:
 
 def _packed_entry_points(spec: KernelSpec, t: str, hq: str) -> dict:
     """A bshd CPU module's ``rows_packed`` / ``rows_packed_pages`` (``mlir_templates.rows_packed``)."""
-    from .mlir_templates.rows_packed import ROWS_PACKED_DESC_COLUMNS
-
     tok = lambda h, d: ["1", "?", h, d]  # noqa: E731
     res = {"out": [["n", "mq", hq, spec.dv], t], "lse": [["n", hq, "mq"], "f32"]}
     common = {"scale": [[1], "f32"], "desc": [["n", len(ROWS_PACKED_DESC_COLUMNS)], "i32"]}
@@ -288,39 +295,3 @@ def _packed_entry_points(spec: KernelSpec, t: str, hq: str) -> dict:
                               "note": why + "; key j of sequence b is row j % P of page block_table[b, j // P] "
                                             "(desc's k_start unused)"},
     }
-
-def dense_entry(dense: dict | None, sq: int, sk: int, causal: bool, with_lse: bool, batch: int | None = None,
-                kv_heads: int | None = None, window: int | None = None) -> str | None:
-    """The one-call entry point a module with the manifest record ``dense`` has for a full-length
-    (no padding) batch, or None (the plan then runs it). ``batch`` / ``kv_heads``: the problem's,
-    checked against what compiled-in entries were fixed to (None: not checked).
-
-    Lengths must be multiples of ``align``. Unmasked: ``dense_o_s<S>`` (IREE's fused attention op,
-    no LSE) when LSE is not wanted and Sq == Sk == S is a compiled-in length, else ``dense``.
-    Causal (Sq == Sk) at a compiled-in length: ``causal_o_s<S>`` (masked fused op) without LSE
-    where the module has it, else ``causal_s<S>``; other lengths: ``causal`` for multiples of
-    ``align * causal_blocks``. A sliding window (``window`` W: row i sees keys i - W <= j <= i,
-    Sq == Sk): ``window_s<S>`` at a compiled-in length whose block holds W (``dense["window"]``).
-    CPU records (``dynamic`` False) have only the compiled-in entries (``dense_s``, ``causal_s``,
-    ``dense_o_s``, ``causal_o_s``)."""
-    if not dense or sq < 1 or sk < 1:
-        return None
-    a = dense["align"]
-    if sq % a or sk % a:
-        return None
-    pinned_ok = all(not dense.get(key) or have is None or have == dense[key]
-                    for key, have in (("batch", batch), ("kv_heads", kv_heads)))
-    fixed = sq == sk and sq in dense.get("seqlens", ()) and pinned_ok
-    if window is not None:
-        c = dict(dense.get("window", ())).get(sq) if fixed else None  # None: no window_s<S> in the module
-        return f"window_s{sq}" if c is not None and 0 <= window <= c else None
-    if not dense.get("dynamic", True):
-        return f"{'causal' if causal else 'dense'}{'' if with_lse else '_o'}_s{sq}" if fixed else None
-    if not causal:
-        return f"dense_o_s{sq}" if fixed and not with_lse else "dense"
-    if sq != sk:
-        return None
-    if fixed:
-        return f"causal_o_s{sq}" if not with_lse and sq in dense.get("causal_o", ()) else f"causal_s{sq}"
-    nb = dense["causal_blocks"]
-    return "causal" if nb and sq % (a * nb) == 0 else None

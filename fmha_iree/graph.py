@@ -37,8 +37,7 @@ from .torch_abi import LN2, NEG_INF, to_abi
 
 __all__ = ["DESC_COLUMNS", "ABI_VERSION", "export_module", "build_programs"]
 
-ABI_VERSION = 1
-DESC_COLUMNS = ("tile", "b", "q0", "k0", "qrel0", "krel0", "qlen", "klen", "y", "x")
+from .abi import ABI_VERSION, PLAN_DESC_COLUMNS as DESC_COLUMNS
 
 class Init(torch.nn.Module):
     def __init__(self, spec: KernelSpec):

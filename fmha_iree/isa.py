@@ -15,8 +15,8 @@ __all__ = ["isa_report", "dispatch_limits", "MAX_BINDINGS", "MAX_CONSTANTS"]
 
 # IREE's CUDA and HIP HALs refuse an executable whose dispatch binds more buffers or pushes more
 # 32-bit constants than this (IREE_HAL_{CUDA,HIP}_MAX_DISPATCH_{BINDING,CONSTANT}_COUNT): the
-# module compiles and then fails to load (2026-12-05, H100: "binding_flags count 19 exceeds
-# maximum of 16").
+# module compiles and then fails to load (H100: "binding_flags count 19 exceeds maximum of 16";
+# docs/BENCHMARKS.md, "Windows in the tiles; one H100 session").
 MAX_BINDINGS, MAX_CONSTANTS = 16, 64
 _EXPORT = re.compile(r"hal\.executable\.export\s+public\s+@(\S+)[^\n]*?layout\(#hal\.pipeline\.layout<(.*?)>\)", re.S)
 

@@ -32,13 +32,13 @@ __all__ = ["Sequences", "Plan", "Block", "build_plan", "units_budget", "state_ti
 
 # Upper bound on one step call's score elements (Hq * R * C per unit).
 # CPU: 4 Mi floats = 16 MiB (four units of H8 x 256 x 512). The step's dispatches each pass over
-# the whole call's scores, so they should stay cache-sized: on the 2-core dev CPU (f32, H=8, D=64,
-# 256x512 units, 2026-12-04, tiles._CPU's sweep) 8 Mi took 799 ms at S4096 unmasked against 376
-# for 4 Mi, and 1107 against 628 ms at B8 S2048 causal (with 128x128 units on 2026-11-29, 1 Mi
-# had been best).
+# the whole call's scores, so they should stay cache-sized: on the 2-core dev CPU 8 Mi measured
+# slower than 4 Mi with 256x512 units (tiles._CPU's sweep; docs/BENCHMARKS.md, "CPU: the 2-core
+# x86_64 development machine").
 # GPU: the fused online_attention never materializes scores; the bound only caps the per-call
-# gathers and the i1 mask (256 Mi elements), and every call costs ~1 ms of host overhead (H200
-# profile, docs/BENCHMARKS.md), so calls are as large as that allows.
+# gathers and the i1 mask (256 Mi elements), and every call costs host overhead comparable to its
+# GPU time (H200 profile: docs/tried.md, "Whole-problem GPU steps"), so calls are as large as that
+# allows.
 SCORE_BUDGET = {"cpu": 1 << 22, "gpu": 1 << 28}
 
 
@@ -50,10 +50,9 @@ def runs(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(np.arange(len(lens)), lens), np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
 
 
-# Upper bound on the bytes of one block's state (``Block``) on the CPU. Dev CPU (2 cores, f32 D=64
-# H8, causal S=2048, min of 2 calls, 2026-12-04, docs/BENCHMARKS.md), ms per batch entry at B=1 /
-# 8 / 16: one state for all tiles 208 / 267 / 770 (B=16: 274 calls, each copying 67 MB); blocks of
-# 4 MB 230 / 243 / 222, 16 MB 197 / 252 / 245, 64 MB 190 / 218 / 320.
+# Upper bound on the bytes of one block's state (``Block``) on the CPU: against one state for all
+# tiles (each call copying it whole) and 4 or 64 MB blocks, 16 MB held up best across batch sizes
+# on the dev CPU (docs/BENCHMARKS.md, "CPU: the 2-core x86_64 development machine").
 STATE_BUDGET = {"cpu": 16 << 20}
 
 

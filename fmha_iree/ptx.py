@@ -4,9 +4,9 @@ IREE 3.13 lowers ``math.exp2`` differently per target (``Codegen/Common/MathTran
 on ROCm it stays an intrinsic (one ``v_exp_f32``), on CUDA it is expanded into ``exp(x * ln 2)``
 and then into a range-reduced polynomial of 25 instructions (clamps, floor, seven FMAs, exponent
 bits). The attention kernels take one exp2 per score, so on the CUDA proxy the softmax's ALU work
-outweighs the tensor-core work and the proxy underrates the kernel that the gfx targets get (H200,
-2026-11-30, d128: 4.07 -> 3.56 ms per kernel with IREE's tiles, 2.62 ms with tiles that only pay
-once the exp2 is native; docs/BENCHMARKS.md).
+outweighs the tensor-core work and the proxy underrates the kernel that the gfx targets get (on
+the H200 native exp2 made the d128 kernel faster, and more so with tiles that only pay once it is
+native: docs/BENCHMARKS.md, "How the constants were chosen").
 
 ``native_exp2`` finds each expanded polynomial in IREE's PTX by its dataflow (every instruction,
 register and constant of the expansion, operands of commutative ops in either order) and replaces

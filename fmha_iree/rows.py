@@ -12,7 +12,7 @@ from .torch_abi import LN2, LOG2E, NEG_INF, abi_dtype, from_abi, to_abi
 
 __all__ = ["CPU_ROWS", "ROWS_DESC_COLUMNS", "Rows", "RowBlocks", "export_rows", "export_short"]
 
-ROWS_DESC_COLUMNS = ("qlen", "klen", "y", "x")
+from .abi import ROWS_DESC_COLUMNS
 
 
 class Rows(torch.nn.Module):
@@ -22,9 +22,9 @@ class Rows(torch.nn.Module):
     iff ``i < qlen``, ``j < klen`` and ``i - y + 1 <= j < i + x``. Rows that see no key (and
     padding rows) give 0 and lse -inf. With ``padded_keys`` (the entry point ``rows_kpad``), V
     past ``klen`` is never read (0 * NaN would leak); without it (``rows``) every batch's ``klen``
-    must be ``Sk``, which saves a pass over V (decode B4 Hq32 Hk8 Sk4096 on the dev CPU: about
-    25 -> 15 ms, 2026-12-01). Holds ``B * Hq * Sq * Sk`` scores, so the dispatcher sends it short
-    queries only (``cpu_calls.rows_fit``)."""
+    must be ``Sk``, which saves a pass over V (measured faster for decode on the dev CPU:
+    docs/tried.md, "Whole key rows with runtime lengths: `rows`"). Holds ``B * Hq * Sq * Sk``
+    scores, so the dispatcher sends it short queries only (``cpu_calls.rows_fit``)."""
 
     def __init__(self, spec: KernelSpec, padded_keys: bool):
         super().__init__()
@@ -54,9 +54,9 @@ class Rows(torch.nn.Module):
         if self.padded_keys:
             v = torch.where(j[:, None] < klen, v, torch.zeros((), dtype=torch.float32))
         keep = torch.logical_or(l > 0, torch.isnan(l))  # NaN inputs stay NaN
-        # (B, Hk) as one batch dim: IREE 3.13 ran the 4-D product as one workgroup (dev CPU, decode
-        # B4 Hq32 Hk8 Sk4096, 2026-12-04: bhsd 4.32 -> 2.27 ms of a 8.7 ms call; bshd, whose V
-        # the reshape copies, 12.6 -> 10.0 ms a call)
+        # (B, Hk) as one batch dim: IREE 3.13 ran the 4-D product as one workgroup (the batched form
+        # measured faster for decode on the dev CPU in both layouts: docs/BENCHMARKS.md, "CPU: the
+        # 2-core x86_64 development machine")
         pv = torch.bmm(p.reshape(B * Hk, G * Sq, Sk), v.reshape(B * Hk, Sk, sp.dv)).reshape(B, Hk, G * Sq, sp.dv)
         o = pv / torch.where(keep, l, torch.ones_like(l))
         lse = torch.where(keep, (m + torch.log2(l)) * LN2, torch.full_like(l, NEG_INF))
@@ -66,9 +66,9 @@ class Rows(torch.nn.Module):
         return to_abi(out, sp.dtype), lse.reshape(B, Hq, Sq)
 
 
-# Rows per block of the CPU entry points at compiled-in lengths (``dense_s<S>``, ``causal_s<S>``).
-# Dev CPU (2 cores, f32 B=1 H=8 D=64, 2026-11-30): 128 rows took 33.7 ms at S=1024 against 36.5
-# for 256, and 559 ms at S=4096 against 562 (a block's scores, H * R * S floats, stay cache-sized).
+# Rows per block of the CPU entry points at compiled-in lengths (``dense_s<S>``, ``causal_s<S>``):
+# 128 rows a little faster than 256 on the dev CPU (a block's scores, H * R * S floats, stay
+# cache-sized; docs/BENCHMARKS.md, "CPU: the 2-core x86_64 development machine").
 CPU_ROWS = 128
 
 
@@ -78,8 +78,9 @@ class RowBlocks(torch.nn.Module):
     matmul and elementwise code is much faster than its attention op, and static shapes let it
     plan every buffer). Causal blocks read only the keys up to their diagonal and mask the last
     ``CPU_ROWS`` of them (row i sees key j iff j <= i), so causal costs about half. Returns
-    (out, lse) like ``finalize``, or out alone without ``with_lse`` (the LSE cost ~15% at
-    S=1024); no sequence padding (the plan handles that)."""
+    (out, lse) like ``finalize``, or out alone without ``with_lse`` (the LSE costs measurably at
+    S=1024: docs/BENCHMARKS.md, "CPU: the 2-core x86_64 development machine"); no sequence padding
+    (the plan handles that)."""
 
     def __init__(self, spec: KernelSpec, seqlen: int, causal: bool, with_lse: bool = True):
         super().__init__()
@@ -100,8 +101,8 @@ class RowBlocks(torch.nn.Module):
         for r0 in range(0, S, R):
             end = r0 + R if self.causal else S
             qb = qs[:, :, :, r0:r0 + R].reshape(B, Hk, G * R, sp.dq) if G > 1 else qs[:, :, r0:r0 + R]
-            # K sliced, then transposed (slicing a transposed K made IREE copy it per block:
-            # S=4096 causal 434 -> 255 ms, unmasked 547 -> 470 ms on the dev CPU, 2026-11-30)
+            # K sliced, then transposed (slicing a transposed K made IREE copy it per block, slower
+            # on the dev CPU: docs/BENCHMARKS.md, "CPU: the 2-core x86_64 development machine")
             s = torch.matmul(qb, k[:, :, :end].transpose(2, 3))  # [B, Hk, G*R, end], log2 units
             if self.causal:
                 i = torch.arange(r0, r0 + R).repeat(G) if G > 1 else torch.arange(r0, r0 + R)

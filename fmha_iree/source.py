@@ -16,8 +16,8 @@ import functools
 
 from .spec import KernelSpec
 
-__all__ = ["source_mlir", "gpu_lowering", "step_compute", "dense_params", "dense_abi", "causal_diag", "fwd_plan",
-           "native_exp2_default", "CAUSAL_MASKED_MAX", "CAUSAL_BLOCKS"]
+__all__ = ["source_mlir", "gpu_lowering", "step_compute", "dense_params", "dense_record", "tiles_record", "causal_diag",
+           "fwd_plan", "native_exp2_default", "CAUSAL_MASKED_MAX"]
 
 
 def scale_on_scores(spec: KernelSpec) -> bool:
@@ -81,8 +81,7 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     only: ``tiled`` False (plain 4-D arguments), ``dynamic`` False (no entries for other lengths).
 
     ``align``: sequence lengths the dense path takes are multiples of this (the workgroup M and
-    K2 tiles, so IREE sees whole tiles); ``causal_blocks``: row blocks of the causal entry point
-    (it computes (NB + 1) / (2 NB) of the unmasked work); ``seqlens``: {S: diagonal block} of the
+    K2 tiles, so IREE sees whole tiles); ``seqlens``: {S: diagonal block} of the
     compiled-in lengths (``causal_s<S>``, and ``dense_o_s<S>``: unmasked without LSE);
     ``causal_o``: the lengths that also get ``causal_o_s<S>`` (causal without LSE, masked);
     ``window``: {S: C} of the lengths that get ``window_s<S>`` (sliding windows of up to C keys
@@ -98,7 +97,7 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
         for s in spec.seqlens:
             if int(s) <= 0 or int(s) % CPU_ROWS:
                 raise ValueError(f"seqlens: {s} is not a positive multiple of {CPU_ROWS} (the CPU row block)")
-        return {"align": CPU_ROWS, "causal_blocks": 0, "lowering": None, "seqlens": {int(s): None for s in spec.seqlens},
+        return {"align": CPU_ROWS, "lowering": None, "seqlens": {int(s): None for s in spec.seqlens},
                 "causal_o": [], "tiled": False, "dynamic": False, "batch": spec.batch, "kv_heads": spec.kv_heads}
     from .mlir_templates import window_block
 
@@ -113,34 +112,28 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
         seqlens[int(s)] = causal_diag(int(s), align)
     causal_o = [s for s in seqlens if s <= CAUSAL_MASKED_MAX and spec.group * s * s <= 1 << 28]
     window = {s: window_block(s, align) for s in seqlens if window_block(s, align)}
-    return {"align": align, "causal_blocks": CAUSAL_BLOCKS, "lowering": low, "seqlens": seqlens,
+    return {"align": align, "lowering": low, "seqlens": seqlens,
             "causal_o": causal_o, "window": window, "tiled": True, "dynamic": True}
 
 
-def dense_abi(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
-    """What a runtime needs to call the dense entry points (``align``, ``causal_blocks``,
-    ``seqlens``, ``causal_o``, ``window`` ([S, C] pairs), ``tiled``, ``dynamic``, ``batch``,
-    ``kv_heads``: 0 or the fixed value the compiled-in entries need)."""
+def dense_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
+    """The capabilities record's ``dense`` part (``paths.capabilities.DenseCaps``), or None."""
     d = dense_params(spec, fused_step=fused_step)
     if d is None:
         return None
-    abi = {"align": d["align"], "causal_blocks": d["causal_blocks"], "seqlens": sorted(d["seqlens"]),
-           "causal_o": sorted(d["causal_o"]), "window": sorted(d.get("window", {}).items()),
-           "tiled": d["tiled"], "dynamic": d["dynamic"], "batch": d.get("batch", 0), "kv_heads": d.get("kv_heads", 0)}
-    tiles = _tiles_abi(spec, fused_step)
-    if tiles:
-        abi["tiles"] = tiles
-    return abi
+    return {"align": d["align"], "seqlens": sorted(d["seqlens"]), "causal_o": sorted(d["causal_o"]),
+            "window": sorted(d.get("window", {}).items()), "tiled": d["tiled"], "dynamic": d["dynamic"],
+            "batch": d.get("batch", 0), "kv_heads": d.get("kv_heads", 0)}
 
 
-def _tiles_abi(spec: KernelSpec, fused_step: bool | None) -> dict | None:
-    """``fwd_tiles``' static sizes for the host's table (``key_tiles``), where the module has it."""
-    from .kernels.tiles import STEP, TILE_COLUMNS, tiles_shape
+def tiles_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
+    """The capabilities record's ``key_tiles`` part: ``fwd_tiles``' static sizes for the host's
+    table (``paths.capabilities.TilesCaps``), where the module has it."""
+    from .kernels.tiles import STEP, tiles_shape
 
     plan = fwd_plan(spec, fused_step=fused_step)
     t = tiles_shape(plan) if plan is not None else None
-    return None if t is None else {"rows": t.rows, "group": t.group, "ew": t.ew, "step": STEP,
-                                   "columns": list(TILE_COLUMNS)}
+    return None if t is None else {"rows": t.rows, "group": t.group, "ew": t.ew, "step": STEP}
 
 
 # The causal tree's merge reads the (acc, max, sum) partials of the diagonal and of every level and
@@ -178,10 +171,6 @@ def causal_diag(seqlen: int, align: int) -> int:
 CAUSAL_MASKED_MAX = 1024
 
 
-# Row blocks of the causal entry point: (NB + 1) / (2 NB) of the unmasked work; more blocks skip
-# more but make smaller dispatches.
-CAUSAL_BLOCKS = 2
-
 
 def _dense_lowering(spec: KernelSpec) -> dict | None:
     if spec.target.backend == "llvm-cpu":
@@ -197,8 +186,8 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     """The module's input IR. Every module: ``init`` / ``finalize`` of ``graph.py`` and the plan's
     ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the tile config).
     CPU: with the CPU gathers and lowering, ``step_open``, ``units`` / ``waves_varlen`` and in bshd
-    ``rows_packed`` (``source_cpu``), and ``rows.py``'s entry points. GPU: where ``dense_params`` allows, ``dense`` / ``causal``
-    (``mlir/dense.mlir.in``, ``mlir/causal.mlir.in``); those one-call entry points take a caller-owned
+    ``rows_packed`` (``source_cpu``), and ``rows.py``'s entry points. GPU: where ``dense_params`` allows, ``dense``
+    (``mlir/dense.mlir.in``) and the compiled-in lengths' entries; those one-call entry points take a caller-owned
     workspace for their intermediates (``mlir_templates.dense._dense_common``). ``fused_step=True`` on
     the CPU builds the GPU formulation for llvm-cpu, so its numerics can be tested where CI runs.
     GPU modules (and those CPU builds) also get ``fwd`` (``kernels.general``: any lengths and
@@ -213,7 +202,7 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
         from .source_cpu import cpu_functions
 
         return _with_funcs(text, cpu_functions(spec))
-    from .mlir_templates import (render_causal, render_causal_tree, render_dense, render_dense_out, render_online_step,
+    from .mlir_templates import (render_causal_tree, render_dense, render_dense_out, render_online_step,
                                  render_window)
 
     t = spec.tiles
@@ -225,7 +214,6 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
         kw = dict(dtype=spec.dtype, layout=spec.layout, group=spec.group, dq=spec.dq, dv=spec.dv,
                   align=dense["align"], lowering=dense["lowering"], workspace=True)
         funcs.append(render_dense(func_name="dense", **kw))
-        funcs.append(render_causal(func_name="causal", blocks=dense["causal_blocks"], **kw))
         for s, c in sorted(dense["seqlens"].items()):
             funcs.append(render_dense_out(func_name=f"dense_o_s{s}", seqlen=s, **kw))
             funcs.append(render_causal_tree(func_name=f"causal_s{s}", seqlen=s, diag=c, **kw))

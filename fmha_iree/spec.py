@@ -39,7 +39,8 @@ class KernelSpec:
     adds entry points specialized on those lengths (Sq == Sk == S): on GPUs causal as a tree of
     dense blocks and out-only fused ops (``mlir_templates``), on the CPU row blocks of plain
     matmul/softmax (``rows.RowBlocks``), which ``batch`` / ``kv_heads`` (0: any) also fix:
-    IREE's CPU code for them with a dynamic batch dim was ~3x slower. Other shapes still run.
+    IREE's CPU code for them with a dynamic batch dim was several times slower (docs/BENCHMARKS.md,
+    "CPU: the 2-core x86_64 development machine"). Other shapes still run.
     """
 
     dtype: str  # f16, bf16, f32

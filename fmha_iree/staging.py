@@ -1,7 +1,8 @@
 """Small per-call arrays (a ragged call's index table) uploaded without the host waiting.
 
 ``HalAllocator.allocate_buffer_copy`` copies synchronously and allocates each time: on the H200
-(IREE 3.13, 2026-12-01) 1.5-2 ms per upload of 0.3-1 MB, longer than the call it feeds. A
+(IREE 3.13) an upload of a small table took longer than the call it feeds (docs/tried.md, "A
+group-mode replay's index table uploaded once to the device"). A
 :class:`UploadRing` keeps a few slots, each a pinned host buffer mapped once and a device buffer
 of the same size: an upload writes the host side, queues a copy on the device's queue and returns
 the device buffer with the copy's fence, which the call then waits on (on the device). A slot is
@@ -12,9 +13,9 @@ On devices whose queue is one in-order stream (IREE's CUDA and HIP HALs) the cal
 the copy's fence: stream order already puts the copy first, and those HALs wait for a call's
 fences on the host before allocating its results (``queue_alloca`` blocks on its wait
 semaphores), so with the copy queued behind the previous call the host waited for that call to
-finish (decode B32 on the H200, 2026-12-02: 5.0 ms of host time per call behind a running call,
-1.9 with the GPU idle). There the slot's reuse waits on the host instead, for the call that read
-it eight calls before.
+finish (a B32 decode held the host far longer behind a running call than with the GPU idle on the
+H200: docs/tried.md, "Why the host waited"). There the slot's reuse waits on the host instead, for
+the call that read it eight calls before.
 """
 
 from __future__ import annotations

@@ -71,50 +71,36 @@ def parse_tiles(text: str) -> TileConfig:
 
 
 # Defaults per target family and head dim.
-# CPU: work units of 256 rows x 512 keys (with plan.SCORE_BUDGET's 4 Mi scores per step call).
-# Dev CPU, 2026-12-04 (2 cores, f32, H=8, D=64; a sweep outside the repository, min of 2-3 calls,
-# docs/bench/cpu_2026-12-04_tiles_sweep.txt), ms for 128x128 (1 Mi scores) / 256x256 / 256x512 /
-# 256x1024 (4 / 4 / 8 Mi): S1000 causal 35.9 / 26.8 / 22.7 / 55.6, S1024 unmasked 35.9 / 30.8 /
-# 25.2 / 54.2, S4096 unmasked 661 / 473 / 376 / 884, B8 S2048 causal 945 / 648 / 628 / 1434,
-# chunked prefill Sq256 Sk2048 18.9 / 21.4 / 17.4 / 15.6. The step's time is its two matmuls
-# (about 60%, IREE's CPU codegen at 100-140 GFLOP/s on these shapes) and passes over its scores;
-# larger units cut the per-unit gathers and state merges. On 2026-11-29 (a slower host then)
-# 128x128 had beaten 64x64 and 128 x 256.
-# CPU units of 256 rows x 512 keys: re-swept for `units` on 2026-12-04 (docs/tried.md, "Unit shapes
-# for `units`": 256-key chunks a third slower everywhere, 512-row tiles 1.5x slower on the chunked
-# prefill Sq256 Sk2048)
+# CPU: work units of 256 rows x 512 keys (with plan.SCORE_BUDGET's 4 Mi scores per step call):
+# on the dev CPU they beat 128x128, 256x256 and 256x1024 on every row but the chunked prefill
+# (larger units cut the per-unit gathers and state merges; docs/BENCHMARKS.md, "CPU: the 2-core
+# x86_64 development machine"). Re-swept for `units` (docs/tried.md, "Unit shapes for `units`"):
+# 256-key chunks slower everywhere, 512-row tiles slower on the chunked prefill.
 _CPU = {d: TileConfig(256, 128, 32, 128, 32, kv_chunk=512) for d in (32, 64, 96, 128, 192, 256)}
 # Group mode's ``units_varlen`` tiles hold at most this many rows (``m0`` above it): a sequence's last
-# tile and its diagonal waste less. Dev CPU, 2026-12-04 (f32 H8 D64, min of 5 calls, two rounds, a
-# script outside the repository): 16 causal sequences 128..1023 114.4 / 113.8 ms with 256-row tiles,
-# 100.8 / 103.8 with 128; 1 x 2048 35.7 / 34.4 and 34.6 / 34.2.
+# tile and its diagonal waste less: faster than 256 rows on the dev CPU for the 16-sequence prefill,
+# the same on one long sequence (docs/BENCHMARKS.md, "CPU: the 2-core x86_64 development machine").
 CPU_VARLEN_ROWS = 128
 # Group mode's ``waves_varlen`` (short and middling sequences: every sequence's row tiles advance
-# together, a few large dispatches a call): slots of 64 rows, key chunks of 64. Dev CPU, 2026-12-05
-# (f32 H8 D64, causal, min of 5 calls from Python; a script outside the repository), ms with 64 x 64
-# / 128 x 128 (current path in brackets): 32 x 64 rows 5.8 / 12.0 (13.9-14.2), 32 x 1..128 rows
-# 8.4 / 11.9 (37-40), 64 x 200..300 rows 136 / 154 (163-167); 16 x 128..1023 rows 112 / 107 (100-101)
-# and 1 x 2048 42 / 36 (30-33), which keep ``units_varlen`` (``cpu_calls.WAVE_MAX_ROWS``).
-CPU_WAVE_ROWS = 64
-CPU_WAVE_KEYS = 64
+# together, a few large dispatches a call): slots of 64 rows, key chunks of 64, faster than 128 x 128
+# on the dev CPU for short and middling sequences; longer ones keep ``units_varlen``
+# (``cpu_calls.WAVE_MAX_ROWS``; docs/tried.md, "Group mode's tiles as waves: how `waves_varlen`
+# reached its form").
+from .abi import CPU_WAVE_KEYS, CPU_WAVE_ROWS
 
 # The CPU step's attention op (``mlir_templates.step``, K gathered transposed): workgroups of 64
-# query rows of one unit and head, vector tiles of 4 rows x kN0 (128) keys. Dev CPU, 2026-12-04,
-# one step call of four 256 x 512 units (f32, H8, D64, ``iree-benchmark-module``, min of 3 x 20
-# calls, two rounds), ms for (workgroup rows, vector rows, keys): (64, 4, 128) 8.45 / 8.94,
-# (64, 2, 128) 9.33 / 10.7, (64, 4, 64) 8.79 / 9.5, (64, 8, 64) 11.4 / 12.6, (128, 4, 128) 8.79 /
-# 10.7, (32, 4, 128) 8.91 / 9.1, (64, 4, 256) 14.4 / 15.9, (64, 2, 32) 11.1 / 11.2. With K as
-# [keys, Dq] (each score reduced across a vector of Dq) IREE's best was 41 GFLOP/s against
-# about 190 in this form.
+# query rows of one unit and head, vector tiles of 4 rows x kN0 (128) keys: the fastest of the
+# workgroup / vector shapes timed on the dev CPU; K as [keys, Dq] (each score reduced across a
+# vector of Dq) was several times slower (docs/tried.md, "IREE's attention op on llvm-cpu").
 CPU_STEP_LOWERING = {"backend": "cpu", "workgroup_m": 64, "vector_m": 4}
 # Elements of one vector tile (vector rows x keys x head dim) the CPU step allows; wider head dims
 # take fewer keys per step. At d256 with 128 keys (4x the elements) the step's module segfaulted
-# (2026-12-04, tests/test_dtypes.py f16 d256; its vectors are spilled to the stack).
+# (tests/test_dtypes.py f16 d256; its vectors are spilled to the stack).
 CPU_STEP_VECTOR = 4 * 128 * 64
 
 # CK's gfx9 fp16/bf16 table (reference doc "Tiles"), kept for the record (not a default). Through
 # IREE 3.13's VectorDistribute its kM0=128 / kN0=128 step does not fit: at d128 it asks for 96 KiB
-# of LDS (limit 64 KiB on gfx90a/gfx942, seen compiling for gfx942 on 2026-11-29).
+# of LDS (limit 64 KiB on gfx90a/gfx942, seen compiling for gfx942).
 CK_GFX9 = {
     32: TileConfig(128, 64, 16, 32, 32),
     64: TileConfig(128, 64, 32, 64, 32),
@@ -128,9 +114,10 @@ CK_GFX9 = {
 def _gpu(n0_by_d: dict) -> dict:
     # kM0 = 64 rows per workgroup, kN1 = the whole Dv, kK0 = kK1 = 16 (the K of the 16x16x16
     # MFMA/WMMA or 16x8x16 MMA intrinsic IREE uses), work units of 256 keys. Compile checks with
-    # iree-compile 3.13 on 2026-11-29 (gfx942 f16 d128, kN0 = 64): 108 VGPRs, 43 KB LDS, no spills;
+    # iree-compile 3.13 (gfx942 f16 d128, kN0 = 64): 108 VGPRs, 43 KB LDS, no spills;
     # kN0 = 32 at Dv = 256 keeps LDS under 64 KiB (40 KB, 236 VGPRs, no spills). The H200 tile sweep
-    # of 2026-11-29 (docs/tried.md) found M64 / K2=32 fastest for IREE's attention op at d128.
+    # (docs/tried.md, "More tiles for one `online_attention`") found M64 / K2=32 fastest for IREE's
+    # attention op at d128.
     return {d: TileConfig(64, n0, 16, d, 16, kv_chunk=256) for d, n0 in n0_by_d.items()}
 
 
@@ -157,12 +144,12 @@ def _tile_of(e: dict) -> "TileConfig":
 
 _TUNED_CUDA = _tuned("tuned_cuda.json")
 
-# CUDA: the H200 sweep of 2026-11-30 (tuned_cuda.json; kernel times of one fused attention op over
-# B*H x 4096 x D, with exp2 as ex2.approx): 32 query rows per warp won where it fits the registers.
-# d64 M128/K2=64 with 4 warps (245 TFLOP/s, 0.80x flash's kernel); d128 f16 M256/K2=32 with 8
-# warps (190, 0.53x), d128 bf16 M128/K2=64 with 4 warps (194, 0.55x; M256 ran 172 in bf16); M64/K2=32,
-# the 2026-11-29 winner without native exp2, 154); d256 M128/K2=32 with 8 warps (157, 0.49x). The
-# f16 entry is the head dim's default; other dtypes override it where they have an entry.
+# CUDA: the H200 sweep (tuned_cuda.json, with its figures; kernel times of one fused attention op
+# over B*H x 4096 x D, with exp2 as ex2.approx): 32 query rows per warp won where it fits the
+# registers: d64 M128/K2=64 with 4 warps; d128 f16 M256/K2=32 with 8 warps, d128 bf16 M128/K2=64
+# with 4 warps (M256 and the earlier M64/K2=32 winner slower); d256 M128/K2=32 with 8 warps
+# (docs/BENCHMARKS.md, "How the constants were chosen"). The f16 entry is the head dim's default;
+# other dtypes override it where they have an entry.
 _CUDA = {**_GPU, **{d: _tile_of(e) for (d, dt), e in _TUNED_CUDA.items() if dt == "f16"}}
 _CUDA_DTYPE = {(d, dt): _tile_of(e) for (d, dt), e in _TUNED_CUDA.items() if dt != "f16"}
 
@@ -181,7 +168,8 @@ def tuned_lowering(family: str, tiles: "TileConfig", dv: int) -> dict:
 _TABLES = {"cpu": _CPU, "cdna": _GPU, "rdna": _GPU, "cuda": _CUDA}
 
 # gfx1100 (RDNA3, wave32, 256 VGPRs): at Dv >= 128 the family default spills VGPRs; these do not
-# (iree-compile 3.13, 2026-11-29: d128 f16/bf16 230/241 VGPRs, d256 f16 220 VGPRs, 0 spills).
+# (iree-compile 3.13: d128 f16/bf16 230/241 VGPRs, d256 f16 220 VGPRs, 0 spills; docs/BENCHMARKS.md,
+# "Default config of every target").
 # bf16 at d256 spilled in every config tried and is refused (not_supported_reasons).
 _ARCH_OVERRIDES = {
     "gfx1100": {128: TileConfig(32, 32, 16, 64, 16, kv_chunk=256), 256: TileConfig(16, 16, 16, 32, 16, kv_chunk=256)},
@@ -191,8 +179,8 @@ _ARCH_OVERRIDES = {
 # Head dims with tile configs of their own; ``fwd`` runs any other one zero-padded up to the next
 # (CK's kK0max: its d96 kernels compute 128 wide). IREE 3.13 derives no MFMA / WMMA layout for an
 # attention op at 96 or 192 ("failed to derive layout for promoted read-like op" for every tile,
-# subgroup and promotion choice tried on gfx942, 2026-12-02, docs/tried.md), so those took IREE's
-# own config.
+# subgroup and promotion choice tried on gfx942, docs/tried.md, "Explicit attention configs at head
+# dims 96 and 192"), so those took IREE's own config.
 TILED_HEAD_DIMS = (32, 64, 128, 256)
 
 
@@ -219,7 +207,7 @@ def default_tiles(family: str, dq: int, dv: int, arch: str = "", dtype: str = ""
 
 
 # Shared memory per workgroup IREE 3.13 allows per target (its target descriptions,
-# ``max_workgroup_memory_bytes``, read from dumped configured IR on 2026-11-29).
+# ``max_workgroup_memory_bytes``, read from dumped configured IR).
 LDS_LIMIT = {"gfx90a": 65536, "gfx942": 65536, "gfx950": 163840, "gfx1100": 65536, "gfx1201": 65536}
 SMEM_LIMIT_CUDA = 166912
 MMA_K = 16  # K of the 16x16x16 MFMA/WMMA and 16x8x16 MMA intrinsics used
@@ -228,13 +216,13 @@ MMA_K = 16  # K of the 16x16x16 MFMA/WMMA and 16x8x16 MMA intrinsics used
 def lds_estimate(tiles: TileConfig, dq: int, dv: int, elem_bytes: int) -> int:
     """Shared memory of the fused GPU step: K and V tiles (kN0 x (Dq + Dv)) plus the P tile
     (kM0 x kN0). Matches IREE 3.13 on gfx942 f16 within ~10% (d128: M64/K2=32 22 KB, M64/K2=64
-    43 KB, M128/K2=64 52 KB, M128/K2=128 98 KB; 2026-11-29)."""
+    43 KB, M128/K2=64 52 KB, M128/K2=128 98 KB)."""
     return (tiles.n0 * (dq + dv) + tiles.m0 * tiles.n0) * elem_bytes
 
 
 def iree_picks_config(family: str, dtype: str, dv: int, arch: str = "", dq: int | None = None) -> bool:
     """GPU problems whose lowering is left to IREE (the tile then only shapes the work units).
-    Compile checks with iree-compile 3.13 on 2026-11-29 (scripts/compile_matrix.py): f32 (no
+    Compile checks with iree-compile 3.13 (scripts/compile_matrix.py): f32 (no
     matrix-intrinsic config is set up here); head dims 96 / 192 (explicit configs fail with "failed
     to derive layout for promoted read-like op"); gfx1201 with Dv >= 256 (explicit configs spilled,
     IREE's own did not)."""

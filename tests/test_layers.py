@@ -16,24 +16,27 @@ PKG = Path(fmha_iree.__file__).resolve().parent
 
 # Lowest first. A module may import any module of an earlier layer.
 LAYERS = [
-    ["targets", "tiles", "mask", "cache", "isa", "ptx", "torch_abi", "allocation"],  # leaves: no fmha_iree imports
+    ["abi", "targets", "mask", "cache", "isa", "ptx", "torch_abi", "allocation"],  # leaves: no fmha_iree imports
+    ["tiles"],  # tile configs under CK's names
     ["device"],  # IREE devices, DeviceTensor
     ["spec", "plan"],  # problem spec, tiling plan
     ["paged"],  # a paged KV cache's validation and gather
-    ["rows"],  # the CPU's whole-key-row graphs (used by the torch graph module)
-    ["graph", "mlir_templates"],  # kernel families: the torch graph, MLIR templates and lowering configs
-    ["kernels", "source_cpu"],  # the fwd family (uses mlir_templates' lowering configs); a CPU module's functions
-    ["source"],  # what a module holds, as MLIR
-    ["entries"],  # the manifest's table of a module's entry points
+    ["rows"],  # codegen: the CPU's whole-key-row graphs (used by the torch graph module)
+    ["graph", "mlir_templates"],  # codegen: the torch graph, MLIR templates and lowering configs
+    ["kernels", "source_cpu"],  # codegen: the fwd family; a CPU module's functions
+    ["source"],  # codegen: what a module holds, as MLIR
+    ["entries"],  # codegen: the manifest's entry points and capabilities
     ["compile"],  # iree-compile, caches
     ["staging"],  # per-call uploads without a host wait
-    ["runtime", "frames"],  # a loaded module's entry points; ragged problems as padded frames
-    ["cpu_calls", "key_tiles"],  # CPU modules' calls beyond the one-call routes; fwd_tiles' tables
-    ["dispatch", "torch_gpu", "prepared"],  # which entry point a call takes; torch GPU tensors in and out; replays
+    ["runtime"],  # a loaded module's functions called (knows no paths)
+    ["paths"],  # path selection and each path's host side
+    ["torch_gpu", "prepared"],  # torch GPU tensors in and out; replays
     ["api", "deploy"],  # public entry points
     ["cli", "demo", "torch_ops", "distributed_args"],  # ...; context parallelism's arguments checked on every rank
     ["hf", "distributed", "__init__"],  # transformers integration, context parallelism (torch.distributed)
 ]
+# The code generator: a deploy (runtime, paths, deploy) loads none of it
+CODEGEN = {"rows", "graph", "mlir_templates", "kernels", "source_cpu", "source", "entries", "compile"}
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
@@ -90,3 +93,14 @@ def test_cache_fingerprint_leaves_out_only_layers_above_compile():
 
     assert all(LAYER[name] > LAYER["compile"] for name in ABOVE_COMPILE)
     assert {n for n in LAYER if LAYER[n] > LAYER["compile"]} == set(ABOVE_COMPILE)
+
+
+def test_a_deploy_loads_no_code_generator():
+    """``fmha_iree.load`` and the paths it runs import nothing of code generation, torch or the
+    compiler (tests/test_deploy.py runs a module so, with those imports blocked)."""
+    code = ("import sys, fmha_iree.deploy, fmha_iree.paths; "
+            "print(' '.join(m for m in sys.modules if m.startswith(('fmha_iree.', 'torch', 'iree.compiler'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    loaded = {m.split(".")[1] for m in out if m.startswith("fmha_iree.")}
+    assert not loaded & CODEGEN, f"a deploy loaded the code generator's {sorted(loaded & CODEGEN)}"
+    assert not [m for m in out if not m.startswith("fmha_iree.")], out

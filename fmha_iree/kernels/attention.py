@@ -12,8 +12,7 @@ stay live (gfx1100 bf16 d256's ``step``: 90 VGPRs spilled). A lowering with
 ``scale_on_scores`` gives the op the scale ``lowering.SCALE_ONE`` instead (``lowering.scores_scale``), whose product with
 IREE's log2(e) folds to 1 so that the multiply of Q folds away, and multiplies the f32 scores by
 the true ``scale * log2(e)`` in the op's score region (that ``step``: no spill; gfx942 bf16 d128's
-masked ``fwd`` op 1875 -> 1624 instructions; iree-compile 3.13, 2026-12-06, docs/BENCHMARKS.md
-"bf16's scale on the scores").
+masked ``fwd`` op: fewer instructions; iree-compile 3.13, docs/BENCHMARKS.md "bf16's scale on the scores").
 """
 
 from __future__ import annotations

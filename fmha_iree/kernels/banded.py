@@ -26,8 +26,8 @@ Six ops write the state, each over a range of groups and of slots:
   sees pages ``[0, g * R / P + c0 + n)``, all of them whole but its last ones). Its lower half
   ``[0, gh)`` runs masked over pages ``[0, nm)``; its upper half ``[gh, gf)`` sees pages ``[0, nb)``
   whole (one unmasked op) and the rest masked over ``[nb, nb + nm)`` (``_lead_page``), in the
-  lower half's op. (These groups ran every slot masked: H200, B4 H16 S4096 ``b:1024,0``, their
-  0.288 ms became 0.151 + 0.072, docs/BENCHMARKS.md, 2026-12-04.)
+  lower half's op. (These groups ran every slot masked; the triangle measured faster on the H200:
+  docs/BENCHMARKS.md, "Sliding windows: the first groups' triangle, and any Sk".)
 
 The masks of all ops are one tensor ``[groups + 1, M, n, P]`` (row ``m`` of group ``g`` against key
 ``j`` of slot ``s``: CK's rule at the slot's own page, nothing outside ``[0, Sk)`` or past Sq),
@@ -51,9 +51,9 @@ from .state import State, fresh_outs
 __all__ = ["Banded", "banded_host", "banded_ops", "band_rows", "band_tier", "band_mask", "as_scratch_mask"]
 
 
-# Workgroup rows of the banded ops on GPUs (0: the plan's main tier). H200, sm_80 f16 d128
-# (main tier 256 rows), 2026-12-03, docs/BENCHMARKS.md: B4 H16 S4096 `b:1024,0` 1.45 ms with
-# 256-row tiles, 1.28 with 128 (the edges are half as wide); `b:256,0` S8192 1.00 -> 0.78.
+# Workgroup rows of the banded ops on GPUs (0: the plan's main tier). 128 rows (edges half as wide)
+# measured faster than the main tier's 256 on the H200 (docs/tried.md, "H200: the banded window
+# path's first cuts"); 64 slowed the interior more than it saved ("the banded path with 64-row groups").
 BAND_TILE_ROWS = 128
 
 
@@ -177,7 +177,8 @@ def band_mask(c: Ctx, h: Banded) -> str:
                                    fn.cmp("slt", key, row_hi(fn, pos, c.co.x, c.sk))))
 
     # CUDA: blocks of 16 rows x one page per workgroup, 16 bytes per thread (as masks.py's
-    # generators); IREE's own lowering took 0.33 ms for a `b:4096,0` S16384 mask (H200, 2026-12-03)
+    # generators); IREE's own lowering was several times slower on the H200 (docs/BENCHMARKS.md,
+    # "Sliding windows in pages: `kernels.banded`")
     attrs = block_attrs(c.p.main.lowering, rank=4, block=(16, 1, h.page), vec=16) if c.p.mask_blocks else ""
     return generic(fn, ty, [fn.add(h.groups, 1), h.n], 4, element, attrs)
 

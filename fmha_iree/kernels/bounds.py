@@ -12,8 +12,8 @@ the rows ``a .. b`` of a group:
 
 An edge is computed over an aligned window (``edge_window``): ``round_up(width, unit)`` keys from
 ``max(0, min(lo, limit - that))``, so that its op's key count is a proven multiple of the tile
-(IREE then drops the per-tile bounds checks: H200, 2026-12-01, the causal S=4096 edges took 0.69
-instead of 1.04 ms); keys of the window outside the edge are masked out. A window needs
+(IREE then drops the per-tile bounds checks, measured faster on the H200: docs/BENCHMARKS.md, "How
+the constants were chosen"); keys of the window outside the edge are masked out. A window needs
 ``limit`` (the keys that can be read) of at least its width.
 
 Keys outside the union are never read: CK's ``GetTileRangeAlongX`` at the group's granularity.
@@ -37,7 +37,7 @@ __all__ = ["Bounds", "Coords", "group_bounds", "row_lo", "row_hi", "edge_window"
 
 # a ragged frame's entries ordered longest first: how many of them have rows at or past row
 # i * U, for i < PREFIX_STEPS (fwd_ragged's scalars nb0 ..; frames.Frame.prefix)
-PREFIX_STEPS = 16
+from ..abi import PREFIX_STEPS
 
 
 @dataclasses.dataclass(frozen=True)

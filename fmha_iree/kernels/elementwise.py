@@ -1,19 +1,18 @@
 """Lowering of the elementwise dispatches around the attention ops (Q copy, gathers, masks,
 normalize).
 
-With dynamic sizes IREE 3.13 gives such an op one 128-element row per 32-thread workgroup (a
-``[1, .., 1, 128]`` tile): the Q copy and the normalize of a B4 H16 S4096 call then moved 0.8-1.2
-TB/s on the H200 (0.16 ms each, 2026-12-01, torch.profiler; the normalize 0.06 ms with 8 rows of
-8 elements per thread). ``copy_attrs`` tiles rows of the op's innermost (static) dim per
-workgroup; ``block_attrs`` gives a generator (the edge masks) one static block per workgroup and
-16 consecutive elements per thread. On the CPU (and where IREE chooses the attention lowering)
-both return "" and IREE keeps its own.
+With dynamic sizes IREE 3.13 gives such an op one 128-element row per 32-thread workgroup
+(a ``[1, .., 1, 128]`` tile), well below a copy's rate on the H200 (docs/BENCHMARKS.md, "How the
+constants were chosen": ``fwd`` copy tiles). ``copy_attrs`` tiles rows of the op's innermost
+(static) dim per workgroup; ``block_attrs`` gives a generator (the edge masks) one static block per
+workgroup and 16 consecutive elements per thread. On the CPU (and where IREE chooses the attention
+lowering) both return "" and IREE keeps its own.
 
 IREE 3.13 proves no binding of these dispatches aligned beyond its element size, so NVPTX splits a
 thread's vector of f16 into 2-byte accesses. Copies therefore move 64-bit words (``as_words`` /
-``from_words``: the same buffers seen as i64 along the head dim). H200, 2026-12-03, B4 H16 S4096
-causal: the Q copy 0.121 -> 0.042 ms, the edge masks 0.081 -> 0.026 (blocks); the 16-sequence
-group-mode prefill 3.06 -> 2.39 ms per call (docs/BENCHMARKS.md).
+``from_words``: the same buffers seen as i64 along the head dim): the Q copy, the edge masks (in
+blocks) and the group-mode prefill measured faster on the H200 (docs/BENCHMARKS.md, "Copies as
+64-bit words, edge masks in blocks").
 """
 
 from __future__ import annotations
@@ -32,7 +31,8 @@ def word_elems(dtype: str, *dims: int) -> int:
     """Elements of ``dtype`` per 64-bit word where each of ``dims`` (head dims) is a whole number
     of words, else 0. A copy over words reads and writes 8 bytes per element: IREE 3.13 cannot
     prove a dynamically offset binding aligned beyond its element size, so NVPTX splits a vector of
-    f16 into 2-byte accesses (the Q copy of a B4 H16 S4096 call moved 1.1 TB/s on the H200)."""
+    f16 into 2-byte accesses (the Q copy ran well below a copy's rate on the H200: docs/BENCHMARKS.md,
+    "Any batch-mode problem in one call: `fwd`")."""
     n = 64 // _BITS.get(dtype, 64)
     return n if n > 1 and all(d % n == 0 for d in dims) else 0
 

@@ -49,9 +49,10 @@ def _edge_table(c: Ctx, groups: str, rows: str) -> list[str]:
     """Four ``[groups, 2]`` i32 tensors from one small dispatch: per (group, edge) the group's
     first row, the first key of the edge's aligned window and the edge's own keys ``[lo, hi)``
     (``bounds.group_bounds``, ``bounds.edge_window``). The mask generators read them instead of
-    deriving them per element: the ragged generator of a 16-sequence prefill took 0.65 ms on the
-    H200 (2026-12-03) deriving them for each of its elements. The table reads one element of an
-    input (``anchor``): without a tensor input IREE 3.13 would clone it into every consumer."""
+    deriving them per element, which cost the ragged generator of a 16-sequence prefill a sixth of
+    the call on the H200 (docs/tried.md, "H200: group-mode prefill over the sequences each group
+    holds"). The table reads one element of an input (``anchor``): without a tensor input IREE 3.13
+    would clone it into every consumer."""
     fn = c.fn
     if c.desc is None:
         a, a_ty, elt = c.k.name, c.k.type, c.p.dtype

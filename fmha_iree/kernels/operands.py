@@ -44,10 +44,12 @@ class Plan:
     max_split: int = 64
     ragged: bool = False  # fwd_ragged: each batch its own lengths and mask (a descriptor per batch)
     # edge masks made in blocks (elementwise.block_attrs); CUDA only: on gfx90a the block lowering
-    # spilled 2 SGPRs in the ragged generator (iree-compile 3.13, 2026-12-03)
+    # spilled 2 SGPRs in the ragged generator (iree-compile 3.13; docs/BENCHMARKS.md, "Copies as
+    # 64-bit words, edge masks in blocks")
     mask_blocks: bool = False
     # the banded path for narrow windows (kernels.banded); off on ROCm: its chained masked op
-    # spilled 13 SGPRs on gfx942 (iree-compile 3.13, 2026-12-03), and no AMD GPU measured it
+    # spilled 13 SGPRs on gfx942 (iree-compile 3.13), and no AMD GPU measured it (docs/BENCHMARKS.md,
+    # "Sliding windows in pages: `kernels.banded`")
     banded: bool = False
     # group mode's tiles over their own keys (kernels.tiles, ``fwd_tiles``); on ROCm where its
     # kernels compile without spills (``source._rocm_tiles``)
@@ -134,8 +136,9 @@ def generated(c: Ctx, ty: str, sizes: list, attrs: str, fill: str, element, elt:
     """One dispatch making ``ty`` (dynamic ``sizes``; rank 4): a generic over the result whose
     element at indices ``i`` is ``element(i)`` = (valid i1, value) where valid, else ``fill``.
     Reading each element where it is (``tensor.extract``) keeps a padded copy one dispatch: a copy
-    stored into a filled tensor became a one-workgroup ``slow_memcpy`` (0.63 ms for K and V at B4
-    H16 S4096 on the H200, 2026-12-02). ``elt``: the element type (default the plan's dtype)."""
+    stored into a filled tensor became a one-workgroup ``slow_memcpy`` (slow on the H200:
+    docs/BENCHMARKS.md, "Head dims without tiles of their own: 96 and 192"). ``elt``: the element
+    type (default the plan's dtype)."""
     fn, T = c.fn, elt or c.p.dtype
 
     def region():

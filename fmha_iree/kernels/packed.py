@@ -28,9 +28,10 @@ docs/tried.md). A whole piece holds sub-pages before its sequence's last (a shor
 its first sub-page, masked: finite keys, never ``0 * NaN``). Each sequence's last sub-page may
 hold rows it does not own, which may be NaN: it is copied with those rows zeroed into ``B`` tail
 pieces (``gather_pages``), and the merge reads a sequence's whole pieces, then its tail piece.
-Pieces of one 64-row sub-page each took 0.55 ms for a B32 decode against 0.31 for the contiguous
-cache's 256-row pieces (each piece pays for its queries and its state); four sub-pages a piece,
-0.33 against 0.28 (H200, 2026-12-03, docs/BENCHMARKS.md).
+Pieces of one 64-row sub-page each made a B32 decode much slower than the contiguous cache's
+256-row pieces (each piece pays for its queries and its state); four sub-pages a piece closed most
+of the gap on the H200 (docs/BENCHMARKS.md, "The paged decode in pieces of four sub-pages; the
+pieces' Q as 64-bit words").
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from .state import fresh_outs, new_state
 
 __all__ = ["PACKED_SCALARS", "PAGE_ROWS", "PAGE_GROUP", "MASK3", "Packed", "packed_host", "packed_work", "gather_pages"]
 
-PACKED_SCALARS = ("W", "NPc", "P0", "S")
+from ..abi import PACKED_SCALARS
 MASK3 = tensor_type(["?", "?", "?"], "i1")
 
 
@@ -98,8 +99,8 @@ def gather_pages(c: Ctx, h: Packed, at: dict, which: str, pages: str | None = No
         zero = fn.let(f"arith.constant 0.0 : {p.dtype}", "pz")
         return fn.let(f"arith.select {ok}, {val}, {zero} : {p.dtype}", "pv")
 
-    # a copy's tiles (32 rows x D per workgroup, 8 elements per thread): without them IREE's own
-    # config took 0.58 ms per gather of a B32 decode's 0.24 GB (H200, 2026-12-02)
+    # a copy's tiles (32 rows x D per workgroup, 8 elements per thread): IREE's own config gathered
+    # a B32 decode's pages far slower on the H200 (docs/tried.md, "H200: decode with K / V read in place")
     attrs = copy_attrs(p.main.lowering, rank=4, row_dim=1, inner=d)
     rows = h.nr if pages is None else fn.mul(pages, page)
     return generic(fn, ty, [h.one, rows, c.hk], 4, element, attrs)

@@ -10,8 +10,7 @@ from .ir import Fn, parallel, tensor_type
 
 __all__ = ["PAGE_ROWS", "PAGE_GROUP", "Packed", "read_idx", "generic", "last_rows"]
 
-PAGE_ROWS = 64  # mode "pages": pieces are sub-pages of this many rows (a cache page a multiple of it)
-PAGE_GROUP = 4  # mode "pages": sub-pages per whole piece (W = PAGE_GROUP * PAGE_ROWS keys)
+from ..abi import PAGE_GROUP, PAGE_ROWS
 
 
 @dataclasses.dataclass(frozen=True)

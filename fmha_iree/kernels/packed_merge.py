@@ -37,7 +37,8 @@ def _combine(c: Ctx, h: Packed, st, b: str, i: str, hq: str, d: str | None):
         return ok, m, pi
 
     # one pass, rescaling as the max grows: over a B32 paged decode's 64-row pieces (about 58 per
-    # sequence) the merge took 0.187 ms in two passes and 0.074 in one (H200, 2026-12-02)
+    # sequence) it measured faster than two passes on the H200 (docs/BENCHMARKS.md, "A paged cache
+    # read in place: `fwd_packed_pages`")
     pi, mv, lv, av, res = fn.fresh("pi"), fn.fresh("pm"), fn.fresh("lv"), fn.fresh("av"), fn.fresh("comb")
     carried = f"{mv} = {fmin}, {lv} = {zero}" + (f", {av} = {zero}" if d else "")
     types = "f32, f32, f32" if d else "f32, f32"

@@ -38,10 +38,10 @@ from .state import State
 
 __all__ = ["render_ragged", "render_packed", "RAGGED_SCALARS", "PREFIX_SCALARS", "PACKED_SCALARS"]
 
-RAGGED_SCALARS = ("B", "Sq", "Sk", "NP", "P", "No", "Ro", "Nl", "Rl", "y", "x", "yu", "xu", "khi", "khiu")
+from ..abi import RAGGED_SCALARS
 # fwd_ragged's own: the frame's entries with rows at or past row i * U lead its batch
 # (frames.Frame.prefix); a group of rows computes only those
-PREFIX_SCALARS = ("U", *(f"nb{i}" for i in range(PREFIX_STEPS)))
+from ..abi import PREFIX_SCALARS
 _SIZES = RAGGED_SCALARS[:9]
 
 
@@ -97,9 +97,9 @@ class _Frame:
 
     def q_padded(self, c: Ctx, m_pad: str) -> str:
         """``operands.q_padded`` of the frame (``padded_q_rows``): row ``s`` of entry ``b`` is
-        Q's source row ``idx[b, s]`` (zeros for -1), gathered from ``%q`` in one dispatch (as a
-        frame of its own and then a padded copy, the 16-sequence prefill's Q took 0.184 + 0.168 ms
-        on the H200, 2026-12-03)."""
+        Q's source row ``idx[b, s]`` (zeros for -1), gathered from ``%q`` in one dispatch, not as a
+        frame of its own and then a padded copy (one dispatch and one frame-sized buffer fewer:
+        docs/BENCHMARKS.md, "Group-mode prefill: each group of rows over the sequences it holds")."""
         fn, p, s = c.fn, c.p, self.s
         idx_ty, rows = tensor_type(["?"], "i32"), self.src_rows[0]
 

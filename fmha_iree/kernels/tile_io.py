@@ -18,9 +18,9 @@ __all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "TilesFn", "tile
            "q_tiles", "gathered", "edge_key"]
 
 # a tile's row of the table; ``nh``: the edge keys its first half of positions sees (a prefix of ``ne``)
-TILE_COLUMNS = ("q0", "k0", "nk", "ne", "pos0", "kl", "x", "entry", "y", "lo", "nl", "nh")
+from ..abi import TILE_COLUMNS, TILE_STEP as STEP
+
 TILE_FIELDS = len(TILE_COLUMNS)
-STEP = 64  # the interior's key count is a multiple of it (the ops' key steps divide it)
 
 @dataclasses.dataclass(frozen=True)
 class TilesShape:

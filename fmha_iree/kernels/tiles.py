@@ -30,7 +30,8 @@ rows) are ``tile_io``; this module holds the two attention dispatches and the fu
 Masks: every CK mask (none, causal either alignment, windows), any Sq / Sk per sequence.
 One op per workgroup cannot hold two (IREE 3.13: "multiple ops within dispatch trying to set the
 translation info"), hence the state between 2 and 3; one masked op over all of a tile's keys (its
-mask a slice of an all-true strip) measured slower (H200, 2026-12-05, docs/tried.md).
+mask a slice of an all-true strip) measured slower on the H200 (docs/tried.md, "H200: tiles over
+their own keys, how `fwd_tiles` reached its form").
 """
 
 from __future__ import annotations
@@ -46,16 +47,17 @@ from .workgroups import Body, load, store, workgroups
 
 __all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "tiles_shape", "render_tiles"]
 
-# Rows and key steps of the tiles' ops on GPUs: H200, sm_80 f16 d128, 16 causal sequences of
-# 128..2047 (2026-12-05, docs/BENCHMARKS.md): 128 rows / 64 keys 0.961 ms of kernels, 128 / 32
-# 0.958, 256 / 32 1.167; B4 S4096 causal 1.809 / 1.850 / 1.989.
+# Rows and key steps of the tiles' ops on GPUs: 128 rows with 64-key steps measured fastest on the
+# H200 (sm_80 f16 d128) for the 16-sequence causal prefill and causal batches, against 32-key
+# steps and 256-row tiles (docs/tried.md, "H200: tiles over their own keys, how `fwd_tiles`
+# reached its form").
 GPU_ROWS, GPU_K2 = 128, 64
 CPU_ROWS, CPU_K2 = 64, 16  # llvm-cpu (tests): whole rows per workgroup, short vector steps
 # The edge's workgroups per tile, each over half the tile's rows and the keys those rows see (a
-# causal tile's first half needs one key step of the two). H100, sm_80 f16 d128, two rounds
-# (2026-12-05, docs/BENCHMARKS.md, "The tiles' edge in halves"): 16 causal sequences 1.197 /
-# 1.187 -> 1.143 / 1.146 ms, B4 S4096 causal 1.958 / 1.948 -> 1.910 / 1.900 against one part.
-EDGE_PARTS = 2
+# causal tile's first half needs one key step of the two): measured faster than one part on the
+# H100 (sm_80 f16 d128) for group-mode prefill and causal batches (docs/BENCHMARKS.md, "The
+# tiles' edge in halves").
+from ..abi import EDGE_PARTS
 
 
 def tiles_shape(p: Plan) -> TilesShape | None:
@@ -91,8 +93,8 @@ def tiles_shape(p: Plan) -> TilesShape | None:
 def _gpu_edge(low: dict, rows: int, pos: int, dv: int) -> tuple[int, dict]:
     """(parts, the masked op's layout) on GPUs. The edge takes one subgroup per 16 rows where Dv
     >= 128: at 32 rows a warp both ops spill (ptxas for sm_90, f16 d128: interior 388 bytes, edge
-    228), at 16 neither; the edge then ran the 16-sequence prefill 2.5-3.5% faster (H100,
-    2026-12-05, two rounds: 1.230 / 1.241 -> 1.200 / 1.197 ms; docs/BENCHMARKS.md). It splits in
+    228), at 16 neither; the edge then ran the 16-sequence prefill faster on the H100
+    (docs/BENCHMARKS.md, "The tiles' edge on one warp per 16 rows"). It splits in
     ``EDGE_PARTS`` where a part keeps the interior's threads: with fewer, each thread copies more
     of K / V into shared memory and the edge spills (sm_90: d256 44 bytes on 4 warps, none on 8;
     d32 G = 8 24 bytes on 2 warps, none on 4)."""

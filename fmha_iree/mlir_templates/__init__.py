@@ -12,13 +12,13 @@ lowering configs they carry):
 """
 
 from .causal_tree import render_causal_tree
-from .dense import TRANSPOSE_V_MIN_SEQLEN, render_causal, render_dense, render_dense_out
+from .dense import TRANSPOSE_V_MIN_SEQLEN, render_dense, render_dense_out
 from .lowering import default_lowering, rdna_fwd_lowering, render_lowering_attrs
 from .ops import diag_lowering
 from .rows_packed import render_rows_packed
 from .step import render_online_step
 from .window import render_window, window_block
 
-__all__ = ["render_online_step", "render_dense", "render_dense_out", "render_causal", "render_causal_tree",
+__all__ = ["render_online_step", "render_dense", "render_dense_out", "render_causal_tree",
            "render_window", "window_block", "diag_lowering", "default_lowering", "rdna_fwd_lowering", "render_lowering_attrs",
            "TRANSPOSE_V_MIN_SEQLEN", "render_rows_packed"]

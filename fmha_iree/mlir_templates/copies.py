@@ -41,11 +41,11 @@ def _copy(name: str, src: str, src_ty: str, dst_ty: str, rank: int, perm: list[i
     {src dim: index} reads one index of extra src dims (the src then has rank + len(pick) dims).
 
     Each element gets `%rt_zero` added (a zero IREE cannot fold: scale - scale), so the copy stays
-    an elementwise kernel: a plain copy becomes IREE's `slow_memcpy` dispatch, one f16 per thread
-    in 64-thread workgroups (0.16 ms per 32 MiB on the H200, 2026-11-30). With `subgroup` (the
-    GPU's subgroup size) the copy gets its own tiles (`_copy_config`); it then iterates over the
-    non-unit dims of `dst_ty` only (IREE folds unit dims into a new op, dropping the tiles) and
-    expands back."""
+    an elementwise kernel: a plain copy becomes IREE's `slow_memcpy` dispatch, one f16 per thread in
+    64-thread workgroups, far below a copy's rate on the H200 (docs/tried.md, "H200: the causal tree
+    and the compiled-in paths"). With `subgroup` (the GPU's subgroup size) the copy gets its own
+    tiles (`_copy_config`); it then iterates over the non-unit dims of `dst_ty` only (IREE folds
+    unit dims into a new op, dropping the tiles) and expands back."""
     pick = pick or {}
     et = src_ty.rsplit("x", 1)[1][:-1]
     dshape = dst_ty[len("tensor<"):-1].split("x")[:-1]
@@ -93,9 +93,8 @@ def _transpose_copy(name: str, src: str, src_ty: str, dst_ty: str, n: str, subgr
     the source's dims (the form IREE turns a transpose into), with IREE's shared-memory transpose
     tiles on GPUs, which it picks itself only for static shapes: 32 x 32 tiles staged through
     shared memory (`promote_operands`), 8 elements (16 bytes of f16) along the output's fastest
-    dim per thread, 4 x 32 threads. H200, [64, 4096, 128] f16 (2026-11-30, commit 59a747a;
-    docs/bench/h200_2026-11-30e_*): 0.062 ms in the module against 0.12 with 4 elements per
-    thread (8 x 32 threads); IREE's own tiles 0.53 ms."""
+    dim per thread, 4 x 32 threads: measured faster on the H200 than 4 elements per thread (8 x 32
+    threads) and than IREE's own tiles (docs/BENCHMARKS.md, "How the constants were chosen")."""
     et = src_ty.rsplit("x", 1)[1][:-1]
     a, b = (int(x) for x in src_ty[len("tensor<"):-1].split("x")[1:3])
     cfg = ""
@@ -118,8 +117,8 @@ def _pin_batch(name: str, src: str, ty: str, n: str) -> str:
     """`name` = `src` passed through a `flow.tensor.reshape` (to the same type, its dynamic batch
     size re-tied), so IREE does not fold the reshapes around it into the attention op, which would
     give the op several batch dims its GPU config cannot tile. (A `util.optimization_barrier` did
-    the same but made the host wait for the GPU at that point of the call: on the H200 three such
-    waits cost the S=16384 causal tree ~2.8 ms per call, 2026-11-30.)"""
+    the same but made the host wait for the GPU at that point of the call, which slowed the causal
+    tree on the H200: docs/tried.md, "H200: the causal tree and the compiled-in paths".)"""
     return f"  {name} = flow.tensor.reshape {src} : {ty}{{{n}}} -> {ty}{{{n}}}"
 
 
@@ -200,7 +199,8 @@ def _grouped_q_view(name: str, f: dict, *, nd: int, C: int, nb: int, span: int, 
 def _fenced_v_transpose(f: dict, S: int, sg) -> list[str]:
     """`%vT` [BH, Dv, S] = `%vS` transposed (`_transpose_copy`), for the block-split templates' V^T
     blocks. Fenced on both sides so that no reshape is folded into the transpose (IREE would
-    re-create the op and drop its tiles: 0.48 instead of 0.12 ms at B*S = 16k, H=16 on the H200)."""
+    re-create the op and drop its tiles, several times slower on the H200: docs/tried.md, "H200:
+    the causal tree and the compiled-in paths")."""
     DV, T = f["DV"], f["T"]
     src, dst = f"tensor<?x{S}x{DV}x{T}>", f"tensor<?x{DV}x{S}x{T}>"
     return [f"  %vF = tensor.collapse_shape %vS [[0, 1], [2], [3]] : tensor<?x?x{S}x{DV}x{T}> into {src}",

@@ -140,20 +140,6 @@ def render_dense(*, func_name: str, dtype: str, layout: str, group: int, dq: int
                                              normalize=_normalize(f, "", "%M"), **f)
 
 
-def _pin(f: dict, b: int) -> str:
-    """`%q3p_b`, `%k3p_b`, `%v3p_b`: a row block's operands. With static lengths IREE would fold the
-    surrounding reshapes into the op (two batch dims, which its GPU config cannot tile); an
-    optimization barrier keeps the batch dims collapsed."""
-    lines = []
-    for x, d, rows in (("q", f["DQ"], "%GC"), ("k", f["DQ"], f"%K_{b}"), ("v", f["DV"], f"%K_{b}")):
-        ty = f"tensor<?x?x{d}x{f['T']}>"
-        if f["seqlen"] is None:
-            lines.append(f"  %{x}3p_{b} = tensor.cast %{x}3_{b} : {ty} to {ty}")
-        else:
-            lines.append(_pin_batch(f"%{x}3p_{b}", f"%{x}3_{b}", ty, f"%BH, {rows}"))
-    return "\n".join(lines)
-
-
 def render_dense_out(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
                      lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None,
                      causal: bool = False, workspace: bool = False) -> str:
@@ -185,11 +171,9 @@ def render_dense_out(*, func_name: str, dtype: str, layout: str, group: int, dq:
                                                  **mask, **_v_operand(f, lowering), **f)
 
 
-# `transpose_v` pays from this compiled-in length on. H200, B*S = 16k, bench.py, one run
-# (2026-11-30, commit 0312255; docs/bench/h200_2026-11-30c_*): f16 d128 S = 512 / 1024 / 2048 / 4096 /
-# 16384 0.52 / 0.88 / 1.61 / 3.08 / 11.95 ms -> 0.66 / 0.93 / 1.57 / 2.93 / 10.88; bf16 d128
-# 0.51 / 0.89 / 1.61 / 3.05 / 11.67 -> 0.57 / 0.87 / 1.49 / 2.65 / 9.69 (the transpose itself
-# 0.12 ms at B*S = 16k, H=16; 0.062 ms since commit 59a747a's 8 elements per thread, not re-measured here).
+# `transpose_v` pays from this compiled-in length on: on the H200 (d128, f16 and bf16) V copied
+# transposed was slower below 2048 rows and faster from 2048 (docs/BENCHMARKS.md, "How the
+# constants were chosen").
 TRANSPOSE_V_MIN_SEQLEN = 2048
 
 
@@ -197,7 +181,8 @@ def _v_operand(f: dict, lowering) -> dict:
     """V as the attention op reads it. `transpose_v` in the lowering (static S of at least
     `TRANSPOSE_V_MIN_SEQLEN`) copies V to [BH, Dv, Sk] first (`_transpose_copy`): the P@V
     operand's pairs along keys are then adjacent in shared memory, read as 32-bit words instead
-    of 16-bit halves (H200, d128 f16 M256: 2.75 against 3.01 ms per kernel at S=4096)."""
+    of 16-bit halves (measured faster per kernel on the H200, d128 f16 M256: docs/BENCHMARKS.md,
+    "How the constants were chosen")."""
     DV, T = f["DV"], f["T"]
     if (not (isinstance(lowering, Mapping) and lowering.get("transpose_v")) or f["seqlen"] is None
             or int(f["seqlen"]) < TRANSPOSE_V_MIN_SEQLEN):
@@ -215,23 +200,3 @@ def _v_operand(f: dict, lowering) -> dict:
     ])
     return dict(v_prep=prep, v_in="%vtp", v_ty=ty, v_map="(d0, d4, d3)",
                 v_doc="V is copied to [BH, Dv, Sk] first (lowering transpose_v).")
-
-
-def render_causal(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, blocks: int,
-                  align: int, lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None,
-                  workspace: bool = False) -> str:
-    """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: causal attention
-    (Sq == Sk, S a multiple of `blocks * align`) as `blocks` independent row blocks, each against
-    the keys up to its diagonal (templates `mlir/causal.mlir.in`, `mlir/causal_block.mlir.in`).
-    `workspace`: see `_dense_common`."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, lowering=lowering)
-    nb = int(blocks)
-    if nb < 1:
-        raise ValueError(f"blocks must be positive, got {blocks}")
-    props, attrs = lowering_for_runtime_sizes(lowering, dv)
-    block = _load("causal_block.mlir.in")
-    parts = [block.substitute(b=b, b1=b + 1, attn_props=props, attn_attrs=attrs, pin=_pin(f, b),
-                              normalize=_normalize(f, f"_{b}", "%GC"), **f) for b in range(nb)]
-    rows = "  %o6_0 = tensor.cast %o6_e : {t} to {t}\n  %l5_0 = tensor.cast %l5_e : {u} to {u}".format(
-        t=f"tensor<?x?x{f['G']}x?x{f['A']}x{f['DV']}x{f['T']}>", u=f"tensor<?x?x{f['G']}x?x{f['A']}xf32>")
-    return _load("causal.mlir.in").substitute(func_name=func_name, NB=nb, row_blocks=rows + "".join(parts), **f)

@@ -4,7 +4,7 @@
 `render_online_step` (`step.py`) renders `mlir/online_step.mlir.in`: one wave of the plan (the
 `step` function) as gathers + one `iree_linalg_ext.online_attention` (single collapsed batch dim
 P*Hk, M = G*R, K1 = Dq, K2 = C, N = Dv) + scatters back into the state. `render_dense`,
-`render_dense_out`, `render_causal` (`dense.py`: `mlir/dense*.mlir.in`, `mlir/causal*.mlir.in`) are
+`render_dense_out` (`dense.py`: `mlir/dense*.mlir.in`) are
 the one-call entry points of a whole batch; `render_causal_tree` (generated in `causal_tree.py`: its
 number of levels depends on the length) is causal at a compiled-in length as a binary tree of dense
 blocks.
@@ -294,19 +294,20 @@ def lowering_for_runtime_sizes(lowering, dv: int, batch_dims: int = 1, k2o: bool
 
 
 # ``fwd`` on wave32 RDNA, chosen by compiling it (with ``fwd_ragged`` / ``fwd_packed*``) for
-# gfx1100 and gfx1201 and reading the dumped ISA (iree-compile 3.13, 2026-12-04; no RDNA GPU to
-# time on; docs/BENCHMARKS.md, "fwd on RDNA"). With one subgroup per 16 rows holding all of Dv,
+# gfx1100 and gfx1201 and reading the dumped ISA (iree-compile 3.13; no RDNA GPU to
+# time on; docs/BENCHMARKS.md, "`fwd` on RDNA"). With one subgroup per 16 rows holding all of Dv,
 # masked ops spilled VGPRs to scratch (gfx1201 d128: 1; gfx1100 d128: up to 67); with two subgroups
 # splitting Dv (each computes its rows' scores, half of P V) they did not. Masked ops take that
 # layout everywhere; every op takes it where unmasked ones spilled too: (arch, dtype or "*", Dv)
 # -> the tiles used there (gfx1100's d128 default tile splits Dv across workgroups, which fwd
 # cannot do; 32-key steps spilled). gfx1100 f16 d128 takes 32-key steps and 16 in masked ops:
 # bshd G = 4 modules then compile without a spill (before: 1-43 VGPRs in 11 kernels), bhsd G = 1
-# ones stay without (2026-12-05, docs/BENCHMARKS.md). gfx1100 bf16 d128 keeps 64-key steps with Q
-# staged in shared memory (``qk_promote_operands``: LLVM otherwise hoists Q's loads out of the key
-# loop and holds its fragments in 64 VGPRs) and 16-key steps in the short tier's masked ops
-# (``short``): bshd G = 4 then compiles without a spill (before: 1-51 VGPRs in 11 kernels; other
-# steps 1-14 in 7), bhsd G = 1 too (2026-12-06, docs/BENCHMARKS.md "RDNA3 with Q in shared memory").
+# ones stay without (docs/BENCHMARKS.md, "gfx1100 f16 d128 `bshd` without spills"). gfx1100 bf16
+# d128 keeps 64-key steps with Q staged in shared memory (``qk_promote_operands``: LLVM otherwise
+# hoists Q's loads out of the key loop and holds its fragments in 64 VGPRs) and 16-key steps in the
+# short tier's masked ops (``short``): bshd G = 4 then compiles without a spill (before: 1-51 VGPRs
+# in 11 kernels; other steps 1-14 in 7), bhsd G = 1 too (docs/BENCHMARKS.md "RDNA3 with Q in shared
+# memory").
 _RDNA_SPLIT_ALL = {("gfx1100", "f16", 128): {"workgroup_m": 32, "subgroups_m": 2, "reduction_k2": 32,
                                              "masked": {"reduction_k2": 16}},
                    ("gfx1100", "*", 128): {"workgroup_m": 32, "subgroups_m": 2, "reduction_k2": 64,
@@ -319,7 +320,7 @@ _RDNA_SPLIT_ALL = {("gfx1100", "f16", 128): {"workgroup_m": 32, "subgroups_m": 2
 # rows' scores, a quarter of P V), 32-key steps, 16 in masked ops; the short tier likewise
 # (``RDNA_SHORT_D256``). Chosen by compiling every ``fwd`` / ``fwd_ragged`` / ``fwd_packed*`` kernel
 # of gfx1201 f16 / bf16 bhsd G = 1 and bshd G = 4 modules and reading the dumped ISA (iree-compile
-# 3.13, 2026-12-05, docs/BENCHMARKS.md "fwd on RDNA at Dv 256"): no spill, every attention op on
+# 3.13, docs/BENCHMARKS.md "`fwd` on RDNA at Dv 256"): no spill, every attention op on
 # WMMA. Tried: 32 rows of 2 x 2 waves (bf16 bshd G = 4: 19-110 VGPRs spilled in 11 kernels), 16
 # rows of 1 x 4 waves with 32-key masked steps (4-7 in 7) or the short tier at 2 waves (24-110 in
 # 3), 32 rows of 2 x 4 waves (8 in 2 of fwd_ragged's). gfx1100 (RDNA3 WMMA holds Q twice over) at
@@ -331,7 +332,7 @@ RDNA_SHORT_D256 = {"subgroups_n": 4, "workgroup_size": 128, "reduction_k2": 16}
 # hold each of its fragments twice over in VGPRs (128 of them for 16 x 256 of Q), and a short tier
 # of sixteen waves along Dv (four spilled 20 VGPRs in bshd G = 4's split-KV op, eight 1 in three
 # ops). f16 bhsd G = 1 and bshd G = 4 modules (d192 and d256) then compile without a spill, every
-# attention op on WMMA (2026-12-06, docs/BENCHMARKS.md "RDNA3 with Q in shared memory"). bf16 also
+# attention op on WMMA (docs/BENCHMARKS.md "RDNA3 with Q in shared memory"). bf16 also
 # needs the scale on the scores (``scale_on_scores``) and eight waves in its masked main-tier ops
 # (four spilled 3 VGPRs in bshd G = 4; docs/BENCHMARKS.md "bf16's scale on the scores").
 RDNA3_D256 = {"qk_promote_operands": [0, 1], "short": {"subgroups_n": 16, "workgroup_size": 512}}

@@ -106,11 +106,10 @@ def _merged_to_abi(f: dict, S: int, oty: str, ogrp: str, lty: str, lgrp: str) ->
 def diag_lowering(lowering):
     """The causal tree's masked diagonal op's lowering: a GPU lowering of 256 or more rows per
     workgroup at half the rows and half the subgroups (its C x C blocks are short in keys; twice
-    the workgroups fill the GPU better). H200, f16 d128 (M=256, 8 subgroups), kernel profiles
-    (2026-11-30, commit 59a747a; docs/bench/h200_2026-11-30e_profile_*; their driver is in git history
-    at commit 67bfe0c): the diagonal kernel 0.301 ->
-    0.281 ms at S=2048 and 0.303 -> 0.283 ms at S=4096; with 8 subgroups of 16 rows instead
-    0.40 ms. Other lowerings unchanged (not measured)."""
+    the workgroups fill the GPU better): measured faster on the H200 (f16 d128, M=256, 8
+    subgroups) than the full lowering and than 8 subgroups of 16 rows (docs/BENCHMARKS.md, "How the
+    constants were chosen"; the profiles' driver is in git history at commit 67bfe0c). Other
+    lowerings unchanged (not measured)."""
     if not isinstance(lowering, Mapping) or lowering.get("backend") == "cpu":
         return lowering
     wm, sgm = int(lowering.get("workgroup_m", 0)), lowering.get("subgroups_m")

@@ -15,7 +15,8 @@ tensors and CK's coordinates for its own lengths (row ``i`` sees key ``j`` iff `
 lengths >= 1. Rows past qlen are padding the caller drops. The keys are read where they lie (a
 key index past klen reads the sequence's last key, its weight 0), so the call copies nothing the
 size of K or V; ``rows`` / ``rows_kpad`` need the sequences gathered into a padded batch first
-(dev CPU, B32 decode: 425 ms of host gathers in a 940 ms call, 2026-12-04, docs/BENCHMARKS.md).
+(on the dev CPU a B32 decode spent most of its call in those host gathers: docs/BENCHMARKS.md,
+"CPU: the 2-core x86_64 development machine").
 With ``paged=True`` (``rows_packed_pages``) key ``j`` of sequence ``b`` is row ``j % P`` of page
 ``block_table[b, j // P]`` (``paged.PagedCache``'s convention; desc's k_start unused), so a paged
 cache is read in place too; the table's entries for pages past a sequence's keys are never read.
@@ -27,7 +28,7 @@ from .lowering import _load
 
 __all__ = ["render_rows_packed", "ROWS_PACKED_DESC_COLUMNS"]
 
-ROWS_PACKED_DESC_COLUMNS = ("q_start", "qlen", "k_start", "klen", "y", "x")
+from ..abi import ROWS_PACKED_DESC_COLUMNS
 
 # storage type at the ABI (bf16 as i16 bit patterns) per dtype
 _STORAGE = {"f32": "f32", "f16": "f16", "bf16": "i16"}
@@ -78,18 +79,15 @@ def _divisor(n: int, most: int) -> int:
     return d
 
 
-# Tiles of the two ops that read K / V, chosen on the dev CPU (2 cores; f32 D64 Hq32 Hk8, 32
-# sequences of one query and 256..4096 keys, 2026-12-04, docs/BENCHMARKS.md): IREE's own
-# configs vectorized the scores across keys (a gather of K rows) and walked all keys once per 8
-# columns of Dv in P V (about 330 ms a call); these read each key row whole (about 180 ms, both
-# timed while the CI suite shared the cores). The scores reduce the head dim in one vector of up
-# to SCORES_VEC (one horizontal sum per score; in vectors of 16, one per 16 elements): 28 -> 18 ms
-# of a 75 ms call (iree-benchmark-module with host-execution profiling, same day). The vector
-# dims are fixed by MLIR's tensor.extract vectorizer: a read is contiguous only along the op's
-# trailing loop dim, which IREE makes the reduction (keys in P V), so P V's V rows are gathered
-# element by element (docs/tried.md); P V's vector tile spans up to PV_VEC columns of Dv (each key's
-# row index computed once for them): 39.5 -> 35.2 ms at 64 against 32 (16: 46.0; two or four keys
-# per vector step: 185 / 304), same profile.
+# Tiles of the two ops that read K / V, chosen on the dev CPU (f32 D64 Hq32 Hk8, a 32-sequence
+# decode): IREE's own configs vectorized the scores across keys (a gather of K rows) and walked all
+# keys once per 8 columns of Dv in P V; these read each key row whole, measured faster. The scores
+# reduce the head dim in one vector of up to SCORES_VEC (one horizontal sum per score), faster than
+# vectors of 16. The vector dims are fixed by MLIR's tensor.extract vectorizer: a read is
+# contiguous only along the op's trailing loop dim, which IREE makes the reduction (keys in P V), so
+# P V's V rows are gathered element by element; P V's vector tile spans up to PV_VEC columns of Dv
+# (each key's row index computed once for them), faster at 64 than at 32 or 16, or with two or
+# four keys per vector step (docs/tried.md, "`rows_packed`'s P V with contiguous reads of V").
 SCORES_TILES = (8, 256)
 SCORES_VEC = 64
 PV_VEC = 64

@@ -20,9 +20,9 @@ _FROM_F32 = {"f32": "    %res = arith.addf %ov, %zero : f32",
 
 # The tiles' loop placed on the module's device (``--iree-hal-target-device=local`` names it
 # ``__device_0``). Without it IREE 3.13 gives the loop-carried state no affinity and copies all of
-# it into a fresh buffer at every tile (``stream.async.transfer`` to the same device): 20 MB per
-# tile for 9.4 k packed rows (H8, D64), 1.1 GB of fresh pages per call on the dev CPU (2026-12-04;
-# a loop whose steps sat under an scf.if then failed at run time: the steps are loops of one kind).
+# it into a fresh buffer at every tile (``stream.async.transfer`` to the same device; a loop whose
+# steps sat under an scf.if then failed at run time: the steps are loops of one kind). docs/tried.md,
+# "Group mode in one call: how the tile loop reached its form".
 LOOP_AFFINITY = " {stream.affinity = #hal.device.affinity<@__device_0>}"
 
 

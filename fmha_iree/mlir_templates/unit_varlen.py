@@ -17,7 +17,7 @@ __all__ = ["render_unit_varlen", "TILE_COLUMNS"]
 # The columns of the tile table (one row per R-row tile and query head of a KV head, ordered by
 # head, then row): the tile's first packed row (q_start + s0), its first row within the sequence,
 # the sequence's query count, first key, key count, CK's (y, x) for its lengths, the query head g.
-TILE_COLUMNS = ("row", "s0", "q_len", "k_start", "k_len", "y", "x", "g")
+from ..abi import UNIT_TILE_COLUMNS as TILE_COLUMNS
 
 _ZERO = {"f32": "0.0 : f32", "f16": "0.0 : f16", "i16": "0 : i16"}
 

@@ -53,8 +53,8 @@ def _iota(n: int) -> str:
 
 # The copies: workgroups of 64 rows of Q / 16 head-dim rows of K^T / 64 keys of V / 16 output rows,
 # vectors of 16 f32 along the last dim (a K^T chunk's keys, read from K with a stride; the head dims).
-# K^T's chunks read from K directly against a transposed copy of K first (2026-12-05, dev CPU, 64
-# sequences of 200..300 rows, H8 D64 f32, iree-benchmark-module): 21 -> 13.5 ms of copies a call.
+# K^T's chunks read from K directly: fewer copies than a transposed copy of K first, measured
+# faster on the dev CPU (docs/tried.md, "`waves_varlen`'s K copies").
 # IREE collapses that copy's (h, d) dims (no input is indexed by d alone) and then tiles it its own
 # way; with the config kept (an input read by d) it ran the same, as did vectors along the head dim
 # or 16 x 16 tiles (docs/tried.md, CPU).
