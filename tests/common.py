@@ -43,21 +43,62 @@ def ragged_modules():
 
 
 def gpu_formulation(dtype, layout, group, dq, dv=None):
-    """An ``FmhaModule`` of the GPU modules' formulation (``RAGGED_TILES``) built for llvm-cpu:
-    ``fwd``, the ragged and the packed entry points (CUDA's unfused bindings). Compiled once per
-    machine and source: the test processes share the modules through ``_shared_vmfb``."""
+    """The GPU modules' formulation (``RAGGED_TILES``) built for llvm-cpu, loaded with its
+    capabilities (``paths.Loaded``): ``fwd``, the tiles, the ragged and the packed entry points
+    (CUDA's unfused bindings). Compiled once per machine and source: the test processes share the
+    modules through ``_shared_vmfb``."""
     from fmha_iree.compile import ASYNC_FLAGS, CUDA_FLAGS, compile_flags
-    from fmha_iree.runtime import FmhaModule
-    from fmha_iree.source import dense_abi, fwd_plan, source_mlir
+    from fmha_iree.source import fwd_plan, source_mlir
     from fmha_iree.spec import KernelSpec
     from fmha_iree.targets import Target
 
     spec = KernelSpec(dtype, layout, group, dq, dv or dq, RAGGED_TILES, Target.from_name("host"))
     assert fwd_plan(spec, fused_step=True) is not None
     flags = compile_flags(spec) + ASYNC_FLAGS + CUDA_FLAGS + GPU_FORMULATION_CPU_FLAGS
-    vmfb = _shared_vmfb(source_mlir(spec, fused_step=True), flags)
-    return FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True, layout=layout,
-                      dense=dense_abi(spec, fused_step=True))
+    return bind(_shared_vmfb(source_mlir(spec, fused_step=True), flags), spec)
+
+
+def bind(vmfb: bytes, spec, *, fused_step: bool = True):
+    """``vmfb`` (compiled from ``spec``; ``fused_step``: the GPU formulation) loaded on the CPU with
+    its capabilities (``paths.Loaded``), as the paths' functions take it. A build that leaves out
+    some entries (``source_mlir(with_fwd=False)``) has the capabilities of those it has."""
+    from fmha_iree.entries import capabilities
+    from fmha_iree.paths import Capabilities, Loaded
+    from fmha_iree.runtime import FmhaModule
+
+    module = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=fused_step)
+    record = capabilities(spec, fused_step=fused_step)
+    record = {**record, "entries": sorted(set(record["entries"]) & module.functions)}
+    return Loaded(module, Capabilities.from_record(record, module.functions))
+
+
+def run_batch(loaded, p, with_lse=True):
+    """A checked batch problem's result on ``loaded`` (``paths.run_batch``)."""
+    from fmha_iree import paths
+
+    return paths.run_batch(p, with_lse, lambda: loaded)
+
+
+def route(loaded, p, with_lse=True):
+    """A checked batch problem's route on ``loaded`` (``paths.batch_route``)."""
+    from fmha_iree import paths
+
+    return paths.batch_route(p, with_lse, lambda: loaded)
+
+
+def run_group(loaded, p, starts, with_lse=True, memo=None):
+    """A checked group-mode problem's result on ``loaded`` (``paths.run_group``)."""
+    from fmha_iree import paths
+
+    return paths.run_group(p, starts, with_lse, lambda: loaded, memo)
+
+
+def run_paged(loaded, q, cache, seqstart_q, *, mask, with_lse=True, scale=None, seqstart_padded_q=None, memo=None):
+    """A group-mode problem over a checked paged cache on ``loaded`` (``paths.run_paged``)."""
+    from fmha_iree import paths
+
+    prob = paths.paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, with_lse=with_lse)
+    return paths.run_paged(prob, lambda: loaded, memo)
 
 
 def _shared_vmfb(mlir: str, flags: list[str]) -> bytes:
@@ -166,3 +207,51 @@ def configured_attention_tiles(dump_dir):
         for m in re.finditer(r"reduction = \[([^\]]*)\], workgroup = \[([^\]]*)\]", text):
             found.append(([int(x) for x in m.group(2).split(",")], [int(x) for x in m.group(1).split(",")]))
     return found
+
+
+def set_policy(monkeypatch, **values):
+    """Set thresholds of ``fmha_iree.paths.policy`` for one test (``ROWS_MAX_ROWS=0`` ...): in
+    ``policy`` and in every ``fmha_iree`` module that imported them by name (the paths read their
+    own copies)."""
+    import sys
+
+    from fmha_iree.paths import policy
+
+    for name, value in values.items():
+        assert name in policy.__all__, f"policy has no {name}"
+        for mod_name, mod in list(sys.modules.items()):
+            if mod is not None and mod_name.startswith("fmha_iree") and name in vars(mod):
+                monkeypatch.setattr(mod, name, value)
+
+
+def hide_entries(monkeypatch, *names):
+    """Modules the API loads (``api.LOADED``) lack ``names`` in their capabilities for one test,
+    as modules built before those entries: the paths that need them refuse."""
+    import dataclasses
+
+    from fmha_iree import api
+
+    real = api.LOADED.get
+
+    def get(spec, device_uri):
+        loaded = real(spec, device_uri)
+        caps = dataclasses.replace(loaded.caps, entries=loaded.caps.entries - set(names))
+        return dataclasses.replace(loaded, caps=caps)
+
+    monkeypatch.setattr(api.LOADED, "get", get)
+
+
+def spy_calls(monkeypatch, *fns):
+    """A list that records ``(fn, args, kw)`` of every ``FmhaModule.call`` of the functions ``fns``
+    (all where none are given), the calls still made."""
+    from fmha_iree.runtime import FmhaModule
+
+    seen, real = [], FmhaModule.call
+
+    def call(self, fn, args, **kw):
+        if not fns or fn in fns:
+            seen.append((fn, args, kw))
+        return real(self, fn, args, **kw)
+
+    monkeypatch.setattr(FmhaModule, "call", call)
+    return seen

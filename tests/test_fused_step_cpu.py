@@ -1,5 +1,5 @@
-"""The GPU formulation (the fused ``online_attention`` templates: the plan's ``step`` and the
-one-call ``dense`` / ``causal`` entry points) checked for numbers on the CPU, where CI runs: the
+"""The GPU formulation (the fused ``online_attention`` templates: the plan's ``step``, the aligned
+``dense`` and the compiled-in lengths' entry points) checked for numbers on the CPU, where CI runs: the
 module is built exactly as for gfx/CUDA targets but for llvm-cpu, then driven through the same
 API code as any module and compared with the float64 reference."""
 
@@ -8,18 +8,17 @@ import pytest
 import torch
 
 import fmha_iree
-from fmha_iree.dispatch import dense_kind, run_batch
 from fmha_iree.compile import ASYNC_FLAGS, compile_flags
-from fmha_iree.source import dense_abi, source_mlir
+from fmha_iree.source import source_mlir
 from fmha_iree.device import DeviceTensor
-from fmha_iree.runtime import FmhaModule
 from fmha_iree.spec import KernelSpec, check_batch
 from fmha_iree.targets import Target
 
+from common import bind, route, run_batch
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
 # Small units so a few hundred rows cross several tiles and key chunks. The dense path then takes
-# lengths that are multiples of 32 (causal: of 32 * 8 blocks).
+# lengths that are multiples of 32.
 TILES = fmha_iree.TileConfig(m0=32, n0=32, k0=16, n1=64, k1=16, kv_chunk=64)
 
 
@@ -38,8 +37,7 @@ def fused_module():
             # aligned one-call entry points, which fwd would take over
             vmfb = ict.compile_str(source_mlir(spec, fused_step=True, with_fwd=False),
                                    extra_args=compile_flags(spec) + ASYNC_FLAGS)
-            mods[key] = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True,
-                                   dense=dense_abi(spec, fused_step=True))
+            mods[key] = bind(vmfb, spec)
         return mods[key]
 
     return get
@@ -47,7 +45,7 @@ def fused_module():
 
 def _run(mod, q, k, v, mask, layout="bhsd", **kw):
     p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=kw.get("cu_q"), cu_seqlen_k=kw.get("cu_k"))
-    return p, run_batch(p, True, TILES, lambda: mod, "gpu")
+    return p, run_batch(mod, p)
 
 
 @pytest.mark.parametrize("mask", ["0", "b", "t", "b:20,0", "t:3,40", "xb:9"])
@@ -56,7 +54,7 @@ def test_fused_step_matches_reference(fused_module, mask, sq, sk):
     q, k, v = make_qkv(seed_of("fused", mask, sq, sk), B=2, Hq=4, Hk=2, Sq=sq, Sk=sk, Dq=64)
     mod = fused_module("f32", "bhsd", 2, 64)
     p, (out, lse) = _run(mod, q, k, v, mask)
-    assert dense_kind(p, mod.dense) is None  # unaligned lengths: the plan's step
+    assert route(mod, p).path == "plan"  # unaligned lengths: the plan's step
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask)
     assert_close(out, ref_out, torch.float32, what=f"fused out mask={mask}")
     assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"fused lse mask={mask}")
@@ -85,7 +83,7 @@ def test_fused_step_padded_head_dims(fused_module, mask, sq, sk):
                        layout="bshd", dtype=torch.float16)
     mod = fused_module("f16", "bshd", 2, 96, 192)
     p, (out, lse) = _run(mod, q, k, v, mask, layout="bshd")
-    assert dense_kind(p, mod.dense) is None and out.shape[-1] == 192
+    assert route(mod, p).path == "plan" and out.shape[-1] == 192
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout="bshd")
     assert_close(out, ref_out, torch.float16, what=f"padded-dims out mask={mask}")
     assert_close(lse, ref_lse, torch.float16, kind="lse", what=f"padded-dims lse mask={mask}")
@@ -96,12 +94,10 @@ DENSE_CASES = [
     # (mask, sq, sk, expected path)
     ("0", 96, 160, "dense"),
     ("0", 160, 64, "dense"),
-    ("b", 256, 256, "causal"),
-    ("t", 512, 512, "causal"),
-    ("b:300,0", 256, 256, "causal"),  # a window wider than the sequence is causal
-    ("t", 256, 512, None),  # causal with Sq != Sk: the plan
-    ("b:64,0", 256, 256, None),  # a real window: the plan
-    ("b", 96, 96, None),  # causal, S not a multiple of 32 * 8: the plan
+    ("b", 256, 256, "plan"),  # causal: no compiled-in length here (GPU modules' fwd takes it)
+    ("b:300,0", 256, 256, "plan"),
+    ("t", 256, 512, "plan"),
+    ("0", 256, 100, "plan"),  # Sk not a multiple of 32
 ]
 
 
@@ -112,8 +108,7 @@ def test_dense_entry_points(fused_module, mask, sq, sk, path, layout, group):
                        layout=layout)
     mod = fused_module("f32", layout, group, 64)
     p, (out, lse) = _run(mod, q, k, v, mask, layout=layout)
-    kind = dense_kind(p, mod.dense)
-    assert (kind[0] if kind else None) == path
+    assert route(mod, p).path == path
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout)
     assert_close(out, ref_out, torch.float32, what=f"dense out {mask} {sq}x{sk} {layout}")
     assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"dense lse {mask} {sq}x{sk} {layout}")
@@ -126,7 +121,7 @@ def test_dense_entry_points_half(fused_module, dtype, mask):
                        dtype=dtype)
     mod = fused_module({torch.float16: "f16", torch.bfloat16: "bf16"}[dtype], "bhsd", 2, 64, 32)
     p, (out, lse) = _run(mod, q, k, v, mask)
-    assert dense_kind(p, mod.dense) is not None
+    assert route(mod, p).path == ("dense" if mask == "0" else "plan")
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask)
     assert out.dtype == dtype
     assert_close(out, ref_out, dtype, what=f"dense {dtype} {mask}")
@@ -158,7 +153,7 @@ SEQLEN_CASES = [
     ("b", 512, False, "causal_o_s512"),  # without LSE: one masked fused op
     ("0", 256, False, "dense_o_s256"),
     ("0", 512, True, "dense"),  # the LSE needs the online_attention form
-    ("b", 768, True, "causal"),  # not compiled in: the row-block causal
+    ("b", 768, True, None),  # not compiled in: the plan (GPU modules' fwd)
     ("0", 768, False, "dense"),
     ("b:100,0", 512, True, "window_s512"),  # sliding windows up to the block (256 at S=512)
     ("t:256,0", 512, False, "window_s512"),
@@ -172,13 +167,12 @@ SEQLEN_CASES = [
                          ids=["bhsd-g2-f32", "bshd-g1-f16"])
 def test_compiled_in_lengths(fused_module, mask, s, with_lse, entry, layout, group, dtype):
     mod = fused_module({torch.float32: "f32", torch.float16: "f16"}[dtype], layout, group, 64, seqlens=(256, 512))
-    assert mod.dense["seqlens"] == [256, 512]
+    assert mod.caps.dense.seqlens == (256, 512)
     q, k, v = make_qkv(seed_of("seqlens", mask, s, layout), B=2, Hq=2 * group, Hk=2, Sq=s, Sk=s, Dq=64,
                        layout=layout, dtype=dtype)
     p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=None, cu_seqlen_k=None)
-    kind = dense_kind(p, mod.dense)
-    assert (mod.dense_entry(s, s, kind[0] == "causal", with_lse, window=kind[1]) if kind else None) == entry
-    res = run_batch(p, with_lse, TILES, lambda: mod, "gpu")
+    assert route(mod, p, with_lse).entry == entry
+    res = run_batch(mod, p, with_lse)
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout)
     out = res[0] if with_lse else res
     assert_close(out, ref_out, dtype, what=f"{entry} out")
@@ -194,10 +188,10 @@ def test_async_results_chain_on_device(fused_module):
     q, k, v = make_qkv(seed_of("chain"), B=1, Hq=4, Hk=2, Sq=256, Sk=256, Dq=64)
     qd, kd, vd = (fmha_iree.to_device(x, "local-task") for x in (q, k, v))
     p1 = check_batch(qd, kd, vd, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None)
-    out1 = run_batch(p1, False, TILES, lambda: mod, "gpu")
+    out1 = run_batch(mod, p1, False)
     assert isinstance(out1, DeviceTensor) and out1.ready is not None
     p2 = check_batch(out1, kd, vd, mask="0", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None)
-    out2 = run_batch(p2, False, TILES, lambda: mod, "gpu")
+    out2 = run_batch(mod, p2, False)
     first = out1.to_torch()
     ref1, _ = attention_ref(q, k, v, mask="b")
     assert_close(first, ref1, torch.float32, what="first call")
@@ -210,14 +204,15 @@ def test_workspace_slots_serve_calls_in_flight(fused_module):
     back-to-back asynchronous calls than slots (each with its own inputs, results left on the
     device) each give their own numbers, and the slots are sized by IREE's transients query."""
     mod = fused_module("f32", "bhsd", 2, 64, seqlens=(256, 512))
-    n = mod.WORKSPACE_SLOTS + 4
+    n = mod.module.WORKSPACE_SLOTS + 4
     qkv = [make_qkv(seed_of("slots", i), B=1, Hq=4, Hk=2, Sq=512, Sk=512, Dq=64) for i in range(n)]
     outs = []
     for q, k, v in qkv:
         dev = [fmha_iree.to_device(x, "local-task") for x in (q, k, v)]
         p = check_batch(*dev, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None)
-        outs.append(run_batch(p, True, TILES, lambda: mod, "gpu"))
-    assert mod.dense_entry(512, 512, True, True) == "causal_s512"
+        outs.append(run_batch(mod, p))
+    assert route(mod, p).entry == "causal_s512"
+    mod = mod.module
     sizes = [b for (fn, *_), b in mod.workspace_sizes.items() if fn == "causal_s512"]
     assert sizes and sizes[0] > 0 and mod.workspace_bytes >= sizes[0]
     for (q, k, v), (out, lse) in zip(qkv, outs):
@@ -320,17 +315,24 @@ def test_window_template(layout, group, dtype, w, vt, C):
 
 
 def test_window_entry_needs_a_compiled_window():
-    """A window routes to `window_s<S>` only where the module's record has that S and the window
-    fits its block; a record without windows (an older manifest) sends every window to the plan."""
-    from fmha_iree.entries import dense_entry
+    """A window routes to `window_s<S>` only where the module's capabilities have that S and the
+    window fits its block."""
+    from fmha_iree.paths.base import Problem
+    from fmha_iree.paths.capabilities import DenseCaps
+    from fmha_iree.paths.compiled_in import fixed_entry
 
-    old = {"align": 32, "causal_blocks": 8, "seqlens": [256], "causal_o": [256], "tiled": True, "dynamic": True}
-    new = dict(old, window=[[256, 128]])
-    assert dense_entry(old, 256, 256, False, True, window=0) is None
-    assert dense_entry(new, 256, 256, False, True, window=0) == "window_s256"
-    assert dense_entry(new, 256, 256, False, True, window=128) == "window_s256"
-    assert dense_entry(new, 256, 256, False, True, window=129) is None
-    assert dense_entry(new, 512, 512, False, True, window=0) is None
+    def entry(d, s, w):
+        q, k, v = make_qkv(seed_of("window-entry"), B=1, Hq=1, Hk=1, Sq=s, Sk=s, Dq=16)
+        p = check_batch(q, k, v, mask=f"b:{w},0", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None)
+        return fixed_entry(d, Problem("batch", p, True), ("window", w))
+
+    old = DenseCaps(32, seqlens=(256,), causal_o=(256,))
+    new = DenseCaps(32, seqlens=(256,), causal_o=(256,), window=((256, 128),))
+    assert entry(old, 256, 0) is None
+    assert entry(new, 256, 0) == "window_s256"
+    assert entry(new, 256, 128) == "window_s256"
+    assert entry(new, 256, 129) is None
+    assert entry(new, 512, 0) is None
 
 
 @pytest.mark.parametrize("seqlen", [1024, 2048, 4096, 8192, 16384, 65536])

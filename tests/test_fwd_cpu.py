@@ -1,6 +1,6 @@
 """``fwd`` (``fmha_iree.kernels.general``: any lengths and any CK mask in one call) checked for
 numbers on the CPU, where CI runs: the GPU module's formulation built for llvm-cpu and driven
-through the API's batch-mode routing (``dispatch.run_batch``), against the float64 reference.
+through the batch-mode paths (``paths.run_batch``), against the float64 reference.
 
 Covered: tails that are not multiples of any tile (1..127 rows / keys), Sq < Sk and Sq > Sk under
 every mask kind, rows that see no key (out 0, lse -inf), Sq = 1 against up to 8192 keys (the
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from fmha_iree import dispatch
-from fmha_iree.dispatch import run_batch, uses_fwd
+from fmha_iree.paths.base import Refused
+from fmha_iree.paths.tiles import TILES
 from fmha_iree.spec import check_batch
-from common import RAGGED_TILES as TILES
+from common import route, run_batch
 
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
@@ -22,7 +22,7 @@ from reference import assert_close, attention_ref, make_qkv, seed_of
 def no_tiles(monkeypatch):
     """These tests are about ``fwd``: the problems ``fwd_tiles`` would take stay on it
     (test_key_tiles.py checks the same problems through the tiles)."""
-    monkeypatch.setattr(dispatch, "_takes_tiles", lambda *a: False)
+    monkeypatch.setattr(type(TILES), "plan", lambda self, prob, caps: Refused(("off in this test",)))
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,8 @@ def fwd_module(ragged_module):
 
 def _check(mod, q, k, v, mask, *, layout="bhsd", dtype=torch.float32, what=""):
     p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=None, cu_seqlen_k=None)
-    assert uses_fwd(p, mod), f"{what}: expected the fwd entry point"
-    out, lse = run_batch(p, True, TILES, lambda: mod, "gpu")
+    assert route(mod, p).path == "fwd", f"{what}: expected the fwd entry point"
+    out, lse = run_batch(mod, p)
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout)
     assert_close(out, ref_out, dtype, what=f"fwd out {what}")
     assert_close(lse, ref_lse, dtype, kind="lse", what=f"fwd lse {what}")
@@ -135,10 +135,10 @@ def test_fwd_padded_head_dims(fwd_module, sq, sk, mask):
 
 
 def test_fwd_module_carries_its_entry_point(fwd_module):
-    """The module exports ``fwd``; batch problems with cu_seqlen padding still take the plan."""
+    """The module exports ``fwd``; batch problems with cu_seqlen padding take another path."""
     mod = fwd_module("f32", "bhsd", 2, 64)
-    assert mod.has_fwd
+    assert mod.caps.has("fwd")
     q, k, v = make_qkv(seed_of("fwd-pad"), B=2, Hq=4, Hk=2, Sq=40, Sk=50, Dq=64)
     cu = np.array([0, 30, 70], np.int32)
     p = check_batch(q, k, v, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=cu)
-    assert not uses_fwd(p, mod)
+    assert route(mod, p).path != "fwd"

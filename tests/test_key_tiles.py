@@ -1,4 +1,4 @@
-"""Group mode as tiles over their own keys (``fwd_tiles``, ``fmha_iree.key_tiles``): the host's
+"""Group mode as tiles over their own keys (``fwd_tiles``, ``fmha_iree.paths.tiles``): the host's
 table against a brute-force visibility count, the problems the path refuses and why, and whole
 calls on the GPU modules' formulation built for llvm-cpu (where CI runs) against the float64
 reference, with the path checked to be the one taken.
@@ -17,19 +17,21 @@ import numpy as np
 import pytest
 import torch
 
-from fmha_iree import frames, key_tiles
-from fmha_iree.dispatch import route, run_batch, run_paged
-from fmha_iree.paged import check_paged
-from fmha_iree.kernels.tiles import TILE_COLUMNS, TILE_FIELDS
+from fmha_iree.abi import TILE_COLUMNS
 from fmha_iree.mask import Mask
+from fmha_iree.paged import check_paged
+from fmha_iree.paths import frame as frames, policy, tiles as key_tiles
+from fmha_iree.paths import tiles as tiles_path
+from fmha_iree.paths.base import Problem
+from fmha_iree.paths.capabilities import TilesCaps
 from fmha_iree.spec import check_batch
 
 import test_ragged as ragged
-from common import RAGGED_TILES, cu
+from common import cu, route, run_batch, run_paged
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
-INFO = {"rows": 64, "group": 2, "ew": 192, "step": 64,  # the llvm-cpu build's (source.dense_abi)
-        "columns": list(TILE_COLUMNS)}
+INFO = TilesCaps(rows=64, group=2, ew=192, step=64)  # the llvm-cpu build's (source.tiles_record)
+TILE_FIELDS = len(TILE_COLUMNS)
 TAKEN = ["0", "b", "t", "t:-1,5", "b:-1,3", "xb:0", "b:-1,0", "b:20,0", "t:3,40", "xb:9", "b:100,7", "t:70,-1"]
 
 
@@ -54,16 +56,16 @@ def test_table_covers_what_each_row_sees(mask, seed):
     starts = _starts(lq, lk, pad_q=int(rng.integers(0, 3)))
     tq = int(starts[0][-1] + lq[-1]) + 5
     m = Mask.from_str(mask)
-    assert key_tiles.refusal(INFO, starts, tq, int(lk.sum()) + 1) is None
+    assert key_tiles.reasons(INFO, starts[1], tq, int(lk.sum()) + 1) == []
     idx, n_tiles, widest = key_tiles.tile_table(INFO, m, starts, tq)
     table = idx[: n_tiles * TILE_FIELDS].reshape(n_tiles, -1).astype(np.int64)
     out_map, lse_map = idx[n_tiles * TILE_FIELDS:][:tq], idx[n_tiles * TILE_FIELDS + tq:]
-    pos = INFO["rows"] // INFO["group"]
+    pos = INFO.positions
     assert (np.diff(table[:, 2] + table[:, 3]) <= 0).all(), "tiles longest first"
     col = {name: table[:, i] for i, name in enumerate(TILE_COLUMNS)}
-    assert all(((col[c] % INFO["step"]) == 0).all() for c in ("nk", "ne", "nl", "nh"))
+    assert all(((col[c] % INFO.step) == 0).all() for c in ("nk", "ne", "nl", "nh"))
     assert (col["nl"] <= col["nh"]).all() and (col["nh"] <= col["ne"]).all()
-    assert (table[:, 3] <= widest).all() and widest <= INFO["ew"] and widest % INFO["step"] == 0
+    assert (table[:, 3] <= widest).all() and widest <= INFO.ew and widest % INFO.step == 0
     assert (table[:, 0] + pos <= tq).all()
     seen = np.zeros(tq, int)
     for b in range(n):
@@ -85,27 +87,24 @@ def test_table_covers_what_each_row_sees(mask, seed):
 
 
 def test_refusals_say_why():
-    starts = _starts([100, 50], [120, 60])
-    old = {k: v for k, v in INFO.items() if k != "columns"}
-    assert "rebuild" in key_tiles.refusal(old, starts, 200, 200)
-    assert "decode-shaped" in key_tiles.refusal(INFO, _starts([1, 2], [90, 9]), 64, 99)
-    assert "fewer query rows" in key_tiles.refusal(INFO, _starts([20], [20]), 20, 20)
-    assert "no fwd_tiles" in key_tiles.refusal(None, starts, 200, 200)
-    many = _starts([32 * key_tiles.MAX_TILES + 1], [64])
-    assert "more than" in key_tiles.refusal(INFO, many, 32 * key_tiles.MAX_TILES + 1, 64)
+    def why(lq, tq, tk):
+        return " ".join(key_tiles.reasons(INFO, np.asarray(lq, np.int64), tq, tk))
+    assert "decode-shaped" in why([1, 2], 64, 99)
+    assert "fewer query rows" in why([20], 20, 20)
+    assert "more than" in why([32 * key_tiles.MAX_TILES + 1], 32 * key_tiles.MAX_TILES + 1, 64)
 
 
 @pytest.fixture
 def taken(monkeypatch):
-    """The functions the calls ran (``FrameCall.run``)."""
+    """The functions the table-driven calls ran (``paths.frame.TableCall.run``)."""
     used = collections.Counter()
-    run = frames.FrameCall.run
+    run = frames.TableCall.run
 
     def spy(self, *a, **k):
-        used[self.function] += 1
+        used[self.entry] += 1
         return run(self, *a, **k)
 
-    monkeypatch.setattr(frames.FrameCall, "run", spy)
+    monkeypatch.setattr(frames.TableCall, "run", spy)
     return used
 
 
@@ -146,7 +145,7 @@ def test_gqa_dq_dv(ragged_module, taken):
     assert taken == {"fwd_tiles": 1}
 
 
-# Batch mode: each batch entry a sequence (``dispatch.route`` -> ``tiles``), either layout.
+# Batch mode: each batch entry a sequence (the route's ``tiles``), either layout.
 BATCH = [(77, 130), (130, 77), (127, 1), (200, 200), (33, 300)]
 
 
@@ -155,14 +154,14 @@ BATCH = [(77, 130), (130, 77), (127, 1), (200, 200), (33, 300)]
 @pytest.mark.parametrize("sq,sk", BATCH, ids=[f"{a}x{b}" for a, b in BATCH])
 def test_batch_mode_tiles(ragged_module, layout, mask, sq, sk, monkeypatch):
     """Batches of every taken mask and tails through the tiles (routed there whatever their
-    shape: ``batch_pays`` keeps short or unmasked unpadded batches on ``fwd``)."""
-    monkeypatch.setattr(key_tiles, "batch_pays", lambda p: True)
+    shape: the policy keeps short or unmasked unpadded batches on ``fwd``)."""
+    monkeypatch.setattr(key_tiles, "_batch_is_slower", lambda prob: None)
     mod = ragged_module("f32", layout, 2)
     q, k, v = make_qkv(seed_of("tiles-batch", layout, mask, sq, sk), B=2, Hq=4, Hk=2, Sq=sq, Sk=sk, Dq=64,
                        layout=layout)
     p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=None, cu_seqlen_k=None)
-    assert route(p, mod).path == "tiles"
-    out, lse = run_batch(p, True, RAGGED_TILES, lambda: mod, "gpu")
+    assert route(mod, p).path == "tiles"
+    out, lse = run_batch(mod, p)
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout)
     assert_close(out, ref_out, torch.float32, what=f"tiles batch {mask} {sq}x{sk} out")
     assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"tiles batch {mask} {sq}x{sk} lse")
@@ -171,11 +170,16 @@ def test_batch_mode_tiles(ragged_module, layout, mask, sq, sk, monkeypatch):
 def test_batch_pays():
     """Unpadded batches take the tiles where they were measured faster: square causal ones from
     ``SQUARE_CAUSAL_MIN`` rows; padded ones always."""
+    class key_tiles:  # noqa: N801 - the policy's question, as the tiles path asks it
+        @staticmethod
+        def batch_pays(p):
+            return tiles_path._batch_is_slower(Problem("batch", p, True)) is None
+
     def problem(sq, sk, mask, lens=None):
         q, k, v = make_qkv(seed_of("tiles-pays"), B=2, Hq=2, Hk=2, Sq=sq, Sk=sk, Dq=16)
         cq = None if lens is None else cu(lens)
         return check_batch(q, k, v, mask=mask, scale=None, layout="bhsd", cu_seqlen_q=cq, cu_seqlen_k=cq)
-    n = key_tiles.SQUARE_CAUSAL_MIN
+    n = policy.SQUARE_CAUSAL_MIN
     assert key_tiles.batch_pays(problem(n, n, "b")) and key_tiles.batch_pays(problem(n, n, "t"))
     assert not key_tiles.batch_pays(problem(n, n, "0")) and not key_tiles.batch_pays(problem(n - 64, n - 64, "b"))
     assert not key_tiles.batch_pays(problem(n, n + 64, "b"))
@@ -189,15 +193,18 @@ def test_batch_routes_elsewhere(ragged_module):
     """Decode-shaped batches keep split-KV (``fwd``), batches ``batch_pays`` keeps off the tiles
     (unpadded and not square causal, a window here) keep ``fwd``."""
     mod = ragged_module("f32", "bhsd", 2)
+
+    def route_path(p):
+        return route(mod, p).path
     q, k, v = make_qkv(seed_of("tiles-route", 3), B=2, Hq=4, Hk=2, Sq=200, Sk=200, Dq=64)
-    assert route(check_batch(q, k, v, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None),
-                 mod).path == "fwd"
+    assert route_path(check_batch(q, k, v, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None,
+                                  cu_seqlen_k=None)) == "fwd"
     q, k, v = make_qkv(seed_of("tiles-route"), B=2, Hq=4, Hk=2, Sq=1, Sk=300, Dq=64)
-    assert route(check_batch(q, k, v, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None),
-                 mod).path == "fwd"
+    assert route_path(check_batch(q, k, v, mask="b", scale=None, layout="bhsd", cu_seqlen_q=None,
+                                  cu_seqlen_k=None)) == "fwd"
     q, k, v = make_qkv(seed_of("tiles-route", 2), B=2, Hq=4, Hk=2, Sq=200, Sk=300, Dq=64)
-    assert route(check_batch(q, k, v, mask="b:20,0", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None),
-                 mod).path == "fwd"
+    assert route_path(check_batch(q, k, v, mask="b:20,0", scale=None, layout="bhsd", cu_seqlen_q=None,
+                                  cu_seqlen_k=None)) == "fwd"
 
 
 @pytest.mark.parametrize("page", [16, 64])
@@ -215,8 +222,7 @@ def test_paged_prefill_tiles(ragged_module, taken, page, mask):
     vc[~torch.from_numpy(owned)] = float("nan")
     sq = ragged._starts(lq)
     cache = check_paged(kc, vc, sq, None, np.array(lk, np.int32), None, bt)
-    out, lse = run_paged(q, cache, sq, None, mask=mask, scale=None, return_lse=True,
-                         modules=lambda p: (RAGGED_TILES, ragged_module, "gpu"))
+    out, lse = run_paged(ragged_module(), q, cache, sq, mask=mask)
     ref_out, ref_lse = ragged._paged_reference(q, kc, vc, sq, bt, lk, mask)
     assert_close(out, ref_out, torch.float32, what=f"tiles paged {page} {mask} out")
     assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"tiles paged {page} {mask} lse")

@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from fmha_iree.device import DeviceTensor
-from fmha_iree.dispatch import run_paged, run_varlen
 from fmha_iree.paged import check_paged
 from fmha_iree.prepared import PreparedCalls, varlen_call_key
 from fmha_iree.spec import check_varlen
 
-from common import RAGGED_TILES
+from common import run_group, run_paged
 from reference import assert_close, seed_of, varlen_ref
 
 DEV = "local-task"
@@ -25,10 +24,6 @@ def _starts(lens):
 
 def _up(x: torch.Tensor) -> DeviceTensor:
     return DeviceTensor.from_host(x.numpy(), "f32", DEV)
-
-
-def _modules(mod):
-    return lambda p: (RAGGED_TILES, lambda: mod, "gpu")
 
 
 def _tensors(seed, shapes):
@@ -56,7 +51,7 @@ def test_group_mode_replay_runs_on_new_data(ragged_module, name, lq, lk, used, m
     assert key is not None
     p, starts = check_varlen(*first, sq, sk, seqlen_k=seqlen_k, seqstart_padded_q=None, seqstart_padded_k=None,
                              mask=mask, scale=None)
-    run_varlen(p, starts, True, *_modules(mod)(p), memo=calls.memo(key))
+    run_group(mod, p, starts, memo=calls.memo(key))
     replay = calls.get(varlen_call_key(*first, (sq.copy(), sk.copy(), seqlen_k), "varlen", mask, None, True))
     assert replay is not None, "an equal key (equal values) finds the stored replay"
     for trial in range(2):
@@ -84,8 +79,7 @@ def test_paged_replay_runs_on_new_pages(ragged_module, page):
     first = [_up(x) for x in _tensors(seed_of("prepared-paged-first", page), shapes)]
     key = varlen_call_key(*first, (sq, None, lens, None, None, bt), "varlen", "b", None, False)
     cache = check_paged(first[1], first[2], sq, None, lens, None, bt)
-    run_paged(first[0], cache, sq, None, mask="b", scale=None, return_lse=False, modules=_modules(mod),
-              memo=calls.memo(key))
+    run_paged(mod, first[0], cache, sq, mask="b", with_lse=False, memo=calls.memo(key))
     replay = calls.get(key)
     assert replay is not None
     q, kc, vc = _tensors(seed_of("prepared-paged-new", page), shapes)

@@ -1,27 +1,28 @@
-"""Ragged problems as one padded frame (``fwd_ragged`` and its gathers, ``fmha_iree.frames``):
-group mode, batches with cu_seqlen padding and paged KV caches, on the GPU module's formulation
-built for llvm-cpu (where CI runs) and driven through dispatch (``run_varlen``, ``run_batch``,
-``run_paged``), against the float64 reference.
+"""Ragged problems on the GPU paths (``paths.tiles``, ``paths.packed``, ``paths.ragged`` and the
+frame they share, ``paths.frame``): group mode, batches with cu_seqlen padding and paged KV caches,
+on the GPU module's formulation built for llvm-cpu (where CI runs) and driven through the paths
+(``paths.run_group``, ``run_batch``, ``run_paged``), against the float64 reference.
 
 Covered: many short and long sequences in one call, zero-length q or k, Sq != Sk per sequence
 under every mask kind, seqlen_k, padded starts with NaN in the gaps, NaN in a batch's padding,
 paged caches (pages in scattered order, partly filled last pages, page sizes 16 / 64, host arrays
 and DeviceTensors), GQA / MQA with Dq != Dv, f32 / f16 / bf16, LSE. The interior / edge cut with
-each sequence's own coordinates (``frames.ragged_coords``) is checked against a brute-force
+each sequence's own coordinates (``paths.frame.ragged_coords``) is checked against a brute-force
 visibility count."""
 
 import numpy as np
 import pytest
 import torch
 
-from fmha_iree import dispatch, frames
 from fmha_iree.device import DeviceTensor
-from fmha_iree.dispatch import has_ragged, route, run_batch, run_paged, run_varlen
 from fmha_iree.mask import Mask
+from fmha_iree.paths import frame as frames, packed as packed_path, policy
+from fmha_iree.paths.base import Refused
+from fmha_iree.paths.tiles import TILES as TILES_PATH
 from fmha_iree.paged import check_paged
 from fmha_iree.spec import check_batch, check_varlen
 
-from common import RAGGED_TILES
+from common import RAGGED_TILES, route, run_batch, run_group, run_paged
 from reference import assert_close, attention_ref, seed_of, varlen_ref
 
 TILES = RAGGED_TILES
@@ -32,10 +33,6 @@ TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 @pytest.fixture(scope="module")
 def module(ragged_module):
     return ragged_module
-
-
-def _modules(mod):
-    return lambda p: (TILES, lambda: mod, "gpu")
 
 
 def _starts(lens):
@@ -61,8 +58,8 @@ def _group(mod, mask, lq, lk, *, hq=4, hk=2, dq=64, dv=64, dtype="f32", seqlen_k
             x[torch.from_numpy(~own)] = float("nan")
     p, starts = check_varlen(q, k, v, sq, sk, seqlen_k=seqlen_k, seqstart_padded_q=ppq, seqstart_padded_k=ppk,
                              mask=mask, scale=None)
-    assert has_ragged(mod, "bshd")
-    out, lse = run_varlen(p, starts, True, *_modules(mod)(p))
+    assert mod.caps.has("fwd_ragged") and mod.caps.layout == "bshd"
+    out, lse = run_group(mod, p, starts)
     ref_out, ref_lse = varlen_ref(q, k, v, sq, sk, seqlen_k=seqlen_k, mask=mask, seqstart_padded_q=ppq,
                                   seqstart_padded_k=ppk)
     assert_close(out, ref_out, TORCH[dtype], what=f"{what} {mask} out")
@@ -154,7 +151,7 @@ def test_cu_seqlen_batch_one_frame(module, layout, mask, path, monkeypatch):
     (the tiles' edge copies zero the keys past each entry's own); padded rows are 0 with LSE
     -inf."""
     if path == "ragged":
-        monkeypatch.setattr(dispatch, "_takes_tiles", lambda *a: False)
+        monkeypatch.setattr(type(TILES_PATH), "plan", lambda self, prob, caps: Refused(("off in this test",)))
     mod = module("f32", layout, 2)
     g = torch.Generator().manual_seed(seed_of("ragged-batch", layout, mask))
     B, sq, sk = 3, 150, 220
@@ -166,8 +163,8 @@ def test_cu_seqlen_batch_one_frame(module, layout, mask, path, monkeypatch):
             (x[b, :, n:] if layout == "bhsd" else x[b, n:])[...] = float("nan")
     cq, ck = _starts(lq), _starts(lk)
     p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cq, cu_seqlen_k=ck)
-    assert route(p, mod).path == path
-    out, lse = run_batch(p, True, TILES, lambda: mod, "gpu")
+    assert route(mod, p).path == path
+    out, lse = run_batch(mod, p)
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=layout, cu_seqlen_q=cq, cu_seqlen_k=ck)
     assert_close(out, ref_out, torch.float32, what=f"{layout} {mask} out")
     assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"{layout} {mask} lse")
@@ -212,7 +209,7 @@ def test_paged_cache_read_on_device(module, name, lq, lk, page, on_device):
     up = (lambda x: DeviceTensor.from_host(x.numpy(), "f32", "local-task")) if on_device else (lambda x: x)
     for mask in ("b", "t:5,3"):
         cache = check_paged(up(kc), up(vc), sq, None, np.array(lk, np.int32), None, bt)
-        out, lse = run_paged(up(q), cache, sq, None, mask=mask, scale=None, return_lse=True, modules=_modules(mod))
+        out, lse = run_paged(mod, up(q), cache, sq, mask=mask)
         out, lse = (x.to_numpy() if isinstance(x, DeviceTensor) else x for x in (out, lse))
         ref_out, ref_lse = _paged_reference(q, kc, vc, sq, bt, lk, mask)
         assert_close(out, ref_out, torch.float32, what=f"{name} {mask} out")
@@ -286,14 +283,14 @@ def test_frame_keys_round_up_in_few_steps():
 
 @pytest.fixture
 def packed_calls(monkeypatch):
-    """The pieces every ``frame_call`` of the test chose (``frames.packed_pieces`` / ``page_pieces`` /
-    ``gathered_pieces``)."""
+    """The pieces every ``packed`` plan of the test chose (``paths.packed``'s ``packed_pieces`` /
+    ``page_pieces`` / ``gathered_pieces``)."""
     seen = []
     for name in ("packed_pieces", "page_pieces", "gathered_pieces"):
-        def spy(*a, real=getattr(frames, name), **kw):
+        def spy(*a, real=getattr(packed_path, name), **kw):
             seen.append(real(*a, **kw))
             return seen[-1]
-        monkeypatch.setattr(frames, name, spy)
+        monkeypatch.setattr(packed_path, name, spy)
     return seen
 
 
@@ -323,7 +320,7 @@ def test_decode_with_gaps_gathers_its_keys(module, packed_calls, mask):
     _group(module(), mask, [1, 1, 0, 1, 1], [90, 400, 30, 260, 70], seqlen_k=used, pad_k=[5, 0, 3, 100, 1],
            what="gaps")
     assert packed_calls and not packed_calls[0].on  # in place refused
-    assert packed_calls[-1].on and packed_calls[-1].pages is not None and packed_calls[-1].page == frames.GATHER_PAGE
+    assert packed_calls[-1].on and packed_calls[-1].pages is not None and packed_calls[-1].page == policy.GATHER_PAGE
 
 
 def test_gathered_pages_rounded_up(module, packed_calls):
@@ -352,16 +349,16 @@ def test_packed_pieces_refuse_what_the_path_cannot_read():
         lq, lk = np.array(lq), np.array(lk)
         return frames.group_frame(m, (_starts(lq)[:-1], lq, np.array(k_start), lk, _starts(lq)[:-1], int(lq.sum())),
                                   int(lq.sum()))
-    ok = frames.packed_pieces(frame([1, 1], [300, 300], [0, 300]), 600, 4)
+    ok = packed_path.packed_pieces(frame([1, 1], [300, 300], [0, 300]), 600, 4)
     assert ok.on and ok.scalars == (256, 2, 0, 4) and list(ok.first) == [0, 0, 1]  # piece 1 holds both
-    narrow = frames.packed_pieces(frame([1] * 6, [40] * 6, list(range(0, 240, 40))), 240, 4)
+    narrow = packed_path.packed_pieces(frame([1] * 6, [40] * 6, list(range(0, 240, 40))), 240, 4)
     assert narrow.on and narrow.scalars[0] == 128  # 256 rows would hold 7 sequences, 4 slots
-    assert not frames.packed_pieces(frame([1, 1], [300, 300], [300, 0]), 600, 4).on  # out of order
-    assert not frames.packed_pieces(frame([5, 1], [300, 300], [0, 300]), 600, 4).on  # 5 * 4 rows > 16
-    assert not frames.packed_pieces(frame([1] * 40, [2] * 40, list(range(0, 80, 2))), 80, 4).on  # 32 in 64 rows
-    assert not frames.packed_pieces(frame([1, 1], [64, 64], [0, 100]), 164, 4).on  # a gap
-    assert not frames.packed_pieces(frame([1, 1], [64, 64], [0, 64]), 129, 4).on  # a spare row
-    assert not frames.packed_pieces(frame([1, 1], [30, 20], [0, 30]), 50, 4).on  # fewer rows than a piece
+    assert not packed_path.packed_pieces(frame([1, 1], [300, 300], [300, 0]), 600, 4).on  # out of order
+    assert not packed_path.packed_pieces(frame([5, 1], [300, 300], [0, 300]), 600, 4).on  # 5 * 4 rows > 16
+    assert not packed_path.packed_pieces(frame([1] * 40, [2] * 40, list(range(0, 80, 2))), 80, 4).on  # 32 in 64 rows
+    assert not packed_path.packed_pieces(frame([1, 1], [64, 64], [0, 100]), 164, 4).on  # a gap
+    assert not packed_path.packed_pieces(frame([1, 1], [64, 64], [0, 64]), 129, 4).on  # a spare row
+    assert not packed_path.packed_pieces(frame([1, 1], [30, 20], [0, 30]), 50, 4).on  # fewer rows than a piece
 
 
 def test_page_pieces_group_four_owned_sub_pages():
@@ -374,7 +371,7 @@ def test_page_pieces_group_four_owned_sub_pages():
     sq = _starts(lq)
     fr = frames.group_frame(Mask.from_str("b"), (sq[:-1], lq, np.zeros(4, np.int64), lk, sq[:-1], 4), 4,
                             pages=(frames.paged_bases(bt, page, lk), page))
-    pc = frames.page_pieces(fr, group=2)
+    pc = packed_path.page_pieces(fr, group=2)
     sub = lambda b, j: int(bt[b, j // 2]) * 2 + j % 2  # noqa: E731  (sub-page j of sequence b)
     want = [[sub(0, j) for j in (0, 1, 2, 3)], [sub(0, j) for j in (4, 5, 6, 7)], [sub(0, 8)] * 4,
             [sub(1, j) for j in (0, 1, 2, 3)]]
@@ -406,7 +403,7 @@ def test_paged_decode_reads_pages_as_pieces(module, packed_calls, page):
     sq = _starts(lq)
     for mask in ("b", "t:5,3", "0"):
         cache = check_paged(kc, vc, sq, None, np.array(lk, np.int32), None, bt)
-        out, lse = run_paged(q, cache, sq, None, mask=mask, scale=None, return_lse=True, modules=_modules(mod))
+        out, lse = run_paged(mod, q, cache, sq, mask=mask)
         ref_out, ref_lse = _paged_reference(q, kc, vc, sq, bt, lk, mask)
         assert_close(out, ref_out, torch.float32, what=f"paged p{page} {mask} out")
         assert_close(lse, ref_lse, torch.float32, kind="lse", what=f"paged p{page} {mask} lse")

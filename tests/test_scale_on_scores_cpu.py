@@ -4,18 +4,18 @@ checked for numbers on the CPU: the GPU modules' formulation built for llvm-cpu 
 decision forced on, driven through the batch-mode routing, against the float64 reference. Covered:
 every path of ``fwd`` that writes the op (the main tier's open and masked ops, the banded window,
 the short tier with split-KV), tails, Sq != Sk, GQA, rows that see no key, LSE; and the one-call
-entry points of the templates (``dense``, the two-block ``causal``, and at a compiled-in length
-``dense_o_s<S>``, ``causal_s<S>``, ``causal_o_s<S>``, ``window_s<S>``)."""
+entry points of the templates (``dense``, and at a compiled-in length ``dense_o_s<S>``,
+``causal_s<S>``, ``causal_o_s<S>``, ``window_s<S>``)."""
 
 import pytest
 import torch
 
 import fmha_iree.source as source
-from fmha_iree import dispatch
-from fmha_iree.dispatch import route, run_batch, uses_fwd
+from fmha_iree.paths.base import Refused
+from fmha_iree.paths.tiles import TILES
 from fmha_iree.spec import KernelSpec, check_batch
 from fmha_iree.targets import Target
-from common import RAGGED_TILES, _shared_vmfb, gpu_formulation
+from common import RAGGED_TILES, _shared_vmfb, bind, gpu_formulation, route, run_batch
 
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
@@ -33,7 +33,7 @@ def scaled_module():
 
 @pytest.fixture(autouse=True)
 def no_tiles(monkeypatch):
-    monkeypatch.setattr(dispatch, "_takes_tiles", lambda *a: False)
+    monkeypatch.setattr(type(TILES), "plan", lambda self, prob, caps: Refused(("off in this test",)))
 
 
 @pytest.mark.parametrize("sq,sk,mask", [(77, 130, "b"), (130, 77, "t"), (200, 200, "0"), (1, 2000, "b"),
@@ -44,8 +44,8 @@ def test_scores_scaled(scaled_module, sq, sk, mask):
                        dtype=torch.bfloat16, layout="bshd")
     scale = 0.3 if mask == "0" else None  # a scale of the caller's besides the default 1/sqrt(Dq)
     p = check_batch(q, k, v, mask=mask, scale=scale, layout="bshd", cu_seqlen_q=None, cu_seqlen_k=None)
-    assert uses_fwd(p, scaled_module)
-    out, lse = run_batch(p, True, RAGGED_TILES, lambda: scaled_module, "gpu")
+    assert route(scaled_module, p).path == "fwd"
+    out, lse = run_batch(scaled_module, p)
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout="bshd", scale=scale)
     assert_close(out, ref_out, torch.bfloat16, what=f"out {mask} {sq}x{sk}")
     assert_close(lse, ref_lse, torch.bfloat16, kind="lse", what=f"lse {mask} {sq}x{sk}")
@@ -59,35 +59,33 @@ S = 256
 @pytest.fixture(scope="module")
 def scaled_entries():
     """A bf16 ``bshd`` G = 2 module with S compiled in whose one-call entry points multiply the
-    scores by the scale (no ``fwd``, which would take the two-block ``causal``'s calls)."""
+    scores by the scale (no ``fwd``: these tests are about the other entries)."""
     from fmha_iree.compile import ASYNC_FLAGS, compile_flags
-    from fmha_iree.runtime import FmhaModule
 
     spec = KernelSpec("bf16", "bshd", 2, 64, 64, RAGGED_TILES, Target.from_name("host"), (S,))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(source, "scale_on_scores", lambda spec: True)
         text = source.source_mlir(spec, fused_step=True, with_fwd=False)
-    for name in ("dense", "causal", f"dense_o_s{S}", f"causal_s{S}", f"causal_o_s{S}", f"window_s{S}"):
+    for name in ("dense", f"dense_o_s{S}", f"causal_s{S}", f"causal_o_s{S}", f"window_s{S}"):
         func = text.split(f"util.func public @{name}(", 1)[1].split("\nutil.func", 1)[0]
         ops = func.count("^bb0(%score: f32):")
         assert ops and func.count("%scaled = arith.mulf %score, %scale_l : f32") == ops, f"{name}: unscaled scores"
         assert "arith.truncf %scale_f32" not in func, f"{name}: Q scaled in bf16"
     vmfb = _shared_vmfb(text, compile_flags(spec) + ASYNC_FLAGS)
-    return FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=True, layout="bshd",
-                      dense=source.dense_abi(spec, fused_step=True))
+    return bind(vmfb, spec)
 
 
 @pytest.mark.parametrize("mask,s,with_lse,entry", [
     ("0", S, True, "dense"), ("0", S, False, f"dense_o_s{S}"), ("b", S, True, f"causal_s{S}"),
-    ("b", S, False, f"causal_o_s{S}"), ("b", 192, True, "causal"), ("b:100,0", S, True, f"window_s{S}")],
-    ids=["dense", "dense_o", "causal_s", "causal_o", "causal", "window"])
+    ("b", S, False, f"causal_o_s{S}"), ("b:100,0", S, True, f"window_s{S}")],
+    ids=["dense", "dense_o", "causal_s", "causal_o", "window"])
 def test_entries_scores_scaled(scaled_entries, mask, s, with_lse, entry):
     q, k, v = make_qkv(seed_of("scale-scores-entries", mask, s), B=2, Hq=4, Hk=2, Sq=s, Sk=s, Dq=64,
                        dtype=torch.bfloat16, layout="bshd")
     scale = 0.3 if entry in ("dense", f"causal_s{S}") else None  # besides the default 1/sqrt(Dq)
     p = check_batch(q, k, v, mask=mask, scale=scale, layout="bshd", cu_seqlen_q=None, cu_seqlen_k=None)
-    assert route(p, scaled_entries, with_lse).entry == entry
-    res = run_batch(p, with_lse, RAGGED_TILES, lambda: scaled_entries, "gpu")
+    assert route(scaled_entries, p, with_lse).entry == entry
+    res = run_batch(scaled_entries, p, with_lse)
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout="bshd", scale=scale)
     assert_close(res[0] if with_lse else res, ref_out, torch.bfloat16, what=f"{entry} out")
     if with_lse:

@@ -18,7 +18,7 @@ from ..runtime import Host, Upload
 from ..spec import BatchProblem
 from .base import Call, Problem, Refused, empty_result
 from .capabilities import Capabilities
-from .cpu_short import packed_fits, rows_group, short_sequences
+from .cpu_short import rows_group, short_sequences
 from .frame import descriptors
 from .policy import BATCH_WAVE_MAX_KEYS, BATCH_WAVE_MIN_ROWS, ROWS_MAX_ROWS, ROWS_MAX_SCORES, WAVE_MAX_ROWS
 
@@ -51,18 +51,21 @@ def units_varlen_call(p: BatchProblem, module, seqs: np.ndarray, starts, rows: i
 
 
 def varlen_calls(p: BatchProblem, module, starts, rows: int):
-    """A group-mode problem on a CPU module with ``waves_varlen``: sequences of a few queries in
-    ``rows_packed`` groups (``short_sequences``, ``packed_fits``), the other sequences with query
-    rows up to ``WAVE_MAX_ROWS`` in one ``waves_varlen`` call, the longer ones in one
-    ``units_varlen`` call of ``rows``-row tiles. Returns (out ``[Tq, Hq, Dv]``, lse ``[Hq, total]``)."""
-    q_len, k_len = starts[1], starts[3]
-    g = p.hq // p.hk
-    groups = [s for s in short_sequences(p, q_len, k_len) if packed_fits(int(q_len[s].max()), g)] \
-        if "rows_packed" in module.functions else []
+    """A group-mode problem on a CPU module: each sequence to the call its own lengths choose, so
+    its result is the same whatever it is batched with: a few query rows (``packed_fits``) in
+    ``rows_packed`` groups of similar key counts (``short_sequences``), up to ``WAVE_MAX_ROWS``
+    rows in one ``waves_varlen`` call, longer ones in one ``units_varlen`` call of ``rows``-row
+    tiles. Returns (out ``[Tq, Hq, Dv]``, lse ``[Hq, total]``).
+
+    Where long and short sequences interleave, the two calls each read K / V over the span their
+    sequences occupy, so part of it twice: measured up to 8% slower than one kind for all on the dev
+    CPU (docs/thresholds.md, "CPU waves against units"), the price of batch invariance."""
+    q_len = starts[1]
+    groups = short_sequences(p, q_len, starts[3]) if "rows_packed" in module.functions else []
     rest = q_len > 0
     for s in groups:
         rest[s] = False
-    long = _long_sequences(rest, starts[0], q_len)
+    long = rest & (q_len > WAVE_MAX_ROWS)
     out = lse = None
     if long.any():
         out, lse = units_varlen_call(p, module, np.flatnonzero(long), starts, rows)
@@ -70,24 +73,6 @@ def varlen_calls(p: BatchProblem, module, starts, rows: int):
     for s in groups:
         rows_group(p, module, s, starts, out, lse)
     return out, lse
-
-
-def _long_sequences(rest: np.ndarray, q_start: np.ndarray, q_len: np.ndarray) -> np.ndarray:
-    """Which of the sequences ``rest`` go to ``units_varlen``: those over ``WAVE_MAX_ROWS`` rows,
-    unless they lie among the others (each call copies K / V over the span of rows and keys its
-    sequences occupy, so interleaved calls copy them twice); then the kind with more rows takes
-    them all. Dev CPU, 2026-12-05 (f32 H8 D64 causal, min of 5 calls), ms for units_varlen only /
-    the split / waves_varlen only: 64 sequences of 200..300 rows 142 / 200 / 129, 16 of 128..1023
-    103 / 111 / 122; 1 x 2048 then 32 x 64 47 / 39 / 47."""
-    long = rest & (q_len > WAVE_MAX_ROWS)
-    short = rest & ~long
-    if not long.any() or not short.any():
-        return long
-    ends = q_start + q_len
-    spans = [(int(q_start[m].min()), int(ends[m].max())) for m in (long, short)]
-    if spans[0][1] <= spans[1][0] or spans[1][1] <= spans[0][0]:
-        return long
-    return rest if q_len[long].sum() >= q_len[short].sum() else np.zeros_like(rest)
 
 
 def waves_call(p: BatchProblem, module, seqs: np.ndarray, starts, out: np.ndarray | None = None,
@@ -158,28 +143,25 @@ def _place(out: np.ndarray, lse: np.ndarray, o: np.ndarray, l: np.ndarray, qa: i
 
 
 def batch_as_group(p: BatchProblem, module, rows: int):
-    """A batch (``cu_seqlen`` padding or not) as group mode, batch entry ``b`` the sequence of
-    tokens ``[b Sq, b Sq + q_len[b])`` (keys ``[b Sk, b Sk + k_len[b])``): one ``waves_varlen`` call
-    on the batch as it lies where every entry has at most ``WAVE_MAX_ROWS`` rows, else (bshd) the
-    batch viewed as ``[1, B S, H, D]`` through ``varlen_calls`` (one ``units_varlen`` call in
-    modules without ``waves_varlen``). Returns (out, lse ``[B, Hq, Sq]``), rows past ``q_len[b]`` 0
-    and -inf."""
+    """A host batch (``cu_seqlen`` padding or not) as group mode, batch entry ``b`` the sequence of
+    tokens ``[b Sq, b Sq + q_len[b])`` (keys ``[b Sk, b Sk + k_len[b])``). bshd: the batch viewed as
+    ``[1, B S, H, D]`` through ``varlen_calls``, so each entry takes the calls its own lengths
+    choose (the same result as that sequence in group mode); bhsd (every entry at most
+    ``WAVE_MAX_ROWS`` rows): one ``waves_varlen`` call on the batch as it lies. Returns (out, lse
+    ``[B, Hq, Sq]``), rows past ``q_len[b]`` 0 and -inf."""
     b, sq, sk = p.batch, p.sq, p.sk
     q_lens, k_lens = np.asarray(p.q_lens, np.int64), np.asarray(p.k_lens, np.int64)
     out_shape = (b, p.hq, sq, p.dv) if p.layout == "bhsd" else (b, sq, p.hq, p.dv)
     if not q_lens.any():  # no batch entry has query rows
         return empty_result(p, out_shape, (b, p.hq, sq))
     starts = (np.arange(b) * sq, q_lens, np.arange(b) * sk, k_lens, np.arange(b) * sq, b * sq)
-    waves = "waves_varlen" in module.functions
-    if waves and int(q_lens.max()) <= WAVE_MAX_ROWS:
-        return _run_waves(p, module, (p.q.array, p.k.array, p.v.array), starts[:4], descriptors(p.mask, p.q_lens, p.k_lens), b * sq)
+    if p.layout == "bhsd":
+        desc = descriptors(p.mask, p.q_lens, p.k_lens)
+        return _run_waves(p, module, (p.q.array, p.k.array, p.v.array), starts[:4], desc, b * sq)
     flat = [dataclasses.replace(x, array=x.array.reshape((1, -1) + x.array.shape[2:])) for x in (p.q, p.k, p.v)]
     pf = dataclasses.replace(p, q=flat[0], k=flat[1], v=flat[2], batch=1, sq=b * sq, sk=b * sk,
                              q_lens=q_lens.sum(keepdims=True), k_lens=k_lens.sum(keepdims=True))
-    if waves:
-        o, l = varlen_calls(pf, module, starts, rows)
-    else:
-        o, l = units_varlen_call(pf, module, np.flatnonzero(q_lens > 0), starts, rows)
+    o, l = varlen_calls(pf, module, starts, rows)
     return o.reshape(out_shape), l.reshape(p.hq, b, sq).transpose(1, 0, 2)
 
 

@@ -18,8 +18,7 @@ from ..spec import BatchProblem, as_operand
 from .base import Call, Problem, Refused
 from .capabilities import Capabilities
 from .frame import descriptors
-from .policy import GROUP_KEYS, PACKED_MAX_QUERIES, PACKED_MAX_QUERIES_MHA, PACKED_MAX_ROWS, PAD_LIMIT, ROWS_MAX_ROWS, \
-    ROWS_MAX_SCORES
+from .policy import GROUP_KEYS, PACKED_MAX_QUERIES, PACKED_MAX_QUERIES_MHA, PACKED_MAX_ROWS, PAD_LIMIT, ROWS_MAX_SCORES
 
 __all__ = ["CPU_PAGES", "CPU_GATHER", "packed_fits", "short_sequences", "rows_group"]
 
@@ -31,13 +30,14 @@ def packed_fits(max_qlen: int, group: int) -> bool:
 
 
 def short_sequences(p: BatchProblem, q_len: np.ndarray, k_len: np.ndarray) -> list[np.ndarray]:
-    """Group mode: the short sequences (at most ``ROWS_MAX_ROWS`` query rows per KV head, at
-    least one query and one key), in groups of similar key counts (a call computes every
-    sequence of its group up to the group's longest keys: ``_closes_group``), each group's padded
-    batch within ``ROWS_MAX_SCORES`` scores. Returns index arrays, one per call."""
+    """Group mode: the sequences ``rows_packed`` takes (``packed_fits`` by their own query rows,
+    at least one query and one key, at most ``ROWS_MAX_SCORES`` scores), in groups of similar key
+    counts (``_closes_group``), each group's padded batch within ``ROWS_MAX_SCORES`` scores.
+    Whether a sequence is here depends on it alone (a group's call computes each sequence against
+    its own keys: the grouping does not change its result). Returns index arrays, one per call."""
     g = p.hq // p.hk
-    ok = np.flatnonzero((q_len * g <= ROWS_MAX_ROWS) & (q_len > 0) & (k_len > 0)
-                        & (p.hq * q_len * k_len <= ROWS_MAX_SCORES))
+    fits = np.array([packed_fits(int(n), g) for n in q_len], bool)
+    ok = np.flatnonzero(fits & (q_len > 0) & (k_len > 0) & (p.hq * q_len * k_len <= ROWS_MAX_SCORES))
     groups, cur, most_q, keys = [], [], 0, 0
     for i in ok[np.argsort(k_len[ok], kind="stable")]:  # ascending keys: the last one is the longest
         k_i = int(k_len[i])
@@ -61,15 +61,14 @@ def _closes_group(n: int, keys: int, k_next: int) -> bool:
 def paged_groups(p: BatchProblem, starts) -> list[np.ndarray] | None:
     """The ``rows_packed_pages`` calls of a group-mode problem over a paged cache
     (:func:`short_sequences`' groups), or None where a sequence with work has more query rows
-    than ``packed_fits`` takes."""
+    than ``packed_fits`` takes (then every sequence is gathered: ``rows_packed`` over the
+    gathered keys gives each short one the same result as over its pages)."""
     q_len, k_len = starts[1], starts[3]
     groups = short_sequences(p, q_len, k_len)
     left = (q_len > 0) & (k_len > 0)
     for group in groups:
         left[group] = False
-    if left.any() or not all(packed_fits(int(q_len[g].max()), p.hq // p.hk) for g in groups):
-        return None
-    return groups
+    return None if left.any() else groups
 
 
 def rows_group(p: BatchProblem, module, group: np.ndarray, starts, out: np.ndarray, lse: np.ndarray,
