@@ -80,6 +80,8 @@ class Mask:
             return cls.causal(top_left=True)
         if s in ("b", "2"):
             return cls.causal(top_left=False)
+        if len(s) > 64:  # int() of a longer number is slow, or refused by Python's digit limit
+            raise ValueError(f"mask string of {len(s)} characters: a CK mask string is at most 64")
         m = re.fullmatch(r"([tb]):(-?\d+),(-?\d+)", s)
         if m:
             left, right = int(m.group(2)), int(m.group(3))

@@ -24,8 +24,8 @@ def scale_on_scores(spec: KernelSpec) -> bool:
     """Whether the attention ops apply the softmax scale to the f32 scores instead of to Q (a
     lowering's ``scale_on_scores``, ``kernels.attention``): bf16 on ROCm, where IREE's bf16
     multiply of Q is emulated (gfx942, gfx1100): it spilled gfx1100's d256 ``step`` (90 VGPRs;
-    none with the scale on the scores) and cost a gfx942 ``fwd`` op 13% of its instructions
-    (2026-12-06, docs/BENCHMARKS.md "bf16's scale on the scores"). CUDA (sm_80 multiplies bf16
+    none with the scale on the scores) and cost a gfx942 ``fwd`` op many instructions
+    (docs/BENCHMARKS.md, "bf16's scale on the scores"). CUDA (sm_80 multiplies bf16
     with ``fma.rn.bf16``) keeps IREE's form."""
     return spec.target.backend == "rocm" and spec.dtype == "bf16"
 
@@ -138,7 +138,7 @@ def tiles_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
 
 # The causal tree's merge reads the (acc, max, sum) partials of the diagonal and of every level and
 # writes out in one dispatch: 3 * (log2(S / C) + 1) + 1 bindings. IREE's CUDA HAL takes at most 16
-# a dispatch (2026-12-05, H100: a module compiled with --seqlens 8192, C = 256, failed to load:
+# a dispatch (a module compiled with --seqlens 8192, C = 256, failed to load on the H100:
 # "binding_flags count 19 exceeds maximum of 16"), so S / C stays at most 16.
 MAX_TREE_BLOCKS = 16
 
@@ -147,12 +147,8 @@ def causal_diag(seqlen: int, align: int) -> int:
     """Diagonal block C of the causal tree at length S (S / C a power of two, C a multiple of
     ``align``): S/2 up to S=1024, else 256 up to S=4096, then S/16 (``MAX_TREE_BLOCKS``). The masked diagonal is computed in full (S*C/2 of
     wasted work); each level adds a dispatch and merge inputs, cheap since the levels read their
-    blocks in place (commit 90e71e0). H200, B*S = 16k, H=16, d128 f16, out-only, bench.py, one run
-    each (2026-11-30, commit 90e71e0; docs/bench/h200_2026-11-30d_*): blocks read in place,
-    C=256 1.28 / 2.08 / 3.65 / 6.70 ms at S=2048..16384 against C=512/1024 (the earlier rule)
-    1.37 / 2.17 / 3.92 / 6.93; with V^T blocks C=256 against C=512 1.67 / 2.40 / 3.81 / 6.37 vs
-    1.76 / 2.50 / 3.85 / 6.45. (commit 0312255, blocks copied: C=512 best, C=256 1.68 / 2.56 / 4.14 /
-    7.00; commit 30b39b7, host waits and slow copies: S/2 up to 4096 and 2048 above.)"""
+    blocks in place: 256-row blocks measured faster than 512 / 1024 from S=2048 on the H200
+    (docs/thresholds.md, "Causal tree: the diagonal block")."""
     prefs = (seqlen // 2, seqlen) if seqlen <= 1024 else (256, seqlen // 2, seqlen)
     for c in prefs:
         c = max(c, seqlen // MAX_TREE_BLOCKS)
@@ -164,10 +160,9 @@ def causal_diag(seqlen: int, align: int) -> int:
 
 # Causal without LSE at a compiled-in length S up to this: the whole problem as ONE fused
 # attention op with a [G*S, S] mask (every block computed, no partials, no merge) against the tree
-# of dense blocks (which skips the masked half but pays for partials, copies and a merge). H200,
-# d128 f16, B*S = 16k, bench.py (2026-11-30, commit 30b39b7, after the tree lost its host waits and
-# slow copies): masked op 1.38 / 1.62 / 2.56 / 4.35 ms at S = 512 / 1024 / 2048 / 4096 against the
-# tree's 1.69 / 1.72 / 2.34 / 3.48 (timed with the LSE). The mask costs G*S^2 bytes.
+# of dense blocks (which skips the masked half but pays for partials, copies and a merge): the op
+# won up to S = 1024 on the H200, the tree above (docs/thresholds.md, "Causal out-only: one masked
+# op against the tree"). The mask costs G*S^2 bytes.
 CAUSAL_MASKED_MAX = 1024
 
 
@@ -230,8 +225,7 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
         funcs.append(render_fwd(plan, "fwd"))
         if with_ragged:
             # groups of 256 state rows: each computes only the frame's entries with rows in it
-            # (kernels.ragged), so finer groups skip more (H200, 2026-12-03, 16 causal sequences:
-            # 3.61 ms at 512 rows, 3.13 at 256)
+            # (kernels.ragged), so finer groups skip more (docs/thresholds.md, "GPU ragged row groups")
             funcs.append(render_ragged(dataclasses.replace(plan, ragged=True, rows=256), "fwd_ragged"))
             for name, paged in (("fwd_tiles", False), ("fwd_tiles_paged", True)):
                 tiles = render_tiles(plan, name, paged=paged)
@@ -280,8 +274,8 @@ _FILL_WGS = {"cuda": 132, "gfx90a": 110, "gfx942": 304, "gfx950": 256, "gfx1100"
 
 def _short_lowering(spec: KernelSpec, main: dict, short: dict | None = None) -> dict:
     """The short-query tier (decode: Sq * G up to 16 rows): 16-row tiles, keys in 64-key steps;
-    on wave32 targets two subgroups split Dv (H200, 2026-12-01: 272 GB/s at B16 Sk8192 against
-    253 with one subgroup, and K2 = 128 slower, docs/BENCHMARKS.md). ``short``: fields the main
+    on wave32 targets two subgroups split Dv (faster than one at B16 Sk8192 on the H200, and K2 = 128
+    slower: docs/thresholds.md, "GPU short tier"). ``short``: fields the main
     tier's lowering sets for this tier (``mlir_templates.lowering.rdna_fwd_lowering``)."""
     if main.get("backend") == "cpu":
         return {"backend": "cpu", "workgroup_m": 16, "reduction_k2": 32}
@@ -290,7 +284,7 @@ def _short_lowering(spec: KernelSpec, main: dict, short: dict | None = None) -> 
     keep = {k: v for k, v in main.items() if k in ("mma_kind", "qk_mma_kind", "qk_virtual", "subgroup_size",
                                                     "qk_promote_operands", "scale_on_scores")}
     # K and V tiles of 64 keys at Dv = 256 pass 64 KiB of shared memory; on gfx9 64-key tiles
-    # spilled 2-30 SGPRs in the GQA split-KV kernels (iree-compile 3.13, 2026-12-02), 32 none
+    # spilled 2-30 SGPRs in the GQA split-KV kernels (iree-compile 3.13), 32 none
     k2 = 32 if spec.dv >= 256 or spec.target.backend == "rocm" else 64
     low = {**keep, "workgroup_m": 16, "workgroup_n": spec.dv, "reduction_k2": k2, "subgroups_m": 1, "subgroups_n": sgn,
            "workgroup_size": sg * sgn, "promote_operands": [1, 2]}
@@ -338,8 +332,8 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
 
 def _rocm_tiles(spec: KernelSpec, rows: int) -> bool:
     """Whether a gfx module carries ``fwd_tiles``: where its kernels compiled on MFMA / WMMA with
-    no spill (iree-compile 3.13, 2026-12-05, ``fwd_tiles`` alone for every gfx target x f16 /
-    bf16 x head dims 32 / 64 / 128 / 256, docs/BENCHMARKS.md "fwd_tiles on gfx targets"): all
+    no spill (iree-compile 3.13, ``fwd_tiles`` alone for every gfx target x f16 / bf16 x head dims
+    32 / 64 / 128 / 256, docs/BENCHMARKS.md "`fwd_tiles` on gfx targets"): all
     but gfx1100 f16 at 64 (31 VGPRs in the edge op) and those whose K / V steps overflow the
     target's LDS (``tiles.lds_estimate`` of the ops' ``rows`` x 64-key steps: at 256 73728
     bytes, as gfx90a's refusal said, over every 64 KB target; gfx950's 160 KB compiled clean).
@@ -367,8 +361,8 @@ def _padded_heads(spec: KernelSpec) -> KernelSpec:
 
 def native_exp2_default(spec: KernelSpec) -> bool:
     """CUDA modules get their exp2 as ``ex2.approx`` (``ptx.py``) unless asked otherwise: on the
-    H200 (2026-11-30) that took the d128 f16 attention kernel from 4.07 to 3.56 ms at M64 and made
-    the 32-rows-per-warp tiles pay (2.89 ms at M256 / 8 warps; tuned_cuda.json)."""
+    H200 it made the d128 f16 attention kernel faster and the 32-rows-per-warp tiles pay
+    (tuned_cuda.json; docs/thresholds.md, "CUDA exp2")."""
     return spec.target.backend == "cuda"
 
 

@@ -104,3 +104,14 @@ def test_a_deploy_loads_no_code_generator():
     loaded = {m.split(".")[1] for m in out if m.startswith("fmha_iree.")}
     assert not loaded & CODEGEN, f"a deploy loaded the code generator's {sorted(loaded & CODEGEN)}"
     assert not [m for m in out if not m.startswith("fmha_iree.")], out
+
+
+def test_no_dated_figures_in_code():
+    """Code comments keep the why and the benchmark they cite, not dated measurements: no date in
+    the package's source (the tuned configs' data file records when each was swept)."""
+    import re
+
+    dated = re.compile(r"20\d\d-\d\d-\d\d")
+    found = [f"{p.relative_to(PKG)}:{i}" for p in sorted(PKG.rglob("*")) if p.suffix in (".py", ".in", ".mlir")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if dated.search(line)]
+    assert not found, found
