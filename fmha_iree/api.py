@@ -144,21 +144,15 @@ def fmha_fwd(
         specialize: compile (once, then cached on disk) a module whose entry points are fixed to
             this call's sequence length (Sq == Sk, no padding; on the CPU also the batch size and
             KV heads): GPUs then get the causal tree and fused out-only kernels, the CPU row blocks
-            of plain matmul/softmax (about 2x faster on the dev CPU, docs/BENCHMARKS.md). Other
+            of plain matmul/softmax (faster on the dev CPU, docs/BENCHMARKS.md). Other
             calls still run, on the generic entry points; the first call of each new shape pays a
             compile (tens of seconds).
 
     Rows that see no key give 0 and lse ``-inf``. Returns ``out`` (the input's type, dtype and
     layout, ``Dv`` wide) or ``(out, lse)``.
 
-    On GPU targets, a call with no mask (or causal with Sq == Sk), no cu_seqlen padding and lengths
-    that are multiples of the module's alignment runs as one fused kernel call (``dense_kind``),
-    and with ``specialize`` also a sliding window ``b:W,0`` / ``t:W,0`` (Sq == Sk, W up to the
-    window block of ``mlir_templates.window_block``); with ``specialize``, the unmasked and causal
-    cases on the CPU too for the compiled-in shape. On CUDA, ``fwd`` (one call, any lengths and
-    mask) runs every other call without cu_seqlen padding, the aligned causal case too unless its
-    length is compiled in (``dispatch.route``); every other call runs the tiled plan. All give the
-    same results.
+    Which of the module's functions runs the call is the paths' choice (:func:`route` says which
+    and why); all give the same results.
     """
     gpu = torch_gpu({"q": q, "k": k, "v": v}, device)
     if gpu is not None:  # torch GPU tensors: shared with IREE both ways (torch_gpu)

@@ -11,7 +11,7 @@ import dataclasses
 
 from .abi import (PACKED_SCALARS, PLAN_DESC_COLUMNS, PREFIX_SCALARS, RAGGED_SCALARS, ROWS_DESC_COLUMNS,
                   ROWS_PACKED_DESC_COLUMNS, TILE_COLUMNS, TILE_STEP, UNIT_TILE_COLUMNS)
-from .source import dense_params, dense_record, fwd_plan, step_compute, tiles_record
+from .source import dense_params, dense_record, fwd_plan, has_plan, step_compute, tiles_record
 from .spec import KernelSpec
 from .tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS, varlen_rows
 
@@ -70,7 +70,7 @@ class _Io:
 def entry_points(spec: KernelSpec, *, fused_step: bool | None = None) -> dict:
     """The module's functions and argument shapes/dtypes; ``?`` marks a runtime (dynamic) size."""
     io = _Io(spec)
-    out = _plan_entry_points(io)
+    out = _plan_entry_points(io) if has_plan(spec, fused_step=fused_step) else {}
     plan = fwd_plan(spec, fused_step=fused_step)
     if plan is not None:
         out.update(_one_call_entry_points(io, plan))
@@ -267,12 +267,6 @@ def _dense_entry_points(spec: KernelSpec, t: str, seq, hq: str, fused_step: bool
             if s in dense["causal_o"]:
                 out[f"causal_o_s{s}"] = {"args": sio, "results": {"out": sres["out"]},
                                          "note": f"row i sees keys j <= i, no lse (fused attention op, masked); Sq == Sk == {s}"}
-            if s in dense["window"]:
-                wio = {n: v for n, v in sio.items() if n != "workspace"}
-                wio.update({"win": [[1], "i32"], "workspace": sio["workspace"]})
-                out[f"window_s{s}"] = {"args": wio, "results": sres,
-                                       "note": f"row i sees keys i - win[0] <= j <= i, 0 <= win[0] <= {dense['window'][s]}; "
-                                               f"Sq == Sk == {s} (diagonal and previous blocks of {dense['window'][s]})"}
     return out
 
 

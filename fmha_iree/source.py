@@ -16,7 +16,7 @@ import functools
 
 from .spec import KernelSpec
 
-__all__ = ["source_mlir", "gpu_lowering", "step_compute", "dense_params", "dense_record", "tiles_record", "causal_diag",
+__all__ = ["source_mlir", "has_plan", "gpu_lowering", "step_compute", "dense_params", "dense_record", "tiles_record", "causal_diag",
            "fwd_plan", "native_exp2_default", "CAUSAL_MASKED_MAX"]
 
 
@@ -83,9 +83,9 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     ``align``: sequence lengths the dense path takes are multiples of this (the workgroup M and
     K2 tiles, so IREE sees whole tiles); ``seqlens``: {S: diagonal block} of the
     compiled-in lengths (``causal_s<S>``, and ``dense_o_s<S>``: unmasked without LSE);
-    ``causal_o``: the lengths that also get ``causal_o_s<S>`` (causal without LSE, masked);
-    ``window``: {S: C} of the lengths that get ``window_s<S>`` (sliding windows of up to C keys
-    before each row, ``mlir_templates.render_window``)."""
+    ``causal_o``: the lengths that also get ``causal_o_s<S>`` (causal without LSE, masked). A
+    sliding window at a compiled-in length runs through ``fwd``: a compiled-in window entry was
+    slower (docs/BENCHMARKS.md, "Paths with a contract: before and after")."""
     import math
 
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
@@ -99,8 +99,6 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
                 raise ValueError(f"seqlens: {s} is not a positive multiple of {CPU_ROWS} (the CPU row block)")
         return {"align": CPU_ROWS, "lowering": None, "seqlens": {int(s): None for s in spec.seqlens},
                 "causal_o": [], "tiled": False, "dynamic": False, "batch": spec.batch, "kv_heads": spec.kv_heads}
-    from .mlir_templates import window_block
-
     low = _dense_lowering(spec)
     if low is None or int(low.get("workgroup_n", spec.dv)) != spec.dv:
         return None
@@ -111,9 +109,8 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
             raise ValueError(f"seqlens: {s} is not a positive multiple of this module's alignment {align}")
         seqlens[int(s)] = causal_diag(int(s), align)
     causal_o = [s for s in seqlens if s <= CAUSAL_MASKED_MAX and spec.group * s * s <= 1 << 28]
-    window = {s: window_block(s, align) for s in seqlens if window_block(s, align)}
     return {"align": align, "lowering": low, "seqlens": seqlens,
-            "causal_o": causal_o, "window": window, "tiled": True, "dynamic": True}
+            "causal_o": causal_o, "tiled": True, "dynamic": True}
 
 
 def dense_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
@@ -122,7 +119,7 @@ def dense_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     if d is None:
         return None
     return {"align": d["align"], "seqlens": sorted(d["seqlens"]), "causal_o": sorted(d["causal_o"]),
-            "window": sorted(d.get("window", {}).items()), "tiled": d["tiled"], "dynamic": d["dynamic"],
+            "tiled": d["tiled"], "dynamic": d["dynamic"],
             "batch": d.get("batch", 0), "kv_heads": d.get("kv_heads", 0)}
 
 
@@ -176,10 +173,21 @@ def _dense_lowering(spec: KernelSpec) -> dict | None:
     return gpu_lowering(spec)
 
 
+def has_plan(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: bool = True,
+             with_ragged: bool = True) -> bool:
+    """Whether the module carries the host tile plan (``init`` / ``step`` / ``finalize``): every CPU
+    module (its paths fall back on it: DeviceTensors in group mode, padding past ``rows``), and GPU
+    modules without both ``fwd`` and ``fwd_ragged``, which take every batch and group problem
+    between them (the plan would never be called: ``paths.select``)."""
+    fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    return not fused or not (with_fwd and with_ragged) or fwd_plan(spec, fused_step=fused) is None
+
+
 def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: bool = True,
                 with_ragged: bool = True) -> str:
-    """The module's input IR. Every module: ``init`` / ``finalize`` of ``graph.py`` and the plan's
-    ``step`` of ``mlir/online_step.mlir.in`` (one fused ``online_attention`` carrying the tile config).
+    """The module's input IR. Modules with the host tile plan (``has_plan``): ``init`` / ``finalize``
+    of ``graph.py`` and the plan's ``step`` of ``mlir/online_step.mlir.in`` (one fused
+    ``online_attention`` carrying the tile config).
     CPU: with the CPU gathers and lowering, ``step_open``, ``units`` / ``waves_varlen`` and in bshd
     ``rows_packed`` (``source_cpu``), and ``rows.py``'s entry points. GPU: where ``dense_params`` allows, ``dense``
     (``mlir/dense.mlir.in``) and the compiled-in lengths' entries; those one-call entry points take a caller-owned
@@ -190,20 +198,25 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     ``with_fwd=False`` leaves it out (tests of the other entry points, which it would only slow
     to compile), ``with_ragged=False`` leaves out ``fwd_ragged`` (``kernels.ragged``) beside it."""
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
-    text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused,
-                               spec.seqlens, spec.batch, spec.kv_heads)
-    text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
+    plan_too = has_plan(spec, fused_step=fused, with_fwd=with_fwd, with_ragged=with_ragged)
+    if plan_too:
+        text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused,
+                                   spec.seqlens, spec.batch, spec.kv_heads)
+        text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
+    else:
+        text = f"module @{spec.module_name} {{\n}}\n"
     if not fused:
         from .source_cpu import cpu_functions
 
         return _with_funcs(text, cpu_functions(spec))
-    from .mlir_templates import (render_causal_tree, render_dense, render_dense_out, render_online_step,
-                                 render_window)
+    from .mlir_templates import render_causal_tree, render_dense, render_dense_out, render_online_step
 
     t = spec.tiles
-    dims, low = step_compute(spec)
-    funcs = [render_online_step(func_name="step", dtype=spec.dtype, layout=spec.layout, group=spec.group,
-                                r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=low, compute_dims=dims)]
+    funcs = []
+    if plan_too:
+        dims, low = step_compute(spec)
+        funcs.append(render_online_step(func_name="step", dtype=spec.dtype, layout=spec.layout, group=spec.group,
+                                        r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=low, compute_dims=dims))
     dense = dense_params(spec, fused_step=fused)
     if dense:
         kw = dict(dtype=spec.dtype, layout=spec.layout, group=spec.group, dq=spec.dq, dv=spec.dv,
@@ -214,8 +227,6 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
             funcs.append(render_causal_tree(func_name=f"causal_s{s}", seqlen=s, diag=c, **kw))
             if s in dense["causal_o"]:
                 funcs.append(render_dense_out(func_name=f"causal_o_s{s}", seqlen=s, causal=True, **kw))
-            if s in dense["window"]:
-                funcs.append(render_window(func_name=f"window_s{s}", seqlen=s, block=dense["window"][s], **kw))
     plan = fwd_plan(spec, fused_step=fused) if with_fwd else None
     if plan is not None:
         from .kernels.general import render_fwd

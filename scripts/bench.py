@@ -199,7 +199,7 @@ def run(args):
                 from fmha_iree import load
 
                 def fits(m):  # the rows' tensors are bhsd
-                    lens = bool((m.get("dense") or {}).get("seqlens"))
+                    lens = bool((m["capabilities"].get("dense") or {}).get("seqlens"))
                     pr = m["problem"]
                     return ((pr["dtype"], pr["hdim"], pr["group"]) == key[:3] and pr.get("layout", "bhsd") == "bhsd"
                             and (p["modules"] == "any" or lens == (p["modules"] == "seqlens")))

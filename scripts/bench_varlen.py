@@ -76,7 +76,7 @@ def _find_module(folder, dtype, hdim, group, hq, hk):
             continue
         if pr.get("heads") not in (None, hq) or pr.get("kv_heads") not in (None, hk):
             continue
-        best.append((bool((m.get("dense") or {}).get("seqlens")), f))
+        best.append((bool((m["capabilities"].get("dense") or {}).get("seqlens")), f))
     return min(best)[1].with_suffix(".vmfb") if best else None
 
 

@@ -11,8 +11,11 @@ torch CUDA tensors), against a float64 reference computed from the inputs with t
 A ``bshd`` module also runs group mode (``varlen``): prefill frames of several groups of rows with
 sequences in no order of length, empty ones, Sq != Sk, and a decode batch, from host arrays and
 DeviceTensors (a first call, and a call that replays the plan of one on other tensors), against the
-same reference per sequence; and a decode batch from a paged cache (pages 16, 64 and 256 in a
-shuffled order, every row no sequence owns NaN) on DeviceTensors.
+same reference per sequence; a decode batch from a paged cache (pages 16, 64 and 256 in a
+shuffled order, every row no sequence owns NaN) on DeviceTensors; and batch invariance: a prefill
+sequence and a decode sequence, alone and among other sequences (first, last), contiguous and
+paged, must give bitwise the same rows, and so must a repeated call (``--invariance-only`` runs
+just that; a difference is reported with its size, not raised).
 """
 
 from __future__ import annotations
@@ -33,14 +36,19 @@ def main():
     ap.add_argument("--device", default="cuda://0")
     ap.add_argument("--sources", nargs="+", default=["host", "device", "torch"], choices=("host", "device", "torch"),
                     help="inputs as host arrays, DeviceTensors, torch CUDA tensors (non-contiguous views)")
+    ap.add_argument("--invariance-only", action="store_true", help="only the batch-invariance check (bshd modules)")
     args = ap.parse_args()
     worst = 0.0
     for path in args.modules:
         f = load(path, device=args.device)
+        if args.invariance_only:
+            if f.manifest["problem"]["layout"] == "bshd":
+                _check_invariance(f, f.manifest["problem"], args.device)
+            continue
         pr = f.manifest["problem"]
         d, g = pr["hdim"], pr["group"]
         dt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[pr["dtype"]]
-        print("module", f.manifest["module"], "tiles", f.manifest["tiles"]["ck"], "dense", f.manifest.get("dense"))
+        print("module", f.manifest["module"], "tiles", f.manifest["tiles"]["ck"], "capabilities", f.capabilities)
         torch.manual_seed(0)
         cases = [(2, 77, 130, "b"), (1, 300, 300, "t"), (1, 1000, 1000, "0"), (1, 513, 700, "b:64,0"),
                  (2, 512, 1024, "0"), (2, 1024, 1024, "b"), (1, 2048, 2048, "t"), (1, 1024, 1024, "b:100,0"),
@@ -58,7 +66,8 @@ def main():
             v = torch.randn(B, hk, sk, d, dtype=dt)
             # the module's layout: bhsd as made above, bshd with S and H swapped (out too)
             lay = (lambda x: x) if pr["layout"] == "bhsd" else (lambda x: x.transpose(1, 2).contiguous())
-            path_kind = f.route(lay(q), lay(k), lay(v), mask=mask).entry or "plan"
+            r = f.route(lay(q), lay(k), lay(v), mask=mask)
+            path_kind = f"{r.path}:{r.entry or '-'}"
             vis = torch.from_numpy(Mask.from_str(mask).materialize(sq, sk))
             s = (q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)) / np.sqrt(d)
             s = s.masked_fill(~vis, float("-inf"))
@@ -87,7 +96,74 @@ def main():
         if pr["layout"] == "bshd":
             worst = max(worst, _check_varlen(f, pr, dt, args.device))
             worst = max(worst, _check_paged(f, pr, dt, args.device))
+            _check_invariance(f, pr, args.device)
     print(f"worst max|out-ref| {worst:.2e}")
+
+
+# batch invariance: (target's query rows, keys) and its companions; the target alone, first and last
+INVARIANCE = [((700, 700), [(64, 64)] * 20 + [(2048, 2048)]), ((1, 3000), [(1, n) for n in (40, 9000, 300, 5000)] * 8),
+              ((1, 3000), [(64, 64), (1, 100), (2048, 2048)])]
+
+
+def _check_invariance(f, pr, device: str):
+    """The target's rows (out and LSE) alone and among companions, contiguous and from a paged
+    cache (64-row pages), and a repeated call: bitwise the same where ``same`` says so."""
+    import torch
+
+    import fmha_iree
+
+    d, g = pr["hdim"], pr["group"]
+    hq = pr.get("heads") or 16
+    hk = hq // g
+    dt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[pr["dtype"]]
+    gen = torch.Generator().manual_seed(5)
+    up = (lambda x: fmha_iree.to_device(x, device)) if f.capabilities.formulation == "gpu" else (lambda x: x)
+
+    def host(x):
+        return x.to_torch() if hasattr(x, "to_torch") else torch.as_tensor(np.asarray(x))
+    for (tq, tk), others in INVARIANCE:
+        target = [torch.randn(n, h, d, generator=gen).to(dt) for n, h in ((tq, hq), (tk, hk), (tk, hk))]
+        comp = [[torch.randn(n, h, d, generator=gen).to(dt) for n, h in ((a, hq), (b, hk), (b, hk))] for a, b in others]
+        results = {}
+        for name, seqs, at in (("alone", [target], 0), ("first", [target] + comp, 0), ("last", comp + [target], len(comp))):
+            lq, lk = [s[0].shape[0] for s in seqs], [s[1].shape[0] for s in seqs]
+            sq, sk = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lq, lk))
+            q, k, v = (up(torch.cat([s[i] for s in seqs])) for i in range(3))
+            for paged in (False, True):
+                if paged:
+                    kc, vc, bt = _paged_copy([s[1] for s in seqs], [s[2] for s in seqs], 64)
+                    args = (q, up(kc), up(vc), sq, None)
+                    kw = dict(seqlen_k=np.array(lk, np.int32), block_table=bt)
+                else:
+                    args, kw = (q, k, v, sq, sk), {}
+                r = f.route(*args[:3], seqstart_q=sq, seqstart_k=args[4], mask="b", **kw)
+                runs = [f.varlen(*args, mask="b", return_lse=True, **kw) for _ in range(2)]
+                rows = slice(int(sq[at]), int(sq[at + 1]))
+                got = [(host(o)[rows].float(), host(l)[:, rows]) for o, l in runs]
+                rep = all(torch.equal(a, b) for a, b in zip(got[0], got[1]))
+                results[(name, paged)] = (got[0], r.path)
+                base = results.get(("alone", paged))
+                diff = max((a - b).abs().max().item() for a, b in zip(got[0], base[0]))
+                print(f"  invariance {pr['dtype']} d{d} g{g} target {tq}x{tk} {name:<5} {'paged' if paged else 'packed'}"
+                      f" ({len(seqs)} sequences, path {r.path}, alone {base[1]}): max|diff vs alone|={diff:.2e}"
+                      f"{' bitwise' if diff == 0 else ''}; repeat {'bitwise' if rep else 'DIFFERS'}", flush=True)
+
+
+def _paged_copy(ks, vs, page: int):
+    """The sequences' keys / values in a cache of ``page``-row pages (in sequence order) and its
+    block table."""
+    import torch
+
+    n = [-(-x.shape[0] // page) for x in ks]
+    kc, vc = (torch.zeros((sum(n), page) + ks[0].shape[1:], dtype=ks[0].dtype) for _ in range(2))
+    bt = np.zeros((len(ks), max(n)), np.int32)
+    at = 0
+    for b, (kb, vb) in enumerate(zip(ks, vs)):
+        bt[b, :n[b]] = np.arange(at, at + n[b])
+        kc.view(-1, *kc.shape[2:])[at * page:at * page + kb.shape[0]] = kb
+        vc.view(-1, *vc.shape[2:])[at * page:at * page + vb.shape[0]] = vb
+        at += n[b]
+    return kc, vc, bt
 
 
 # group-mode compositions: (query lengths, key lengths); the first two are prefill frames of many

@@ -68,7 +68,8 @@ def bind(vmfb: bytes, spec, *, fused_step: bool = True):
 
     module = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=fused_step)
     record = capabilities(spec, fused_step=fused_step)
-    record = {**record, "entries": sorted(set(record["entries"]) & module.functions)}
+    names = set(record["entries"]) | {"init", "step", "finalize"}  # a build without fwd keeps the plan
+    record = {**record, "entries": sorted(names & module.functions)}
     return Loaded(module, Capabilities.from_record(record, module.functions))
 
 

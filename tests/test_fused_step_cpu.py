@@ -144,8 +144,8 @@ def test_device_tensors_stay_on_device(fused_module, mask, sq):
 
 # Lengths compiled into the module (`--seqlens`): causal as a tree of dense blocks (`causal_s<S>`,
 # diagonal blocks of S/2: 128 rows at S=256, 256 at 512), and without LSE IREE's fused attention
-# op, unmasked (`dense_o_s<S>`) or masked (`causal_o_s<S>`); sliding windows of up to S/2 keys
-# (`window_s<S>`); other lengths keep the dynamic entry points.
+# op, unmasked (`dense_o_s<S>`) or masked (`causal_o_s<S>`); windows and other lengths keep the
+# dynamic entry points (here, built without fwd, the plan).
 SEQLEN_CASES = [
     # (mask, S, return_lse, entry point)
     ("b", 256, True, "causal_s256"),
@@ -155,10 +155,7 @@ SEQLEN_CASES = [
     ("0", 512, True, "dense"),  # the LSE needs the online_attention form
     ("b", 768, True, None),  # not compiled in: the plan (GPU modules' fwd)
     ("0", 768, False, "dense"),
-    ("b:100,0", 512, True, "window_s512"),  # sliding windows up to the block (256 at S=512)
-    ("t:256,0", 512, False, "window_s512"),
-    ("b:0,0", 256, True, "window_s256"),
-    ("b:300,0", 512, True, None),  # wider than the block: the plan
+    ("b:100,0", 512, True, None),  # sliding windows: the plan (GPU modules' fwd)
 ]
 
 
@@ -284,55 +281,6 @@ def test_causal_tree_several_levels(layout, group, dtype, vt):
     ref_out, ref_lse = attention_ref(q, k, v, mask="b", layout=layout)
     assert_close(out.reshape(ref_out.shape), ref_out, dtype, what="tree out")
     assert_close(lse.reshape(ref_lse.shape), ref_lse, dtype, kind="lse", what="tree lse")
-
-
-@pytest.mark.parametrize("layout,group,dtype,w,vt,C", [
-    ("bhsd", 2, torch.float32, 100, False, 128), ("bshd", 1, torch.float16, 128, False, 128),
-    ("bhsd", 1, torch.float32, 0, False, 128), ("bhsd", 1, torch.float32, 37, False, 128),
-    ("bshd", 2, torch.float16, 128, True, 128), ("bhsd", 1, torch.float32, 200, True, 256)],
-    ids=["bhsd-g2-f32-w100", "bshd-g1-f16-w128", "bhsd-g1-f32-w0", "bhsd-g1-f32-w37", "bshd-g2-f16-w128-vt",
-         "bhsd-g1-f32-w200-vt-2blocks"])
-def test_window_template(layout, group, dtype, w, vt, C):
-    """The sliding-window entry (diagonal and previous C x C blocks, merged), built for llvm-cpu:
-    CK's ``b:w,0`` at Sq == Sk against float64, for windows from 0 (each row sees itself) to the
-    block size C (the previous block wholly visible to the last row); `vt`: the blocks read in
-    place with V transposed once (CUDA's ``transpose_v``), over 4 blocks and over 2 (one previous
-    block: one batch dim)."""
-    from fmha_iree.mlir_templates import render_window
-
-    S, A, D, B, Hk = 512, 32, 64, 2, 2
-    dt = {torch.float32: "f32", torch.float16: "f16"}[dtype]
-    low = {"backend": "cpu", "workgroup_m": 32, "reduction_k2": 32, "workgroup_n": D}
-    text = render_window(func_name="w", dtype=dt, layout=layout, group=group, dq=D, dv=D, align=A,
-                         seqlen=S, block=C, lowering=low, vt=vt)
-    assert ("%vT0 = linalg.generic" in text) == vt
-    q, k, v = make_qkv(seed_of("window", layout, group, w), B=B, Hq=Hk * group, Hk=Hk, Sq=S, Sk=S, Dq=D,
-                       layout=layout, dtype=dtype)
-    out, lse = _template_on_host(text, S, A, layout, q, k, v, np.array([w], np.int32))
-    ref_out, ref_lse = attention_ref(q, k, v, mask=f"b:{w},0", layout=layout)
-    assert_close(out.reshape(ref_out.shape), ref_out, dtype, what=f"window {w} out")
-    assert_close(lse.reshape(ref_lse.shape), ref_lse, dtype, kind="lse", what=f"window {w} lse")
-
-
-def test_window_entry_needs_a_compiled_window():
-    """A window routes to `window_s<S>` only where the module's capabilities have that S and the
-    window fits its block."""
-    from fmha_iree.paths.base import Problem
-    from fmha_iree.paths.capabilities import DenseCaps
-    from fmha_iree.paths.compiled_in import fixed_entry
-
-    def entry(d, s, w):
-        q, k, v = make_qkv(seed_of("window-entry"), B=1, Hq=1, Hk=1, Sq=s, Sk=s, Dq=16)
-        p = check_batch(q, k, v, mask=f"b:{w},0", scale=None, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None)
-        return fixed_entry(d, Problem("batch", p, True), ("window", w))
-
-    old = DenseCaps(32, seqlens=(256,), causal_o=(256,))
-    new = DenseCaps(32, seqlens=(256,), causal_o=(256,), window=((256, 128),))
-    assert entry(old, 256, 0) is None
-    assert entry(new, 256, 0) == "window_s256"
-    assert entry(new, 256, 128) == "window_s256"
-    assert entry(new, 256, 129) is None
-    assert entry(new, 512, 0) is None
 
 
 @pytest.mark.parametrize("seqlen", [1024, 2048, 4096, 8192, 16384, 65536])

@@ -80,30 +80,6 @@ def test_causal_tree_reads_blocks_in_place(group, vt):
     assert out.count("workgroup_size = [128, 1, 1]") == 1 and "workgroup_size = [256, 1, 1]" in out
 
 
-def test_window_reads_blocks_in_place():
-    """The sliding window with V^T blocks (sm_80, S=4096, 4 blocks): its two attention dispatches
-    read every block in place; the only other dispatches are V's transpose (with its tiles), the
-    two masks and the merge."""
-    import re
-
-    from fmha_iree.source import gpu_lowering
-    from fmha_iree.mlir_templates import render_window
-
-    target = Target.from_name("sm_80")
-    spec = KernelSpec("f16", "bhsd", 1, 128, 128, default_tiles(target.family, 128, 128, target.arch, "f16"), target)
-    text = render_window(func_name="c", dtype="f16", layout="bhsd", group=1, dq=128, dv=128, align=256, seqlen=4096,
-                         block=1024, lowering=gpu_lowering(spec), workspace=True)
-    assert "%vT0 = linalg.generic" in text  # the CUDA tiles transpose V from TRANSPOSE_V_MIN_SEQLEN
-    out = _configured_executables(spec, text)
-    names = [n for _, n in sorted(set(re.findall(r"func\.func @c_dispatch_(\d+)_(\w+?)\(", out)))]
-    assert sum("online_attention" in n for n in names) == 2, names
-    rest = [n for n in names if "online_attention" not in n and not n.startswith("elementwise_broadcast")]
-    transposes = [n for n in rest if n.startswith("elementwise_transpose_Dx4096x128")]
-    assert len(transposes) == 1 and len(rest) == 3, names  # the transpose and the merge's two passes
-    i = out.index(f"_{transposes[0]}(")
-    assert "workgroup_size = [4, 32, 1]" in out[i:i + 4000], "the transpose lost its tiles"
-
-
 def _fwd_ops(text: str, func: str = "fwd"):
     """(workgroup rows, workgroup size, subgroups along Dv, has a mask, keys per step) of each
     attention op of ``func`` in rendered module text."""

@@ -3,9 +3,8 @@ variant, rendered from ``fmha_iree/mlir/*.mlir.in`` or generated (see ``lowering
 lowering configs they carry):
 
 - ``step.py``: the plan's ``step`` (one fused ``online_attention`` per wave)
-- ``dense.py``: ``dense``, ``dense_o_s<S>`` / ``causal_o_s<S>`` and the two-block ``causal``
+- ``dense.py``: ``dense``, ``dense_o_s<S>`` / ``causal_o_s<S>``
 - ``causal_tree.py``: ``causal_s<S>``, causal at a compiled-in length as a tree of dense blocks
-- ``window.py``: ``window_s<S>``, a sliding window at a compiled-in length
 - ``ops.py`` / ``copies.py``: the attention ops, copies and views those share
 - ``rows_packed.py``: the CPU's short queries of packed sequences, K / V read in place
 - ``unit_loop.py``: the CPU's ``units``, any batch-mode problem as the plan's units looped in the module
@@ -17,8 +16,7 @@ from .lowering import default_lowering, rdna_fwd_lowering, render_lowering_attrs
 from .ops import diag_lowering
 from .rows_packed import render_rows_packed
 from .step import render_online_step
-from .window import render_window, window_block
 
 __all__ = ["render_online_step", "render_dense", "render_dense_out", "render_causal_tree",
-           "render_window", "window_block", "diag_lowering", "default_lowering", "rdna_fwd_lowering", "render_lowering_attrs",
+           "diag_lowering", "default_lowering", "rdna_fwd_lowering", "render_lowering_attrs",
            "TRANSPOSE_V_MIN_SEQLEN", "render_rows_packed"]

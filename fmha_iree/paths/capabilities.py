@@ -19,23 +19,17 @@ __all__ = ["Capabilities", "DenseCaps", "TilesCaps"]
 class DenseCaps:
     """The one-call entries of fixed or aligned lengths (``paths.compiled_in``): lengths are
     multiples of ``align``; ``seqlens`` the lengths compiled in (Sq == Sk == S); ``causal_o`` those
-    with a causal out-only entry; ``window`` {S: C} those with ``window_s<S>`` (windows up to C
-    keys); ``tiled`` GPU templates (q / k / v read as blocks of ``align`` rows) rather than the CPU's
+    with a causal out-only entry; ``tiled`` GPU templates (q / k / v read as blocks of ``align`` rows) rather than the CPU's
     row blocks; ``dynamic`` an aligned ``dense`` entry for any multiple of ``align``; ``batch`` /
     ``kv_heads`` what the CPU's compiled-in entries are fixed to (0: any)."""
 
     align: int
     seqlens: tuple[int, ...] = ()
     causal_o: tuple[int, ...] = ()
-    window: tuple[tuple[int, int], ...] = ()
     tiled: bool = True
     dynamic: bool = True
     batch: int = 0
     kv_heads: int = 0
-
-    def window_block(self, s: int) -> int | None:
-        """The widest window ``window_s<s>`` takes, or None where the module has no such entry."""
-        return dict(self.window).get(s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +95,7 @@ class Capabilities:
         d, t = record.get("dense"), record.get("key_tiles")
         dense = None if d is None else DenseCaps(
             int(d["align"]), tuple(int(s) for s in d["seqlens"]), tuple(int(s) for s in d["causal_o"]),
-            tuple((int(s), int(c)) for s, c in d["window"]), bool(d["tiled"]), bool(d["dynamic"]),
+            bool(d["tiled"]), bool(d["dynamic"]),
             int(d.get("batch", 0)), int(d.get("kv_heads", 0)))
         key_tiles = None if t is None else TilesCaps(int(t["rows"]), int(t["group"]), int(t["ew"]), int(t["step"]))
         ck = record["tiles"]
