@@ -17,7 +17,7 @@ import numpy as np
 from .device import DEVICES, DeviceTensor, exhausted, get_device, host_buffer, memory_errors
 from .staging import UploadRing
 
-__all__ = ["FmhaModule", "Const", "Upload", "Staged", "Host", "Bound"]
+__all__ = ["Const", "Upload", "Staged", "Host", "Bound"]  # FmhaModule is internal: deployed modules are fmha_iree.load(path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from reference import attention_ref, assert_close
 ALL_TARGETS = list(GFX_TARGETS) + ["sm_80", "host"]
 DTYPES = ["f16", "bf16", "f32"]
 MANIFEST_KEYS = {"format", "abi_version", "module", "problem", "target", "tiles", "entry_points", "toolchain",
-                 "flags", "command", "isa", "dense", "native_exp2"}
+                 "flags", "command", "isa", "capabilities", "native_exp2"}
 
 
 # CI compiles 19 of the full matrix's 90 entries: every target with two or three head dims, one of
@@ -85,7 +85,11 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
         assert set(man["tiles"]["ck"]) == {"kM0", "kN0", "kK0", "kN1", "kK1"}
         # GPU modules with an explicit lowering over the whole Dv also get the one-call entry points.
         has_dense = man["tiles"]["iree"]["lowering"] is not None and man["tiles"]["ck"]["kN1"] == r["hdim"]
-        assert (man["dense"] is not None) == has_dense, (r["module"], man["dense"])
+        caps = man["capabilities"]
+        assert (caps["dense"] is not None) == has_dense, (r["module"], caps["dense"])
+        assert set(caps["entries"]) == set(man["entry_points"]), (r["module"], set(caps["entries"]) ^ set(man["entry_points"]))
+        assert caps["formulation"] == ("cpu" if man["target"]["backend"] == "llvm-cpu" else "gpu"), caps
+        assert (caps["dtype"], caps["layout"], caps["dq"], caps["dv"]) == (r["dtype"], "bhsd", r["hdim"], r["hdim"])
         # CUDA and gfx9 modules in f16 / bf16 whose tiles keep Dv whole also get fwd (any lengths and
         # mask, kernels.general) and fwd_ragged (sequences of their own lengths in one frame,
         # kernels.ragged), head dims 96 / 192 included (run zero-padded to 128 / 256); RDNA ones
@@ -106,15 +110,21 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
         gfx11_64 = r["target"].startswith("gfx11") and 32 < r["hdim"] < 128
         gfx_tiles = (r["hdim"] <= 128 or r["target"] == "gfx950") and not gfx11_64
         has_tiles = has_fwd and r["hdim"] not in (96, 192) and (fam == "cuda" or gfx_tiles)
-        assert set(man["entry_points"]) == ({"init", "step", "finalize"} | ({"dense", "causal"} if has_dense else set())
+        # the host tile plan (init / step / finalize) where no one-call path takes every problem: CPU
+        # modules and GPU ones without fwd / fwd_ragged (source.has_plan)
+        has_plan = not has_fwd
+        assert set(man["entry_points"]) == (({"init", "step", "finalize"} if has_plan else set())
+                                            | ({"dense"} if has_dense else set())
                                             | ({"fwd", "fwd_ragged"} if has_fwd else set())
                                             | ({"fwd_tiles"} if has_tiles else set())
                                             | ({"rows", "rows_kpad", "step_open", "units", "waves_varlen"} if has_rows else set()))
-        assert "?" in man["entry_points"]["step"]["args"]["q"][0], "batch / sequence dims must be dynamic"
+        main_entry = "step" if has_plan else "fwd"
+        assert "?" in man["entry_points"][main_entry]["args"]["q"][0], "batch / sequence dims must be dynamic"
         assert man["toolchain"]["iree-base-compiler"] and any(f.startswith("--iree-hal-target-device") for f in man["flags"])
         assert (out / f"{r['module']}.vmfb").stat().st_size > 0
         low = man["tiles"]["iree"]["lowering"]
-        if low is not None:  # the requested tiles reach IREE's configured IR
+        if low is not None and (has_plan or has_dense):  # the requested tiles reach IREE's configured IR
+            # (the ops that carry them: the plan's step and the dense entries; fwd's kernels tile themselves)
             ck = man["tiles"]["ck"]
             found = configured_attention_tiles(out / "dumps" / r["module"])
             assert ([1, ck["kM0"], 0, 0, ck["kN1"]], [0, 0, 0, ck["kN0"], 0]) in found, (r["module"], found)
@@ -131,9 +141,9 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
             if has_fwd:  # every attention op of fwd / fwd_ragged on MFMA, padded head dims included
                 ops = [k for k in isa if k["kernel"].startswith("fwd") and "attention" in k["kernel"]]
                 assert ops and all(k["mfma_count"] + k["wmma_count"] for k in ops), (r["module"], ops)
-            # the plan's step on MFMA / WMMA too, head dims 96 / 192 computed at 128 / 256
-            # (source.step_compute); not f32
-            if r["dtype"] != "f32":
+            # the plan's step (where the module has it) on MFMA / WMMA too, head dims 96 / 192
+            # computed at 128 / 256 (source.step_compute); not f32
+            if r["dtype"] != "f32" and has_plan:
                 steps = [k for k in isa if k["kernel"].startswith("step") and "attention" in k["kernel"]]
                 assert steps and all(k["mfma_count"] + k["wmma_count"] for k in steps), (r["module"], steps)
         else:
@@ -142,7 +152,7 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
             ex = man["native_exp2"]
             assert ex["replaced"] > 0 and ex["floors_left"] == 0, (r["module"], ex)
             assert (out / f"{r['module']}.vmfb").read_bytes().count(b"ex2.approx.ftz.f32") >= ex["replaced"]
-            if r["dtype"] != "f32":  # the plan's step on mma.sync, padded head dims included
+            if r["dtype"] != "f32" and has_plan:  # the plan's step on mma.sync, padded head dims included
                 step = [t for n, t in _ptx_entries(out / "dumps" / r["module"]).items()
                         if n.startswith("step") and "attention" in n]
                 assert step and all("mma.sync" in t for t in step), r["module"]
@@ -234,9 +244,19 @@ def test_cli_refuses_bad_seqlens(tmp_path, target, extra, fragment):
     assert not (tmp_path / "x.vmfb").exists()
 
 
+CODEGEN = ("fmha_iree.source", "fmha_iree.source_cpu", "fmha_iree.entries", "fmha_iree.graph", "fmha_iree.kernels",
+           "fmha_iree.mlir_templates", "fmha_iree.compile", "fmha_iree.rows", "iree.turbine")
+
+
+def _route_lines(stdout: str, tag: str) -> list[str]:
+    """The lines of ``str(route)`` the subprocess printed between ``<tag>`` and ``</tag>``."""
+    text = stdout.split(f"<{tag}>\n", 1)[1].split(f"</{tag}>", 1)[0]
+    return text.splitlines()
+
+
 def test_host_module_runs_with_runtime_only(tmp_path):
-    """`fmha-iree compile --target host`, then `fmha_iree.load` in a process where
-    importing torch or iree.compiler fails."""
+    """`fmha-iree compile --target host`, then `fmha_iree.load` in a process where importing torch,
+    iree.compiler or any part of the code generator fails; ``route`` explains the batch call there."""
     vmfb = tmp_path / "fmha.vmfb"
     subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "host", "--dtype", "f32",
                     "--hdim", "64", "--hdim-v", "32", "--heads", "4:2", "--mask", "b", "-o", str(vmfb)],
@@ -250,11 +270,16 @@ def test_host_module_runs_with_runtime_only(tmp_path):
         import sys
         sys.modules["torch"] = None          # import torch -> ImportError
         sys.modules["iree.compiler"] = None  # import iree.compiler -> ImportError
+        for m in {CODEGEN!r}:
+            sys.modules[m] = None            # the code generator: ImportError too
         import numpy as np
         from fmha_iree import load
         f = load({str(vmfb)!r}, device="local-task")
         d = {str(tmp_path)!r}
         q, k, v = (np.load(f"{{d}}/{{n}}.npy") for n in "qkv")
+        r = f.route(q, k, v, return_lse=True)
+        print(f"<batch>\\n{{r}}\\n</batch>")
+        assert f.capabilities.formulation == "cpu" and f.capabilities.layout == "bhsd"
         out, lse = f(q, k, v, return_lse=True)          # the module's default mask: b
         np.save(f"{{d}}/out.npy", out); np.save(f"{{d}}/lse.npy", lse)
         try:
@@ -262,11 +287,15 @@ def test_host_module_runs_with_runtime_only(tmp_path):
         except TypeError as e:
             print("refused:", e)
         assert "torch" not in sys.modules or sys.modules["torch"] is None
+        assert all(sys.modules.get(m) is None for m in {CODEGEN!r})
     """)
     env = dict(os.environ)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert "refused:" in r.stdout and "f32" in r.stdout
+    lines = _route_lines(r.stdout, "batch")  # G * Sq = 74 query rows per KV head: rows
+    assert lines[0].startswith("batch mode: rows (rows): short queries"), lines
+    assert any(line.startswith("  not compiled_in: ") for line in lines[1:]), lines
     out, lse = np.load(tmp_path / "out.npy"), np.load(tmp_path / "lse.npy")
     ref_out, ref_lse = attention_ref(q, k, v, mask="b")
     assert_close(out, ref_out, np.float32, what="deployed out")
@@ -320,7 +349,10 @@ def _damaged_copies(vmfb, tmp_path):
     for i in range(1000, len(data), 997):
         data[i] ^= 0xFF
     cases = {"flipped": (bytes(data), man), "truncated": (vmfb.read_bytes()[: len(data) // 2], man),
-             "extra-entry": (vmfb.read_bytes(), {**man, "entry_points": {**man["entry_points"], "causal_s64": {}}})}
+             # a manifest listing a function the module lacks (the capabilities' entries are what load checks)
+             "extra-entry": (vmfb.read_bytes(), {**man, "entry_points": {**man["entry_points"], "causal_s64": {}},
+                                                 "capabilities": {**man["capabilities"],
+                                                                  "entries": man["capabilities"]["entries"] + ["causal_s64"]}})}
     for what, (blob, m) in cases.items():
         path = tmp_path / f"{what}.vmfb"
         path.write_bytes(blob)
@@ -330,7 +362,7 @@ def _damaged_copies(vmfb, tmp_path):
 
 def test_damaged_module_files_are_refused(bshd_module, tmp_path):
     """``load`` checks the bytes against the manifest's sha256 and the module's functions against
-    its entry points before the runtime runs anything (flipped bytes crashed IREE's runtime); the
+    its capabilities' entry points before the runtime runs anything (flipped bytes crashed IREE's runtime); the
     handle that runs plans unchecked is not reachable from a deployed module."""
     vmfb = bshd_module
     for path, what in _damaged_copies(vmfb, tmp_path):
@@ -343,19 +375,27 @@ def test_damaged_module_files_are_refused(bshd_module, tmp_path):
     assert "FmhaModule" not in runtime_module.__all__ and "FmhaModule" not in fmha_iree.__all__
 
 
-def test_module_of_an_earlier_ragged_signature_is_refused(tmp_path):
-    """A manifest whose ``fwd_ragged`` lacks the prefix table (a module compiled before it) is
-    refused with a ``ValueError`` naming the file before the runtime sees the bytes."""
+def test_module_of_an_earlier_manifest_format_is_refused(tmp_path):
+    """A manifest of an earlier format (``fmha_iree.module/1``: a module compiled by an earlier
+    fmha_iree, whose functions this one does not call) is refused with a ``ValueError`` naming the
+    file and saying to compile it again, before the runtime sees the bytes; a file that is no
+    fmha_iree manifest at all is refused too."""
     import hashlib
 
+    from fmha_iree.abi import MANIFEST_FORMAT
+
+    assert MANIFEST_FORMAT != "fmha_iree.module/1"
     blob = b"not a module"
     path = tmp_path / "old.vmfb"
     path.write_bytes(blob)
     args = {n: [[], "i64 scalar"] for n in ("B", "Sq", "y", "x", "khi", "khiu")}
-    manifest = {"format": "fmha_iree.module/1", "sha256": hashlib.sha256(blob).hexdigest(),
-                "entry_points": {"fwd_ragged": {"args": args}}}
+    manifest = {"format": "fmha_iree.module/1", "sha256": hashlib.sha256(blob).hexdigest(), "module": "old",
+                "entry_points": {"fwd_ragged": {"args": args}}, "dense": None}
     path.with_suffix(".json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="old.vmfb.*earlier fmha_iree.*compile it again"):
+        fmha_iree.load(path)
+    path.with_suffix(".json").write_text(json.dumps({"module": "old"}))
+    with pytest.raises(ValueError, match="not an fmha_iree module manifest"):
         fmha_iree.load(path)
 
 
@@ -378,7 +418,8 @@ def test_deployed_module_reads_a_paged_cache(bshd_module):
 
 def test_group_mode_and_paged_cache_with_runtime_only(bshd_module, tmp_path):
     """Group mode (padded starts, seqlen_k, short and long sequences) and a paged cache through a
-    loaded module in a process where importing torch or iree.compiler fails."""
+    loaded module in a process where importing torch, iree.compiler or any part of the code
+    generator fails; ``route`` explains a batch, a group-mode and a paged call there."""
     from reference import varlen_ref
     from test_paged import _cache, _reference, _table
 
@@ -401,20 +442,41 @@ def test_group_mode_and_paged_cache_with_runtime_only(bshd_module, tmp_path):
         import sys
         sys.modules["torch"] = None
         sys.modules["iree.compiler"] = None
+        for m in {CODEGEN!r}:
+            sys.modules[m] = None
         import numpy as np
         from fmha_iree import load
         d = {str(tmp_path)!r}
         a = {{n: np.load(f"{{d}}/{{n}}.npy") for n in {sorted(arrays)!r}}}
         f = load({str(bshd_module)!r}, device="local-task")
+        routes = {{
+            "batch": f.route(a["q"][None, :140], a["k"][None, :300], a["v"][None, :300], return_lse=True),
+            "group": f.route(a["q"], a["k"], a["v"], seqstart_q=a["sq"], seqstart_k=a["sk"], seqlen_k=a["used"],
+                             mask="b", return_lse=True),
+            "paged": f.route(a["qp"], a["kc"], a["vc"], seqstart_q=a["sqp"], seqlen_k=a["lk"], block_table=a["bt"],
+                             return_lse=True),
+        }}
+        for tag, r in routes.items():
+            print(f"<{{tag}}>\\n{{r}}\\n</{{tag}}>")
         out, lse = f.varlen(a["q"], a["k"], a["v"], a["sq"], a["sk"], seqlen_k=a["used"], mask="b", return_lse=True)
         np.save(f"{{d}}/out.npy", out); np.save(f"{{d}}/lse.npy", lse)
         out, lse = f.varlen(a["qp"], a["kc"], a["vc"], a["sqp"], None, seqlen_k=a["lk"], block_table=a["bt"],
                             return_lse=True)
         np.save(f"{{d}}/pout.npy", out); np.save(f"{{d}}/plse.npy", lse)
         assert sys.modules.get("torch") is None
+        assert all(sys.modules.get(m) is None for m in {CODEGEN!r})
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert r.returncode == 0, r.stderr
+    # a host bshd module: a middling batch and group mode take the CPU's group calls, a paged
+    # cache of short sequences rows_packed_pages (the pages read in place)
+    batch, group, paged = (_route_lines(r.stdout, tag) for tag in ("batch", "group", "paged"))
+    assert batch[0].startswith("batch mode: cpu_group (waves_varlen): "), batch
+    assert any(line.startswith("  not compiled_in: ") for line in batch[1:]), batch
+    assert group[0].startswith("group mode: cpu_group: "), group
+    assert [line.split(":")[0] for line in group[1:]] == ["  not tiles", "  not packed", "  not ragged"], group
+    assert paged[0].startswith("paged mode: cpu_pages (rows_packed_pages): "), paged
+    assert [line.split(":")[0] for line in paged[1:]] == ["  not tiles", "  not packed", "  not ragged"], paged
     ref_out, ref_lse = varlen_ref(q, k, v, sq, sk, seqlen_k=used, mask="b")
     assert_close(np.load(tmp_path / "out.npy"), ref_out, np.float32, what="runtime-only varlen out")
     assert_close(np.load(tmp_path / "lse.npy"), ref_lse, np.float32, kind="lse", what="runtime-only varlen lse")
@@ -467,15 +529,22 @@ def test_iree_run_module_runs_a_cpu_module(tmp_path):
 @pytest.mark.parametrize("target,expect", [("host", "i16(bf16 bits)"), ("gfx942", "bf16"), ("sm_80", "bf16")])
 def test_manifest_step_argument_types(target, expect):
     """The manifest gives the step's q / k / v the element type the module's step takes: the MLIR
-    template reads bf16 typed on GPUs and as its int16 bits on the CPU (whose runtime passes them so)."""
-    from fmha_iree.entries import entry_points
+    template reads bf16 typed on GPUs and as its int16 bits on the CPU (whose runtime passes them so).
+    GPU modules with ``fwd`` and ``fwd_ragged`` carry no plan (``source.has_plan``): their
+    manifest has no step, and the step's record is read where it is written."""
+    from fmha_iree.entries import _Io, _plan_entry_points, entry_points
+    from fmha_iree.source import has_plan
     from fmha_iree.spec import KernelSpec
     from fmha_iree.tiles import default_tiles
 
     tgt = Target.from_name(target)
     spec = KernelSpec("bf16", "bshd", 4, 128, 128, default_tiles(tgt.family, 128, 128), tgt)
-    step = entry_points(spec)["step"]["args"]
+    entries = entry_points(spec)
+    assert ("step" in entries) == has_plan(spec) == (target == "host"), sorted(entries)
+    step = _plan_entry_points(_Io(spec))["step"]["args"]
     assert [step[n][1] for n in ("q", "k", "v")] == [expect] * 3
+    if "step" in entries:
+        assert entries["step"]["args"] == step
 
 
 def test_dispatch_limits_name_what_the_runtime_refuses(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fmha_iree
-from common import compiles
+from common import compiles, set_policy, spy_calls
 from reference import assert_close, attention_ref, seed_of
 
 HQ, HK, D = 4, 2, 64
@@ -140,17 +140,10 @@ def test_cpu_decode_reads_pages_in_place(monkeypatch, page):
     """A CPU decode batch over a paged cache runs ``rows_packed_pages`` (the pages read through the
     block table, nothing gathered on the host): several groups of similar key counts, NaN in every
     free page and -1 in the table past each sequence's pages, against the float64 reference."""
-    from fmha_iree import cpu_calls, runtime
+    from fmha_iree.runtime import Upload
 
-    monkeypatch.setattr(cpu_calls, "GROUP_KEYS", 64)  # several rows calls at these sizes
-    tables = []
-    real = runtime.FmhaModule.run_rows_packed
-
-    def spy(self, *args, **kw):
-        tables.append(args[-1] if len(args) > 8 else kw.get("table"))
-        return real(self, *args, **kw)
-
-    monkeypatch.setattr(runtime.FmhaModule, "run_rows_packed", spy)
+    set_policy(monkeypatch, GROUP_KEYS=64)  # several rows calls at these sizes
+    calls = spy_calls(monkeypatch)
     lk = [1, 200, 17, 64, 65, 130, 3, 90]
     max_pages = max(-(-n // page) for n in lk) + 2
     n_pages = sum(-(-n // page) for n in lk) + 4
@@ -166,9 +159,15 @@ def test_cpu_decode_reads_pages_in_place(monkeypatch, page):
     sq = torch.arange(len(lk) + 1, dtype=torch.int32)
     q = torch.randn(len(lk), HQ, D, generator=torch.Generator().manual_seed(seed_of("paged-rows-q", page)))
     seqlen_k = torch.tensor(lk, dtype=torch.int32)
+    r = fmha_iree.route(q, k_cache, v_cache, seqstart_q=sq, seqlen_k=seqlen_k, block_table=bt, mask="b",
+                        return_lse=True)
+    assert (r.mode, r.path, r.entry) == ("paged", "cpu_pages", "rows_packed_pages"), str(r)
     out, lse = fmha_iree.fmha_fwd_varlen(q, k_cache, v_cache, sq, None, seqlen_k=seqlen_k, block_table=bt, mask="b",
                                          return_lse=True)
-    assert len(tables) > 1 and all(t is not None for t in tables), "the pages are read in place, in several calls"
+    fns = [fn for fn, _, _ in calls]
+    assert len(fns) > 1 and set(fns) == {"rows_packed_pages"}, ("the pages are read in place, in several calls", fns)
+    tables = [args[-1] for _, args, _ in calls]  # each call's block table, its last argument
+    assert all(isinstance(t, Upload) and t.array.shape[1] == bt.shape[1] for t in tables), tables
     ref_out, ref_lse = _reference(q, k_cache, v_cache, sq, bt, seqlen_k, "b")
     assert not torch.isnan(out).any()
     assert_close(out, ref_out, torch.float32, what=f"page {page} out")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fmha_iree
-from fmha_iree import cpu_calls
+from fmha_iree.paths import policy
 
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
@@ -39,8 +39,8 @@ def test_specialized_cpu_entries(shape, mask, with_lse, entry):
     q, k, v = make_qkv(seed_of("specialize", shape, mask), B=c["B"], Hq=c["Hq"], Hk=c["Hk"], Sq=c["S"], Sk=c["S"],
                        Dq=c["D"], dtype=c["dtype"], layout=c["layout"])
     got = _entry(q, k, v, mask, c["layout"], with_lse)
-    short = c["S"] * c["Hq"] // c["Hk"] <= cpu_calls.ROWS_MAX_ROWS
-    group = cpu_calls.BATCH_WAVE_MIN_ROWS <= c["S"] <= min(cpu_calls.BATCH_WAVE_MAX_KEYS, cpu_calls.WAVE_MAX_ROWS)
+    short = c["S"] * c["Hq"] // c["Hk"] <= policy.ROWS_MAX_ROWS
+    group = policy.BATCH_WAVE_MIN_ROWS <= c["S"] <= min(policy.BATCH_WAVE_MAX_KEYS, policy.WAVE_MAX_ROWS)
     assert got == (f"{entry}{c['S']}" if entry else "waves_varlen" if group else "rows" if short else "units")
     res = fmha_iree.fmha_fwd(q, k, v, mask=mask, layout=c["layout"], return_lse=with_lse, specialize=True)
     ref_out, ref_lse = attention_ref(q, k, v, mask=mask, layout=c["layout"])
@@ -62,13 +62,17 @@ def test_specialized_module_takes_other_shapes(tmp_path):
     f = fmha_iree.load(vmfb)
     shape = dict(Hq=c["Hq"], Hk=c["Hk"], Sq=c["S"], Sk=c["S"], Dq=c["D"])
     q2, k2, v2 = make_qkv(seed_of("specialize-other2"), B=2, **shape)
-    assert f.route(q2, k2, v2, mask="b").entry == f"causal_s{c['S']}"
+    r = f.route(q2, k2, v2, mask="b")  # out only, as the calls below
+    assert (r.path, r.entry) == ("compiled_in", f"causal_o_s{c['S']}"), str(r)
+    assert f.route(q2, k2, v2, mask="b", return_lse=True).entry == f"causal_s{c['S']}"
     ref2, _ = attention_ref(q2, k2, v2, mask="b")
     d2 = [fmha_iree.to_device(x) for x in (q2, k2, v2)]
     for _ in range(3):  # the first call prepares, the others replay (DeployedFmha's PreparedCalls)
         assert_close(f(*d2, mask="b").to_torch(), ref2, torch.float32, what="deployed replay")
     q, k, v = make_qkv(seed_of("specialize-other"), B=1, **shape)
-    assert f.route(q, k, v, mask="b").path == "varlen"
+    r = f.route(q, k, v, mask="b", return_lse=True)
+    assert (r.path, r.entry) == ("cpu_group", "waves_varlen"), str(r)
+    assert "compiled_in" in dict(r.rejected), str(r)  # fixed to B=2
     out, lse = f(q, k, v, mask="b", return_lse=True)
     ref_out, ref_lse = attention_ref(q, k, v, mask="b")
     assert_close(out, ref_out, torch.float32, what="other batch out")

@@ -11,21 +11,20 @@ import pytest
 import torch
 
 import fmha_iree
-from fmha_iree import cpu_calls
-from common import MAIN, check_fwd, cu, len_id
+from common import MAIN, check_fwd, cu, len_id, set_policy
 from reference import make_qkv, seed_of
 
 
 def test_route_takes_units_past_short_queries():
-    """units past rows' short queries and group mode's middling lengths (``cpu_calls.as_group_mode``);
+    """units past rows' short queries and group mode's middling lengths (``paths.cpu_group``);
     cu_seqlen padding in bhsd: group mode up to ``WAVE_MAX_ROWS`` rows, else the plan."""
     q, k, v = make_qkv(1, B=2, Hq=2, Hk=1, Sq=300, Sk=1100)
     r = fmha_iree.route(q, k, v, mask="b")
     assert (r.path, r.entry) == ("units", "units"), r
     assert "one call" in r.reason
     assert fmha_iree.route(q[:, :, :32], k, v, mask="b").path == "rows"
-    assert fmha_iree.route(q[:, :, :, :], k[:, :, :1000], v[:, :, :1000], mask="b").path == "varlen"
-    assert fmha_iree.route(q, k, v, mask="b", cu_seqlen_k=cu([1000, 17])).path == "varlen"
+    assert fmha_iree.route(q[:, :, :, :], k[:, :, :1000], v[:, :, :1000], mask="b").path == "cpu_group"
+    assert fmha_iree.route(q, k, v, mask="b", cu_seqlen_k=cu([1000, 17])).path == "cpu_group"
     q6 = make_qkv(2, B=2, Hq=2, Hk=1, Sq=600, Sk=1100)[0]
     assert fmha_iree.route(q6, k, v, mask="b", cu_seqlen_k=cu([1000, 17])).path == "plan"
 
@@ -39,8 +38,7 @@ MASKS = ["0", "b", "t", "b:20,0", "t:3,40", "b:0,0", "xb:9", "t:-1,5", "b:-1,2"]
 def test_units_every_mask_and_tail(monkeypatch, sq, sk, mask):
     """Every mask over tails, Sq < Sk and Sq > Sk (short queries too: ``rows`` and group mode
     turned off)."""
-    monkeypatch.setattr(cpu_calls, "ROWS_MAX_ROWS", 0)
-    monkeypatch.setattr(cpu_calls, "BATCH_WAVE_MIN_ROWS", 1 << 30)
+    set_policy(monkeypatch, ROWS_MAX_ROWS=0, BATCH_WAVE_MIN_ROWS=1 << 30)
     q, k, v = make_qkv(seed_of("units", sq, sk, mask), B=2, Hq=2, Sq=sq, Sk=sk, Dq=MAIN["Dq"], dtype=MAIN["dtype"])
     assert fmha_iree.route(q, k, v, mask=mask).path == "units"
     check_fwd(q, k, v, mask=mask, what=f"units {sq}x{sk} {mask}")
@@ -52,7 +50,7 @@ def test_units_every_mask_and_tail(monkeypatch, sq, sk, mask):
 @pytest.mark.parametrize("mask", ["b", "t:100,0", "0"])
 def test_units_gqa_layouts_dtypes(dtype, layout, hq, hk, mask):
     """The G query heads of a KV head as rows (g, s) of its units, in either layout and dtype
-    (bshd: keys past ``cpu_calls.BATCH_WAVE_MAX_KEYS``, below which the batch runs as group mode)."""
+    (bshd: keys past ``policy.BATCH_WAVE_MAX_KEYS``, below which the batch runs as group mode)."""
     q, k, v = make_qkv(seed_of("units-gqa", str(dtype), layout, mask), B=2, Hq=hq, Hk=hk, Sq=333, Sk=1100, Dq=64,
                        dtype=dtype, layout=layout)
     assert fmha_iree.route(q, k, v, mask=mask, layout=layout).path == "units"
@@ -68,7 +66,7 @@ def test_units_head_dims_differ():
 
 def test_units_device_tensors_replayed():
     """DeviceTensors on the CPU device take ``units`` too, prepared once and replayed
-    (``dispatch.prepare``); results stay DeviceTensors."""
+    (``paths.prepare_batch``); results stay DeviceTensors."""
     from reference import assert_close, attention_ref
 
     q, k, v = make_qkv(seed_of("units-device"), B=2, Hq=4, Hk=2, Sq=300, Sk=700)

@@ -2,7 +2,7 @@
 sequences in one call, a table of row tiles looped inside the module), checked against the
 float64 group-mode reference.
 
-Covered: many sequences of over ``cpu_calls.WAVE_MAX_ROWS`` rows (shorter ones take
+Covered: many sequences of over ``policy.WAVE_MAX_ROWS`` rows (shorter ones take
 ``waves_varlen``) with tails of 1..127 rows past a 128-row tile and keys past a 128-key step,
 Sq != Sk per sequence under every mask kind, zero-length q or k, short sequences packed between
 long ones (a long one's last tile runs past its rows into theirs), padded starts
@@ -17,8 +17,7 @@ import pytest
 import torch
 
 import fmha_iree
-from fmha_iree.runtime import FmhaModule
-from common import check_fwd, cu
+from common import check_fwd, cu, hide_entries, spy_calls
 from reference import make_qkv, seed_of, varlen_ref
 from test_varlen import check_varlen, packed, starts
 
@@ -33,17 +32,8 @@ MASKS = ["0", "b", "t", "b:20,0", "t:3,40", "b:0,0", "xb:9", "t:-1,5"]
 
 
 def spy_tables(monkeypatch, fn: str = "units_varlen") -> list:
-    """The calls of the packed-sequence entry point ``fn`` (``FmhaModule.run_tables``)."""
-    calls = []
-    orig = FmhaModule.run_tables
-
-    def run(self, name, *a, **kw):
-        if name == fn:
-            calls.append(name)
-        return orig(self, name, *a, **kw)
-
-    monkeypatch.setattr(FmhaModule, "run_tables", run)
-    return calls
+    """The calls of the packed-sequence entry point ``fn`` (``FmhaModule.call`` of ``fn``)."""
+    return spy_calls(monkeypatch, fn)
 
 
 def _spy(monkeypatch):
@@ -115,23 +105,12 @@ def test_nan_keys_stay_in_their_sequence():
 
 def test_modules_without_units_varlen(monkeypatch):
     """Modules built before ``units_varlen`` (and ``waves_varlen``): the tile plan."""
-    monkeypatch.setattr(FmhaModule, "has", lambda self, fn: fn not in ("units_varlen", "waves_varlen") and fn in self._fns)
+    hide_entries(monkeypatch, "units_varlen", "waves_varlen")
     calls = _spy(monkeypatch)
     lq, lk = [300, 7, 260], [300, 40, 700]
     q, k, v = packed(seed_of("units-varlen-old"), sum(lq), sum(lk))
     check_varlen(q, k, v, starts(lq), starts(lk), mask="b", what="the plan")
     assert not calls
-
-
-def test_modules_without_waves_varlen(monkeypatch):
-    """Modules built before ``waves_varlen``: short sequences in ``rows`` groups, the others in one
-    ``units_varlen`` call."""
-    monkeypatch.setattr(FmhaModule, "has", lambda self, fn: fn != "waves_varlen" and fn in self._fns)
-    calls = _spy(monkeypatch)
-    lq, lk = [300, 70, 60], [300, 40, 700]
-    q, k, v = packed(seed_of("units-varlen-no-waves"), sum(lq), sum(lk))
-    check_varlen(q, k, v, starts(lq), starts(lk), mask="b", what="rows groups and units_varlen")
-    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("mask", ["b", "t:30,0", "0"])
@@ -141,7 +120,7 @@ def test_batch_cu_seqlen_bshd_short(monkeypatch, mask):
     lq, lk = [150, 0, 200, 37], [200, 9, 0, 130]
     q, k, v = make_qkv(seed_of("waves-batch", mask), B=4, Hq=4, Hk=2, Sq=200, Sk=200, layout="bshd")
     r = fmha_iree.route(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cu(lq), cu_seqlen_k=cu(lk))
-    assert (r.path, r.entry) == ("varlen", "waves_varlen")
+    assert (r.path, r.entry) == ("cpu_group", "waves_varlen")
     check_fwd(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cu(lq), cu_seqlen_k=cu(lk), what=f"waves batch {mask}")
     assert len(calls) == 1
 
@@ -160,6 +139,6 @@ def test_batch_cu_seqlen_bshd(monkeypatch, mask):
     lq, lk = [600, 0, 140, 530], [580, 9, 0, 640]
     q, k, v = make_qkv(seed_of("units-varlen-batch", mask), B=4, Hq=4, Hk=2, Sq=640, Sk=640, layout="bshd")
     cq, ck = cu(lq), cu(lk)
-    assert fmha_iree.route(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cq, cu_seqlen_k=ck).path == "varlen"
+    assert fmha_iree.route(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cq, cu_seqlen_k=ck).path == "cpu_group"
     check_fwd(q, k, v, mask=mask, layout="bshd", cu_seqlen_q=cq, cu_seqlen_k=ck, what=f"units_varlen batch {mask}")
     assert len(calls) == 1

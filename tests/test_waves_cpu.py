@@ -7,14 +7,15 @@ sequence under every mask kind (slots that see no key, rows that see none), zero
 sequences of a few queries (``rows_packed``) among them, padded starts and ``seqlen_k``, GQA / MQA,
 f32 / f16 / bf16, Dq != Dv, LSE; NaN in one sequence's keys and values reaching no other
 sequence; one call per problem; a long sequence beside short ones (one ``units_varlen`` call and
-one ``waves_varlen`` call), and interleaved lengths going to one of them.
+one ``waves_varlen`` call), interleaved or not: each sequence takes the call its own length
+chooses (group mode is batch invariant).
 """
 
 import pytest
 import torch
 
 import fmha_iree
-from fmha_iree import cpu_calls
+from fmha_iree.paths import policy
 from reference import seed_of
 from test_units_varlen_cpu import GQA_CASES, GQA_IDS, MASKS, check_gqa, check_nan_isolation, check_padded, spy_tables
 from test_varlen import check_varlen, packed, starts
@@ -53,15 +54,15 @@ def test_nan_keys_stay_in_their_sequence():
 
 
 @pytest.mark.parametrize("lq,calls", [([700] + [40] * 6, (1, 1)),  # apart: each kind its call
-                                      ([40, 700, 40, 30, 300], (1, 0)),  # interleaved, long rows dominate
-                                      ([40, 30, 300, 50, 60, 40, 70, 90], (0, 1))],  # interleaved, short rows dominate
+                                      ([40, 700, 40, 30, 300], (1, 1)),  # interleaved: still each its call
+                                      ([40, 30, 300, 50, 60, 40, 70, 90], (0, 1))],  # none past WAVE_MAX_ROWS
                          ids=["apart", "interleaved-long", "interleaved-short"])
 def test_long_and_short_sequences(monkeypatch, lq, calls):
     units, waves = spy_tables(monkeypatch, "units_varlen"), spy_tables(monkeypatch, "waves_varlen")
     q, k, v = packed(seed_of("waves-split", len(lq)), sum(lq), sum(lq))
     check_varlen(q, k, v, starts(lq), starts(lq), mask="b", what=f"split {lq}")
     assert (len(units), len(waves)) == calls
-    assert 300 <= cpu_calls.WAVE_MAX_ROWS < 700
+    assert 300 <= policy.WAVE_MAX_ROWS < 700
 
 
 @pytest.mark.parametrize("mask", ["b", "t", "0", "b:40,0", "xb:9"])
@@ -75,10 +76,10 @@ def test_batch_mode_as_group_mode(monkeypatch, mask, b, hq, hk, sq, sk):
     calls = spy_tables(monkeypatch, "waves_varlen")
     q, k, v = make_qkv(seed_of("waves-batch-mode", mask, sq, sk), B=b, Hq=hq, Hk=hk, Sq=sq, Sk=sk, layout="bshd")
     r = fmha_iree.route(q, k, v, mask=mask, layout="bshd")
-    assert (r.path, r.entry) == ("varlen", "waves_varlen"), r
+    assert (r.path, r.entry) == ("cpu_group", "waves_varlen"), r
     check_fwd(q, k, v, mask=mask, layout="bshd", what=f"batch as group mode {mask} {sq}x{sk}")
     assert len(calls) == 1
-    assert cpu_calls.BATCH_WAVE_MIN_ROWS <= 64 and cpu_calls.BATCH_WAVE_MAX_KEYS >= 1024
+    assert policy.BATCH_WAVE_MIN_ROWS <= 64 and policy.BATCH_WAVE_MAX_KEYS >= 1024
 
 
 @pytest.mark.parametrize("mask", ["b", "t:30,0", "0"])
@@ -93,7 +94,7 @@ def test_batch_mode_bhsd_as_group_mode(monkeypatch, mask, padded):
     q, k, v = make_qkv(seed_of("waves-bhsd", mask, padded), B=3, Hq=4, Hk=2, Sq=150, Sk=260, layout="bhsd")
     kw = dict(cu_seqlen_q=cu([150, 0, 77]), cu_seqlen_k=cu([260, 9, 100])) if padded else {}
     r = fmha_iree.route(q, k, v, mask=mask, **kw)
-    assert (r.path, r.entry) == ("varlen", "waves_varlen"), r
+    assert (r.path, r.entry) == ("cpu_group", "waves_varlen"), r
     check_fwd(q, k, v, mask=mask, what=f"bhsd batch as group mode {mask} padded={padded}", **kw)
     assert len(calls) == 1
 
