@@ -17,7 +17,7 @@ from ..device import DeviceTensor
 from ..paged import PagedCache
 from ..spec import BatchProblem
 
-__all__ = ["Problem", "Refused", "Call", "EmptyCall", "empty_result", "ABI_DTYPES"]
+__all__ = ["Problem", "Refused", "Call", "EmptyCall", "empty_result", "shaped", "ABI_DTYPES"]
 
 ABI_DTYPES = {"f16": np.float16, "bf16": np.int16, "f32": np.float32}
 MODES = ("batch", "group", "paged")
@@ -116,6 +116,12 @@ class EmptyCall(Call):
 
     def run(self, module, q, k, v, *, keep: bool):
         return self.prob.empty_result()
+
+
+def shaped(x, shape: tuple):
+    """``x`` (numpy or a DeviceTensor) with ``shape``; as it is where it has it already (a
+    DeviceTensor's reshape makes a new view object: every replayed call pays it)."""
+    return x if tuple(x.shape) == shape else x.reshape(shape)
 
 
 def empty_result(p: BatchProblem, out_shape, lse_shape):

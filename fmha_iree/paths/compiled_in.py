@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from ..runtime import Const
-from .base import Call, Problem, Refused
+from .base import Call, Problem, Refused, shaped
 from .capabilities import Capabilities, DenseCaps
 
 __all__ = ["COMPILED_IN", "DENSE", "mask_kind", "fixed_entry"]
@@ -86,8 +86,8 @@ class DenseCall(Call):
         args = [(self._tiled(x), self.dtype) for x in (q, k, v)] + [Const(np.array([self.scale], np.float32), "f32")]
         res = module.call(self.entry, args, results=[self.dtype] if self.out_only else [self.dtype, "f32"],
                           keep_on_device=keep)
-        out = res[0].reshape(self.shapes[0])
-        return out, (None if self.out_only else res[1].reshape(self.shapes[1]))
+        out = shaped(res[0], self.shapes[0])
+        return out, (None if self.out_only else shaped(res[1], self.shapes[1]))
 
 
 def _call(prob: Problem, caps: Capabilities, entry: str, note: str) -> DenseCall:

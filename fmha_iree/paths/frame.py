@@ -14,7 +14,7 @@ import numpy as np
 from ..abi import PREFIX_STEPS
 from ..plan import runs
 from ..runtime import Staged
-from .base import Call, Problem
+from .base import Call, shaped, Problem
 
 __all__ = ["Frame", "TableCall", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame",
            "group_frame", "paged_bases", "problem_frame"]
@@ -204,4 +204,4 @@ class TableCall(Call):
         d = self.dtype
         out, lse = module.call(self.entry, [(q, d), (k, d), (v, d), Staged(self.idx)], scalars=self.scalars,
                                results=[d, "f32"], keep_on_device=keep)
-        return out.reshape(self.shapes[0]), lse.reshape(self.shapes[1])
+        return shaped(out, self.shapes[0]), shaped(lse, self.shapes[1])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import Call, Problem, Refused
+from .base import Call, shaped, Problem, Refused
 from .capabilities import Capabilities
 
 __all__ = ["FWD", "UNITS"]
@@ -28,7 +28,7 @@ class CoordsCall(Call):
         d = self.dtype
         out, lse = module.call(self.entry, [(q, d), (k, d), (v, d)], scalars=self.scalars, results=[d, "f32"],
                                keep_on_device=keep)
-        return out.reshape(self.shapes[0]), lse.reshape(self.shapes[1])
+        return shaped(out, self.shapes[0]), shaped(lse, self.shapes[1])
 
 
 class _OneCall:

@@ -14,7 +14,7 @@ import numpy as np
 from ..device import DeviceTensor
 from ..plan import Block, Plan, Sequences, build_plan, state_tiles, units_budget
 from ..runtime import Bound, Const, Upload
-from .base import Call, EmptyCall, Problem, Refused
+from .base import Call, shaped, EmptyCall, Problem, Refused
 from .capabilities import Capabilities
 
 __all__ = ["PLAN"]
@@ -51,7 +51,7 @@ class PlanCall(Call):
                          for xs in zip(*parts)]
             (out, lse), fence = module.invoke("finalize", state + [Upload(plan.out_map), Upload(plan.lse_map)], 2)
             out, lse = module.result(out, fence, d, keep), module.result(lse, fence, "f32", keep)
-        return out.reshape(self.shapes[0]), lse.reshape(self.shapes[1])
+        return shaped(out, self.shapes[0]), shaped(lse, self.shapes[1])
 
     def _block(self, module, qkv: list, sd, blk: Block):
         """One state block: ``init`` and its ``step`` calls. Returns ((acc, m, l), fence)."""

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 
 from ..runtime import Const
-from .base import Call, Problem, Refused
+from .base import Call, shaped, Problem, Refused
 from .capabilities import Capabilities
 from .frame import descriptors
 from .policy import ROWS_MAX_ROWS, ROWS_MAX_SCORES
@@ -34,7 +34,7 @@ class RowsCall(Call):
         d = self.dtype
         args = [(q, d), (k, d), (v, d), Const(np.array([self.scale], np.float32), "f32"), Const(self.desc, "i32")]
         out, lse = module.call(self.entry, args, results=[d, "f32"], keep_on_device=keep)
-        return out.reshape(self.shapes[0]), lse.reshape(self.shapes[1])
+        return shaped(out, self.shapes[0]), shaped(lse, self.shapes[1])
 
 
 class _Rows:
