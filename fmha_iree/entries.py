@@ -256,12 +256,10 @@ def _dense_entry_points(spec: KernelSpec, t: str, seq, hq: str, fused_step: bool
         io_s = {**io, "scale": [[1], "f32"], "workspace": [["<name>_transients_size"], "hal.buffer"]}
         out["dense"] = {"args": io_s, "results": res,
                         "note": f"every row sees every key; Sq, Sk multiples of {a}"}
-        for s, c in sorted(dense["seqlens"].items()):
+        for s in sorted(dense["seqlens"]):
             fix = lambda shp: [s // a if x == f"S/{a}" else x for x in shp]  # noqa: E731
             sio = {n: [fix(shp), ty] for n, (shp, ty) in io_s.items()}
             sres = {n: [fix(shp), ty] for n, (shp, ty) in res.items()}
-            out[f"causal_s{s}"] = {"args": sio, "results": sres,
-                                   "note": f"row i sees keys j <= i; Sq == Sk == {s} (tree of dense blocks, diagonal {c})"}
             out[f"dense_o_s{s}"] = {"args": sio, "results": {"out": sres["out"]},
                                     "note": f"every row sees every key, no lse (IREE's fused attention op); Sq == Sk == {s}"}
             if s in dense["causal_o"]:

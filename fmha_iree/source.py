@@ -16,7 +16,7 @@ import functools
 
 from .spec import KernelSpec
 
-__all__ = ["source_mlir", "has_plan", "gpu_lowering", "step_compute", "dense_params", "dense_record", "tiles_record", "causal_diag",
+__all__ = ["source_mlir", "has_plan", "gpu_lowering", "step_compute", "dense_params", "dense_record", "tiles_record",
            "fwd_plan", "native_exp2_default", "CAUSAL_MASKED_MAX"]
 
 
@@ -81,11 +81,11 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     only: ``tiled`` False (plain 4-D arguments), ``dynamic`` False (no entries for other lengths).
 
     ``align``: sequence lengths the dense path takes are multiples of this (the workgroup M and
-    K2 tiles, so IREE sees whole tiles); ``seqlens``: {S: diagonal block} of the
-    compiled-in lengths (``causal_s<S>``, and ``dense_o_s<S>``: unmasked without LSE);
-    ``causal_o``: the lengths that also get ``causal_o_s<S>`` (causal without LSE, masked). A
-    sliding window at a compiled-in length runs through ``fwd``: a compiled-in window entry was
-    slower (docs/BENCHMARKS.md, "Paths with a contract: before and after")."""
+    K2 tiles, so IREE sees whole tiles); ``seqlens``: the compiled-in lengths (GPU:
+    ``dense_o_s<S>``, unmasked without LSE); ``causal_o``: those that also get ``causal_o_s<S>``
+    (causal without LSE, one masked op). Causal with the LSE and sliding windows at a compiled-in
+    length run through the generic entries: the causal tree and the window entries that served them
+    were no faster (docs/BENCHMARKS.md, "Paths with a contract: before and after")."""
     import math
 
     fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
@@ -107,7 +107,7 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     for s in spec.seqlens:
         if int(s) <= 0 or int(s) % align:
             raise ValueError(f"seqlens: {s} is not a positive multiple of this module's alignment {align}")
-        seqlens[int(s)] = causal_diag(int(s), align)
+        seqlens[int(s)] = None
     causal_o = [s for s in seqlens if s <= CAUSAL_MASKED_MAX and spec.group * s * s <= 1 << 28]
     return {"align": align, "lowering": low, "seqlens": seqlens,
             "causal_o": causal_o, "tiled": True, "dynamic": True}
@@ -131,28 +131,6 @@ def tiles_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     plan = fwd_plan(spec, fused_step=fused_step)
     t = tiles_shape(plan) if plan is not None else None
     return None if t is None else {"rows": t.rows, "group": t.group, "ew": t.ew, "step": STEP}
-
-
-# The causal tree's merge reads the (acc, max, sum) partials of the diagonal and of every level and
-# writes out in one dispatch: 3 * (log2(S / C) + 1) + 1 bindings. IREE's CUDA HAL takes at most 16
-# a dispatch (a module compiled with --seqlens 8192, C = 256, failed to load on the H100:
-# "binding_flags count 19 exceeds maximum of 16"), so S / C stays at most 16.
-MAX_TREE_BLOCKS = 16
-
-
-def causal_diag(seqlen: int, align: int) -> int:
-    """Diagonal block C of the causal tree at length S (S / C a power of two, C a multiple of
-    ``align``): S/2 up to S=1024, else 256 up to S=4096, then S/16 (``MAX_TREE_BLOCKS``). The masked diagonal is computed in full (S*C/2 of
-    wasted work); each level adds a dispatch and merge inputs, cheap since the levels read their
-    blocks in place: 256-row blocks measured faster than 512 / 1024 from S=2048 on the H200
-    (docs/thresholds.md, "Causal tree: the diagonal block")."""
-    prefs = (seqlen // 2, seqlen) if seqlen <= 1024 else (256, seqlen // 2, seqlen)
-    for c in prefs:
-        c = max(c, seqlen // MAX_TREE_BLOCKS)
-        n = seqlen // c if c and seqlen % c == 0 else 0
-        if n and c % align == 0 and n & (n - 1) == 0:
-            return c
-    raise ValueError(f"seqlens: {seqlen} is not a multiple of the alignment {align}")
 
 
 # Causal without LSE at a compiled-in length S up to this: the whole problem as ONE fused
@@ -209,7 +187,7 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
         from .source_cpu import cpu_functions
 
         return _with_funcs(text, cpu_functions(spec))
-    from .mlir_templates import render_causal_tree, render_dense, render_dense_out, render_online_step
+    from .mlir_templates import render_dense, render_dense_out, render_online_step
 
     t = spec.tiles
     funcs = []
@@ -224,7 +202,6 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
         funcs.append(render_dense(func_name="dense", **kw))
         for s, c in sorted(dense["seqlens"].items()):
             funcs.append(render_dense_out(func_name=f"dense_o_s{s}", seqlen=s, **kw))
-            funcs.append(render_causal_tree(func_name=f"causal_s{s}", seqlen=s, diag=c, **kw))
             if s in dense["causal_o"]:
                 funcs.append(render_dense_out(func_name=f"causal_o_s{s}", seqlen=s, causal=True, **kw))
     plan = fwd_plan(spec, fused_step=fused) if with_fwd else None

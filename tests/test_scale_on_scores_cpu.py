@@ -5,7 +5,7 @@ decision forced on, driven through the batch-mode routing, against the float64 r
 every path of ``fwd`` that writes the op (the main tier's open and masked ops, the banded window,
 the short tier with split-KV), tails, Sq != Sk, GQA, rows that see no key, LSE; and the one-call
 entry points of the templates (``dense``, and at a compiled-in length ``dense_o_s<S>``,
-``causal_s<S>``, ``causal_o_s<S>``)."""
+``causal_o_s<S>``)."""
 
 import pytest
 import torch
@@ -51,8 +51,7 @@ def test_scores_scaled(scaled_module, sq, sk, mask):
     assert_close(lse, ref_lse, torch.bfloat16, kind="lse", what=f"lse {mask} {sq}x{sk}")
 
 
-# The compiled-in length of ``scaled_entries``: the causal tree's diagonal is S/2
-# (``source.causal_diag`` at the alignment 32).
+# The compiled-in length of ``scaled_entries``.
 S = 256
 
 
@@ -66,7 +65,7 @@ def scaled_entries():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(source, "scale_on_scores", lambda spec: True)
         text = source.source_mlir(spec, fused_step=True, with_fwd=False)
-    for name in ("dense", f"dense_o_s{S}", f"causal_s{S}", f"causal_o_s{S}"):
+    for name in ("dense", f"dense_o_s{S}", f"causal_o_s{S}"):
         func = text.split(f"util.func public @{name}(", 1)[1].split("\nutil.func", 1)[0]
         ops = func.count("^bb0(%score: f32):")
         assert ops and func.count("%scaled = arith.mulf %score, %scale_l : f32") == ops, f"{name}: unscaled scores"
@@ -76,13 +75,12 @@ def scaled_entries():
 
 
 @pytest.mark.parametrize("mask,s,with_lse,entry", [
-    ("0", S, True, "dense"), ("0", S, False, f"dense_o_s{S}"), ("b", S, True, f"causal_s{S}"),
-    ("b", S, False, f"causal_o_s{S}")],
-    ids=["dense", "dense_o", "causal_s", "causal_o"])
+    ("0", S, True, "dense"), ("0", S, False, f"dense_o_s{S}"), ("b", S, False, f"causal_o_s{S}")],
+    ids=["dense", "dense_o", "causal_o"])
 def test_entries_scores_scaled(scaled_entries, mask, s, with_lse, entry):
     q, k, v = make_qkv(seed_of("scale-scores-entries", mask, s), B=2, Hq=4, Hk=2, Sq=s, Sk=s, Dq=64,
                        dtype=torch.bfloat16, layout="bshd")
-    scale = 0.3 if entry in ("dense", f"causal_s{S}") else None  # besides the default 1/sqrt(Dq)
+    scale = 0.3 if entry == "dense" else None  # besides the default 1/sqrt(Dq)
     p = check_batch(q, k, v, mask=mask, scale=scale, layout="bshd", cu_seqlen_q=None, cu_seqlen_k=None)
     assert route(scaled_entries, p, with_lse).entry == entry
     res = run_batch(scaled_entries, p, with_lse)

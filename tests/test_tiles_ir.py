@@ -47,39 +47,6 @@ def _configured_executables(spec, text: str) -> str:
     return out.decode() if isinstance(out, bytes) else out
 
 
-@pytest.mark.parametrize("group,vt", [(1, False), (1, True), (8, False), (8, True)], ids=["g1", "g1-vt", "g8", "g8-vt"])
-def test_causal_tree_reads_blocks_in_place(group, vt):
-    """The causal tree's level blocks reach the attention dispatches in place: for sm_80, no copy
-    dispatch but the grouped Q's one copy and, with V^T blocks, the one transpose of V, which keeps
-    its shared-memory tiles (IREE drops them when a reshape is folded into it)."""
-    import re
-
-    from fmha_iree.source import gpu_lowering
-    from fmha_iree.mlir_templates import render_causal_tree
-
-    target = Target.from_name("sm_80")
-    spec = KernelSpec("f16", "bhsd", group, 128, 128, default_tiles(target.family, 128, 128, target.arch, "f16"), target)
-    S, C = 2048, 256
-    text = render_causal_tree(func_name="c", dtype="f16", layout="bhsd", group=group, dq=128, dv=128, align=256,
-                              seqlen=S, diag=C, lowering=gpu_lowering(spec), workspace=True, vt=vt)
-    out = _configured_executables(spec, text)
-    # executables (IREE merges identical ones)
-    names = [n for _, n in sorted(set(re.findall(r"func\.func @c_dispatch_(\d+)_(\w+?)\(", out)))]
-    ops = [n for n in names if "online_attention" not in n and not n.startswith("elementwise_broadcast")]
-    merges = [n for n in ops if re.fullmatch(r"elementwise(_transpose)?_Dx(8x)?(2x)+256(x128)?_f32\w*", n)]
-    transposes = [n for n in ops if n.startswith("elementwise_transpose_Dx2048x128")]
-    copies = [n for n in ops if n not in merges and n not in transposes]
-    assert not any("memcpy" in n for n in names), names
-    assert len(transposes) == int(vt), names
-    # a grouped Q: copied once for every op (`_grouped_q_once`)
-    assert len(copies) == (0 if group == 1 else 1), names
-    if vt:
-        i = out.index(f"_{transposes[0]}(")
-        assert "workgroup_size = [4, 32, 1]" in out[i:i + 4000], "the transpose lost its tiles"
-    # the masked diagonal at half the rows and subgroups of the others (`diag_lowering`)
-    assert out.count("workgroup_size = [128, 1, 1]") == 1 and "workgroup_size = [256, 1, 1]" in out
-
-
 def _fwd_ops(text: str, func: str = "fwd"):
     """(workgroup rows, workgroup size, subgroups along Dv, has a mask, keys per step) of each
     attention op of ``func`` in rendered module text."""

@@ -1,10 +1,8 @@
-"""Copies and views shared by the one-call entry points: tiled copies and V transposes with
-explicit tiles, block views of the sequence axis, the grouped Q copied once.
+"""Copies shared by the dense templates: tiled copies and V transposes with explicit tiles, the
+batch dims pinned, a zero IREE cannot fold.
 """
 
 from __future__ import annotations
-
-import functools
 
 from .lowering import _ilist
 
@@ -120,93 +118,6 @@ def _pin_batch(name: str, src: str, ty: str, n: str) -> str:
     the same but made the host wait for the GPU at that point of the call, which slowed the causal
     tree on the H200: docs/tried.md, "H200: the causal tree and the compiled-in paths".)"""
     return f"  {name} = flow.tensor.reshape {src} : {ty}{{{n}}} -> {ty}{{{n}}}"
-
-
-def _pair_slice(name: str, src: str, rank: int, S: int, L: int, d: int, T: str, n: str, off: int) -> str:
-    """`name` [N, L, d] = rows off..off+L of every 2L-row block of `src` ([B, Hk, S, d], or
-    [B, Hk, 1, S, d] with `rank` 6), N = `n` = B * Hk * S / (2L): the blocks are a uniformly strided
-    batch, so the slice is read in place by the attention dispatch it feeds (IREE clones an
-    extract_slice into its consumer) instead of being copied. The [N, 2L, d] view is pinned
-    (`_pin_batch`) so IREE keeps one batch dim."""
-    nb, base = S // (2 * L), name.lstrip("%")
-    full = "x".join(["?", "?"] + (["1"] if rank == 6 else []) + [str(S), str(d), T])
-    blk = "x".join(["?", "?"] + (["1"] if rank == 6 else []) + [str(nb), str(2 * L), str(d), T])
-    lead = [[0], [1], [2]] if rank == 6 else [[0], [1]]
-    k = len(lead)
-    exp = lead + [[k, k + 1], [k + 2]]
-    col = [list(range(k + 1)), [k + 1], [k + 2]]
-    shape = ", ".join(["%B", "%Hk"] + (["1"] if rank == 6 else []) + [str(nb), str(2 * L), str(d)])
-    vty = f"tensor<?x{2 * L}x{d}x{T}>"
-    return "\n".join([
-        f"  %{base}_x = tensor.expand_shape {src} {exp} output_shape [{shape}] : tensor<{full}> into tensor<{blk}>",
-        f"  %{base}_c = tensor.collapse_shape %{base}_x {col} : tensor<{blk}> into {vty}",
-        _pin_batch(f"%{base}_p", f"%{base}_c", vty, n),
-        f"  {name} = tensor.extract_slice %{base}_p[0, {off}, 0] [{n}, {L}, {d}] [1, 1, 1] : {vty} to tensor<?x{L}x{d}x{T}>",
-    ])
-
-
-def _bty(T: str, *dims) -> str:
-    """`tensor<?x{dims}x{T}>`: a block view's type, its leading (B * Hk) dim dynamic."""
-    return "tensor<?x" + "".join(f"{x}x" for x in dims) + f"{T}>"
-
-
-def _blocks_view(name: str, src: str, src_ty: str, exp: list, shape: list, col: list | None, view_ty: str,
-                 off: list | None = None, size: list | None = None, out_ty: str | None = None, n: str = "%BH") -> str:
-    """`name` = `src` expanded by `exp` to `shape`, collapsed by `col` to `view_ty` (dynamic dim:
-    `n`), pinned, and (with `off`) sliced to `size` / `out_ty`: blocks read in place."""
-    base = name.lstrip("%")
-    ety = "tensor<" + "x".join(str(x) if not str(x).startswith("%") else "?" for x in shape) + "x" + src_ty.rsplit("x", 1)[1]
-    lines = [f"  %{base}_x = tensor.expand_shape {src} {exp} output_shape [{', '.join(map(str, shape))}] : {src_ty} into {ety}"]
-    if col:
-        lines.append(f"  %{base}_c = tensor.collapse_shape %{base}_x {col} : {ety} into {view_ty}")
-    lines.append(_pin_batch(f"%{base}_p" if off else name, f"%{base}_c" if col else f"%{base}_x", view_ty, n))
-    if off:
-        lines.append(f"  {name} = tensor.extract_slice %{base}_p[{', '.join(map(str, off))}] [{n}, {', '.join(map(str, size))}]"
-                     f" [{', '.join(['1'] * len(off))}] : {view_ty} to {out_ty}")
-    return "\n".join(lines)
-
-
-def _grouped_q_once(f: dict, S: int, C: int, sg, src: str = "%qS") -> str:
-    """`%qG` [B, Hk, S/C, G, C, Dq] = the grouped Q `src` [B, Hk, G, S, Dq] copied once with G inside
-    each C-row block: every op of the block-split templates then reads its Q blocks in place (the
-    rows of a block of L = m * C rows come as (m, G, C), which attention does not mind and the
-    merge's views follow). Fenced (`compute_barrier.end`) so that no reshape is folded into it."""
-    G, DQ, nd = f["G"], f["DQ"], S // C
-    ty = functools.partial(_bty, f["T"])
-    xty = ty("?", G, nd, C, DQ)
-    return "\n".join([
-        f"  %qGx = tensor.expand_shape {src} [[0], [1], [2], [3, 4], [5]] output_shape [%B, %Hk, {G}, {nd}, {C}, {DQ}]"
-        f" : {ty('?', G, S, DQ)} into {xty}",
-        _copy("qGt", "%qGx", xty, ty("?", nd, G, C, DQ), 6, [0, 1, 3, 2, 4, 5], subgroup=sg).rstrip("\n"),
-        f"  %qG = iree_tensor_ext.compute_barrier.end %qGt : {ty('?', nd, G, C, DQ)}{{%B, %Hk}} -> {ty('?', nd, G, C, DQ)}",
-    ])
-
-
-def _grouped_q_view(name: str, f: dict, *, nd: int, C: int, nb: int, span: int, pick: int | None,
-                    flat: str | None = None) -> str:
-    """`name` = blocks of `%qG` (`_grouped_q_once`) read in place: nb blocks of `span` C-blocks
-    ([BH(, nb), span*G*C, Dq]), or with `pick` half `pick` of each. `flat`: the blocks folded into
-    one batch dim of that size ([B*Hk*nb, ...], the ops of one batch dim)."""
-    G, DQ = f["G"], f["DQ"]
-    ty = functools.partial(_bty, f["T"])
-    rows, bd = span * G * C, ([nb] if nb > 1 and not flat else [])
-    col = [[0, 1], [2], [3, 4, 5], [6]] if bd else [[0, 1, 2], [3, 4, 5], [6]]
-    sl = () if pick is None else ([0, *[0] * len(bd), pick * rows // 2, 0], [*bd, rows // 2, DQ], ty(*bd, rows // 2, DQ))
-    return _blocks_view(name, "%qG", ty("?", nd, G, C, DQ), [[0], [1], [2, 3], [4], [5], [6]],
-                        ["%B", "%Hk", nb, span, G, C, DQ], col, ty(*bd, rows, DQ), *sl, n=flat or "%BH")
-
-
-def _fenced_v_transpose(f: dict, S: int, sg) -> list[str]:
-    """`%vT` [BH, Dv, S] = `%vS` transposed (`_transpose_copy`), for the block-split templates' V^T
-    blocks. Fenced on both sides so that no reshape is folded into the transpose (IREE would
-    re-create the op and drop its tiles, several times slower on the H200: docs/tried.md, "H200:
-    the causal tree and the compiled-in paths")."""
-    DV, T = f["DV"], f["T"]
-    src, dst = f"tensor<?x{S}x{DV}x{T}>", f"tensor<?x{DV}x{S}x{T}>"
-    return [f"  %vF = tensor.collapse_shape %vS [[0, 1], [2], [3]] : tensor<?x?x{S}x{DV}x{T}> into {src}",
-            _pin_batch("%vFp", "%vF", src, "%BH"),
-            _transpose_copy("vT0", "%vFp", src, dst, "%BH", sg),
-            f"  %vT = iree_tensor_ext.compute_barrier.end %vT0 : {dst}{{%BH}} -> {dst}"]
 
 
 def _rt_zero(T: str) -> list[str]:

@@ -5,9 +5,7 @@
 `step` function) as gathers + one `iree_linalg_ext.online_attention` (single collapsed batch dim
 P*Hk, M = G*R, K1 = Dq, K2 = C, N = Dv) + scatters back into the state. `render_dense`,
 `render_dense_out` (`dense.py`: `mlir/dense*.mlir.in`) are
-the one-call entry points of a whole batch; `render_causal_tree` (generated in `causal_tree.py`: its
-number of levels depends on the length) is causal at a compiled-in length as a binary tree of dense
-blocks.
+the one-call entry points of a whole batch.
 
 `lowering` (a dict, "cpu", or None to let IREE choose) becomes the op's `compilation_info` and
 `decomposition_config`, in the form IREE 3.13's VectorDistribute pipeline reads:

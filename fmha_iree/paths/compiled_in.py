@@ -1,8 +1,8 @@
 """The one-call entries of fixed or aligned lengths (``mlir_templates``, the CPU's ``rows.RowBlocks``):
 
 - ``compiled_in``: entries fixed to a length compiled in with ``--seqlens`` (Sq == Sk == S, no
-  cu_seqlen padding): on GPUs the causal tree (``causal_s<S>``), the fused out-only ops
-  (``dense_o_s<S>``, ``causal_o_s<S>``); on the CPU row blocks of plain
+  cu_seqlen padding): on GPUs the fused out-only ops (``dense_o_s<S>``, and ``causal_o_s<S>`` up
+  to ``source.CAUSAL_MASKED_MAX``); on the CPU row blocks of plain
   matmul / softmax (``dense_s<S>``, ``causal_s<S>`` and their ``_o`` forms), fixed to a batch and
   KV heads where compiled so.
 - ``dense``: a GPU module's ``dense``, every row sees every key, lengths multiples of its alignment.
@@ -48,7 +48,7 @@ def fixed_entry(d: DenseCaps, prob: Problem, kind: str) -> str | None:
         return f"{name}{'' if prob.with_lse else '_o'}_s{s}"
     if name == "dense":
         return None if prob.with_lse else f"dense_o_s{s}"
-    return f"causal_o_s{s}" if not prob.with_lse and s in d.causal_o else f"causal_s{s}"
+    return f"causal_o_s{s}" if not prob.with_lse and s in d.causal_o else None
 
 
 def _common_reasons(prob: Problem, caps: Capabilities) -> list[str]:
