@@ -103,8 +103,8 @@ def test_gpu_aligned_and_compiled_in():
     d = DenseCaps(64, seqlens=(512,), causal_o=(512,))
     r = select(batch(2, 512, 512, "b", with_lse=False), caps(dense=d))
     assert (r.path, r.entry) == ("compiled_in", "causal_o_s512")
-    r = select(batch(2, 512, 512, "b"), caps(dense=d))
-    assert (r.path, r.entry) == ("compiled_in", "causal_s512")
+    r = select(batch(2, 512, 512, "b"), caps(dense=d))  # causal with the LSE: the generic entries
+    assert (r.path, r.entry) == ("fwd", "fwd") and "no compiled-in entry takes" in refused(r, "compiled_in")
     r = select(batch(2, 256, 640, "0"), caps(dense=d))
     assert (r.path, r.entry) == ("dense", "dense")
     assert "no compiled-in entry takes Sq=256, Sk=640" in refused(r, "compiled_in")
