@@ -143,7 +143,7 @@ def fmha_fwd(
         device: an IREE device URI: ``"local-task"`` (default), ``"hip://0"``, ``"cuda://0"``.
         specialize: compile (once, then cached on disk) a module whose entry points are fixed to
             this call's sequence length (Sq == Sk, no padding; on the CPU also the batch size and
-            KV heads): GPUs then get the causal tree and fused out-only kernels, the CPU row blocks
+            KV heads): GPUs then get fused out-only kernels, the CPU row blocks
             of plain matmul/softmax (faster on the dev CPU, docs/BENCHMARKS.md). Other
             calls still run, on the generic entry points; the first call of each new shape pays a
             compile (tens of seconds).

@@ -1,6 +1,6 @@
 """One call for a whole aligned batch: ``dense`` (unmasked), ``dense_o_s<S>`` / ``causal_o_s<S>``
-(fused, out only) and ``causal`` (two-block causal), from ``mlir/dense*.mlir.in`` and
-``mlir/causal*.mlir.in``; the shared prologue (``_dense_common``: shapes, workspace).
+(fused, out only, unmasked or causal), from ``mlir/dense*.mlir.in``; the shared prologue
+(``_dense_common``: shapes, workspace).
 """
 
 from __future__ import annotations
