@@ -1,8 +1,7 @@
 """CPU modules' short sequences: group mode's sequences of a few query rows in ``rows_packed`` calls
 (``mlir_templates.rows_packed``: each query row against its own keys, K / V read where they lie),
-grouped by key count; and the two CPU paths of a paged cache: ``cpu_pages`` (every sequence short:
-``rows_packed_pages`` reads the pages in place through the block table) and ``cpu_gather`` (the
-used keys gathered on the host into packed K / V, then group mode's ``cpu_group``).
+grouped by key count; and the paged cache's ``cpu_pages`` path (every sequence short:
+``rows_packed_pages`` reads the pages in place through the block table).
 """
 
 from __future__ import annotations
@@ -14,13 +13,13 @@ import numpy as np
 from ..paged import PagedCache
 from ..plan import runs
 from ..runtime import Const, Upload
-from ..spec import BatchProblem, as_operand
+from ..spec import BatchProblem
 from .base import Call, Problem, Refused
 from .capabilities import Capabilities
 from .frame import descriptors
 from .policy import GROUP_KEYS, PACKED_MAX_QUERIES, PACKED_MAX_QUERIES_MHA, PACKED_MAX_ROWS, PAD_LIMIT, ROWS_MAX_SCORES
 
-__all__ = ["CPU_PAGES", "CPU_GATHER", "packed_fits", "short_sequences", "rows_group"]
+__all__ = ["CPU_PAGES", "packed_fits", "short_sequences", "rows_group"]
 
 
 def packed_fits(max_qlen: int, group: int) -> bool:
@@ -112,7 +111,7 @@ class _PagesCall(Call):
         return out, lse
 
 
-def _host_reasons(prob: Problem, caps: Capabilities, *entries: str) -> list[str]:
+def host_reasons(prob: Problem, caps: Capabilities, *entries: str) -> list[str]:
     out = [] if caps.has(*entries) else [caps.missing(*entries) + " (bshd CPU modules have it)"]
     if prob.on_device:
         out.append("the inputs are DeviceTensors: the CPU's group-mode calls read host arrays")
@@ -124,7 +123,7 @@ class _CpuPages:
     modes = ("paged",)
 
     def plan(self, prob: Problem, caps: Capabilities):
-        found = _host_reasons(prob, caps, "rows_packed_pages")
+        found = host_reasons(prob, caps, "rows_packed_pages")
         if found:
             return Refused(tuple(found))
         groups = paged_groups(prob.p, prob.starts)
@@ -135,44 +134,4 @@ class _CpuPages:
         return _PagesCall(prob, tuple(groups), note="the pages read in place, short sequences grouped by key count")
 
 
-@dataclasses.dataclass(frozen=True)
-class _GatherCall(Call):
-    """The used keys gathered on the host into packed K / V, then group mode's call on them."""
-
-    replayable = False
-
-    prob: Problem
-    inner: object  # the group-mode problem's call
-    entry: str | None = None
-    note: str = ""
-
-    def run(self, module, q, k, v, *, keep: bool):
-        inner = self.inner
-        return inner.run(module, inner.prob.p.q.array, inner.prob.p.k.array, inner.prob.p.v.array, keep=keep)
-
-
-class _CpuGather:
-    name = "cpu_gather"
-    modes = ("paged",)
-
-    def plan(self, prob: Problem, caps: Capabilities):
-        from .cpu_group import CPU_GROUP  # the group-mode path this one hands its packed keys to
-
-        found = _host_reasons(prob, caps, "waves_varlen")
-        if found:
-            return Refused(tuple(found))
-        p, cache = prob.p, prob.cache
-        k, v, seqstart_k = cache.packed()
-        k, v = (as_operand(x, name) for x, name in ((k, "k_cache"), (v, "v_cache")))
-        k, v = (dataclasses.replace(x, array=x.array.reshape((1,) + x.array.shape)) for x in (k, v))
-        lens = np.asarray(cache.lens, np.int64)
-        gp = dataclasses.replace(p, k=k, v=v, sk=int(seqstart_k[-1]), k_lens=lens)
-        starts = (prob.starts[0], prob.starts[1], seqstart_k[:-1], lens, *prob.starts[4:])
-        inner = CPU_GROUP.plan(Problem("group", gp, prob.with_lse, starts), caps)
-        if isinstance(inner, Refused):
-            return inner
-        return _GatherCall(prob, inner, note="the used keys gathered on the host, then " + inner.note)
-
-
 CPU_PAGES = _CpuPages()
-CPU_GATHER = _CpuGather()

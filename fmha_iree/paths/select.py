@@ -23,7 +23,8 @@ from .base import Call, EmptyCall, Problem, Refused
 from .capabilities import Capabilities
 from .compiled_in import COMPILED_IN, DENSE
 from .cpu_group import CPU_GROUP
-from .cpu_short import CPU_GATHER, CPU_PAGES
+from .cpu_gather import CPU_GATHER
+from .cpu_short import CPU_PAGES
 from .fwd import FWD, UNITS
 from .packed import PACKED
 from .plan import PLAN
