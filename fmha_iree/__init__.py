@@ -14,9 +14,9 @@ __version__ = "0.1.0"
 
 _WHERE = {
     "fmha_fwd": "api", "fmha_fwd_varlen": "api", "route": "api", "to_device": "api", "cache_stats": "api",
-    "clear_memory_caches": "api", "load": "deploy", "DeployedFmha": "deploy", "DeviceTensor": "device",
-    "Mask": "mask", "TileConfig": "tiles", "register_transformers": "hf", "context_parallel_attention": "distributed",
-    "sdpa": "torch_ops",
+    "clear_memory_caches": "api", "load": "deploy", "DeployedFmha": "deploy", "DeviceTensor": "runtime.device",
+    "Mask": "problem.mask", "TileConfig": "problem.tiles", "register_transformers": "integrations.hf",
+    "context_parallel_attention": "integrations.distributed", "sdpa": "integrations.torch_ops",
 }
 
 

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import threading
 
-from . import compile as _compile
-from .device import DeviceTensor, get_device
-from .entries import capabilities
-from .paged import check_paged
+from .toolchain import compile as _compile
+from .runtime.device import DeviceTensor, get_device
+from .codegen.entries import capabilities
+from .problem.paged import check_paged
 from .paths import (Capabilities, Loaded, Route, batch_route, group_route, paged_problem, prepare_batch,
                     problem_route, run_batch, run_group, run_paged)
-from .prepared import PreparedCalls, varlen_call_key
-from .runtime import FmhaModule
-from .source import dense_params
-from .spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
-from .targets import resolve_device
-from .torch_gpu import TorchCall, torch_gpu
+from .runtime.prepared import PreparedCalls, varlen_call_key
+from .runtime.module import FmhaModule
+from .codegen.source import dense_params
+from .problem.spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
+from .problem.targets import resolve_device
+from .runtime.torch_gpu import TorchCall, torch_gpu
 
 __all__ = ["fmha_fwd", "fmha_fwd_varlen", "route", "cache_stats", "clear_memory_caches", "to_device"]
 
@@ -89,7 +89,7 @@ def _specialized(p: BatchProblem, spec: KernelSpec) -> KernelSpec:
     cu_seqlen padding and S a multiple of the target's alignment; else ``spec`` unchanged."""
     import dataclasses
 
-    from .rows import CPU_ROWS
+    from .codegen.rows import CPU_ROWS
 
     if p.sq != p.sk or p.sq == 0 or (p.q_lens != p.sq).any() or (p.k_lens != p.sk).any():
         return spec
@@ -107,7 +107,7 @@ def to_device(x, device=None) -> DeviceTensor:
     """Copy a torch tensor or numpy array (float16, bfloat16, float32) to ``device`` once, so calls
     read it there: :func:`fmha_fwd` given DeviceTensors returns DeviceTensors and moves nothing
     over the host bus (``.to_numpy()`` / ``.to_torch()`` copy back)."""
-    from .spec import as_operand
+    from .problem.spec import as_operand
 
     device_uri, _ = resolve_device(device)
     o = as_operand(x, "x")
@@ -131,7 +131,7 @@ def fmha_fwd(
             query head ``h`` reads K/V head ``h // (Hq // Hk)``).
         mask: None, a CK mask string (``0``, ``t``, ``b``, ``t:l,r``, ``b:l,r``, ``xt:w``, ``xb:w``)
             or a :class:`Mask`. Row ``i`` sees key ``j`` iff ``i - y + 1 <= j < min(i + x, Sk)``
-            with CK's (y, x) (see ``fmha_iree.mask``): causal ``t`` is ``j <= i``, causal ``b`` is
+            with CK's (y, x) (see ``fmha_iree.problem.mask``): causal ``t`` is ``j <= i``, causal ``b`` is
             ``j <= i + Sk - Sq``.
         scale: multiplies ``q @ k^T``; default ``1 / sqrt(Dq)``.
         return_lse: also return ``lse[b, h, i] = log(sum_j exp(scale * q_i . k_j))`` over the
@@ -219,7 +219,7 @@ def fmha_fwd_varlen(
         seqlen_k: int32 ``[B]``: keys actually used per sequence (a KV cache holding more).
         seqstart_padded_q, seqstart_padded_k: int32 ``[B+1]`` physical starts when sequences are
             stored with gaps: offsets come from these, lengths from the unpadded starts.
-        block_table: int32 ``[B, max_pages]``, a paged KV cache (``fmha_iree.paged``): ``k`` / ``v``
+        block_table: int32 ``[B, max_pages]``, a paged KV cache (``fmha_iree.problem.paged``): ``k`` / ``v``
             are then ``[num_pages, page_size, Hk, D]``, ``seqstart_k`` is None and ``seqlen_k``
             gives each sequence's key count; sequence ``b``'s key ``j`` lives in page
             ``block_table[b, j // page_size]``, row ``j % page_size`` (read on the device by GPU

@@ -35,11 +35,11 @@ def _seqlens(text: str) -> tuple:
 
 
 def compile_main(args) -> int:
-    from .compile import build_artifact
-    from .mask import Mask
-    from .spec import KernelSpec, check_head_dims, check_tiles
-    from .targets import Target
-    from .tiles import parse_tiles
+    from .toolchain.compile import build_artifact
+    from .problem.mask import Mask
+    from .problem.spec import KernelSpec, check_head_dims, check_tiles
+    from .problem.targets import Target
+    from .problem.tiles import parse_tiles
 
     try:
         target = Target.from_name(args.target)
@@ -57,7 +57,7 @@ def compile_main(args) -> int:
             raise ValueError("--batch: only the CPU's compiled-in (--seqlens) entries are specialized on the batch")
         spec = KernelSpec(args.dtype, args.layout, hq // hk, args.hdim, dv, tiles, target, tuple(args.seqlens), *pinned)
         if spec.seqlens:
-            from .source import dense_params
+            from .codegen.source import dense_params
 
             if not dense_params(spec):  # also checks each length against the module's alignment
                 raise ValueError(f"--seqlens: target {target.arch} {args.dtype} d{args.hdim} has no one-call "
@@ -91,10 +91,10 @@ def compile_matrix(out_dir, targets, hdims, dtypes, *, layout="bhsd", group=1, j
     import time
     from pathlib import Path
 
-    from .compile import build_artifact
-    from .source import source_mlir
-    from .spec import KernelSpec, check_tiles
-    from .targets import Target
+    from .toolchain.compile import build_artifact
+    from .codegen.source import source_mlir
+    from .problem.spec import KernelSpec, check_tiles
+    from .problem.targets import Target
 
     out_dir = Path(out_dir)
     specs = []
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
                         "when given); other shapes still run")
     c.add_argument("--batch", type=int, default=0, help="with --seqlens on the CPU: the batch size they take")
     c.add_argument("--iree-exp2", action="store_true",
-                   help="CUDA: keep IREE's polynomial exp2 (default: ex2.approx, see fmha_iree/ptx.py)")
+                   help="CUDA: keep IREE's polynomial exp2 (default: ex2.approx, see fmha_iree/toolchain/ptx.py)")
     c.add_argument("--dump", help="also keep IREE's dumped executables (configured IR, ISA) here")
     c.add_argument("-o", "--output", required=True, help="output .vmfb (the manifest goes beside it as .json)")
     c.add_argument("-v", "--verbose", action="store_true")

@@ -13,8 +13,8 @@ def main(argv=None) -> int:
     import torch
 
     import fmha_iree
-    from fmha_iree.targets import resolve_device
-    from fmha_iree.tiles import default_tiles
+    from fmha_iree.problem.targets import resolve_device
+    from fmha_iree.problem.tiles import default_tiles
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=2)

@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .abi import MANIFEST_FORMAT
-from .paged import check_paged
+from .problem.abi import MANIFEST_FORMAT
+from .problem.paged import check_paged
 from .paths import (Capabilities, Loaded, Route, batch_route, group_route, paged_problem, prepare_batch,
                     problem_route, run_batch, run_group, run_paged)
-from .prepared import PreparedCalls, varlen_call_key
-from .runtime import FmhaModule
-from .spec import check_batch, check_varlen
-from .targets import resolve_device
-from .torch_gpu import TorchCall, torch_gpu
+from .runtime.prepared import PreparedCalls, varlen_call_key
+from .runtime.module import FmhaModule
+from .problem.spec import check_batch, check_varlen
+from .problem.targets import resolve_device
+from .runtime.torch_gpu import TorchCall, torch_gpu
 
 __all__ = ["DeployedFmha", "load"]
 

@@ -50,7 +50,7 @@ def render_module(lw: dict, dtype: str, d: int, shape=(None, None, None)) -> str
     """shape = (BH, Sq, Sk); None = dynamic. IREE 3.13 fails ("failed to distribute") when Sq and Sk
     are both dynamic with an explicit VectorDistribute config, and refuses ("Padding OnlineAttention
     without existing mask is not yet supported") with its default config."""
-    from fmha_iree.mlir_templates import render_lowering_attrs
+    from fmha_iree.codegen.mlir_templates import render_lowering_attrs
 
     t = T_OF[dtype]
     wm, k2 = int(lw["workgroup_m"]), int(lw["reduction_k2"])
@@ -218,8 +218,8 @@ def _compile_one(job: dict, outdir: Path) -> dict:
     exp2 = None
     try:
         if job.get("native_exp2", True):
-            # as the package compiles CUDA modules: IREE's polynomial exp2 replaced (fmha_iree/ptx.py)
-            from fmha_iree.compile import compile_native_exp2
+            # as the package compiles CUDA modules: IREE's polynomial exp2 replaced (fmha_iree/toolchain/ptx.py)
+            from fmha_iree.toolchain.compile import compile_native_exp2
 
             data, exp2 = compile_native_exp2(job["mlir"], flags)
             vmfb.write_bytes(data)

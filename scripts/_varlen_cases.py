@@ -61,7 +61,7 @@ def presets(name: str, scale: float = 1.0, seed: int = 0) -> list[dict]:
 
 def visible_pairs(mask: str, lq: int, lk: int) -> int:
     """Query-key pairs a sequence's mask lets through (CK's (y, x), row by row)."""
-    from fmha_iree.mask import Mask
+    from fmha_iree.problem.mask import Mask
 
     return Mask.from_str(mask).visible_pairs(lq, lk)
 

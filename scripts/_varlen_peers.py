@@ -15,7 +15,7 @@ def _starts(lens) -> np.ndarray:
 
 def _sdpa_mask(mask: str, lq: int, lk: int):
     """How torch's SDPA takes the CK mask of one sequence: (is_causal, bool [lq, lk] or None)."""
-    from fmha_iree.mask import Mask
+    from fmha_iree.problem.mask import Mask
 
     vis = Mask.from_str(mask).materialize(lq, lk)
     if vis.all():
@@ -219,7 +219,7 @@ def _flex_fn(c, q, k, v, dev):
     sequences are skipped. Built (and compiled) on the first call."""
     import torch
 
-    from fmha_iree.mask import Mask
+    from fmha_iree.problem.mask import Mask
 
     ql, kl = c["q_lens"], c["k_lens"]
     m = Mask.from_str(c["mask"])

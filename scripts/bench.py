@@ -96,7 +96,7 @@ def presets(name):
 
 def _peer_mask(mask: str, sq: int, sk: int):
     """How torch's SDPA takes a CK mask: (is_causal, boolean attn_mask or None)."""
-    from fmha_iree.mask import Mask
+    from fmha_iree.problem.mask import Mask
 
     m = Mask.from_str(mask)
     vis = m.materialize(sq, sk)
@@ -151,7 +151,7 @@ def _flex_time(q, k, v, mask, reps):
         import torch
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        from fmha_iree.mask import Mask
+        from fmha_iree.problem.mask import Mask
 
         sq, sk = q.shape[2], k.shape[2]
         y, x = Mask.from_str(mask).clipped_coords(sq, sk)
@@ -173,7 +173,7 @@ def run(args):
     import torch
 
     import fmha_iree
-    from fmha_iree.mask import Mask
+    from fmha_iree.problem.mask import Mask
 
     cuda = args.device.startswith("cuda")
     loaded = {}
@@ -254,7 +254,7 @@ def run(args):
 
 def _torch_inputs_time(f, q, k, v, mask, reps: int, want) -> float:
     """Seconds per call of ``f`` on torch CUDA tensors (shared with IREE through DLPack, results
-    returned as torch CUDA tensors, the two streams ordered as ``fmha_iree.torch_gpu`` says), back
+    returned as torch CUDA tensors, the two streams ordered as ``fmha_iree.runtime.torch_gpu`` says), back
     to back, each block closed by ``torch.cuda.synchronize()``; the result must equal ``want``."""
     import torch
 

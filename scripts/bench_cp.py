@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Context-parallel (ring) attention on N GPUs: ``fmha_iree.distributed.context_parallel_attention``
+"""Context-parallel (ring) attention on N GPUs: ``fmha_iree.integrations.distributed.context_parallel_attention``
 against torch's ``context_parallel`` over SDPA flash on the same ranks, and fmha_iree on one GPU
 (rank 0 alone, the whole sequence), same inputs, same run.
 
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 import fmha_iree
-from fmha_iree.distributed import context_parallel_attention, shard_sequence
+from fmha_iree.integrations.distributed import context_parallel_attention, shard_sequence
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 

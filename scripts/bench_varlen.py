@@ -58,7 +58,7 @@ from _varlen_peers import _pad, _starts, _torch_peers, _unpad
 HBM_TB_PER_S = 4.3  # the H200's HBM copy rate, the reference of the decode rows' GB/s
 # the growing decode row's calls per cycle (key lengths from the row's minus 255 up to them, at least 1):
 # more than the row makes, so that no composition repeats within it and none replays a prepared call
-# (fmha_iree.prepared); a model's later layers in one decode step would
+# (fmha_iree.runtime.prepared); a model's later layers in one decode step would
 GROW = 256
 
 

@@ -1,5 +1,5 @@
 """Check by hand on a CUDA GPU that fmha_iree calls on torch CUDA tensors are ordered against
-torch's stream (``fmha_iree.torch_gpu``): inputs written late by torch, results read and inputs
+torch's stream (``fmha_iree.runtime.torch_gpu``): inputs written late by torch, results read and inputs
 overwritten by torch right after the call, calls back to back, on torch's default stream and on
 a side stream, batch mode and group mode (a loaded module).
 

@@ -6,10 +6,10 @@ Three verbs:
     python scripts/tune.py compile --out tune_out [--dtype f16 bf16] [--hdim 64 128 256] [--quick]
                                    [--stage coarse|final] [--from RESULTS.json] [--jobs 2]
     python scripts/tune.py run tune_out --out DIR [--reps 20] [--only NAME,...]
-    python scripts/tune.py write RESULTS.json [--out fmha_iree/tuned_cuda.json]
+    python scripts/tune.py write RESULTS.json [--out fmha_iree/problem/tuned_cuda.json]
 
 Since 2026-11-30 (commit 30b39b7) ``compile`` builds every module as the package builds CUDA modules,
-with IREE's polynomial exp2 replaced by ``ex2.approx`` (``fmha_iree/ptx.py``; ``--iree-exp2`` to
+with IREE's polynomial exp2 replaced by ``ex2.approx`` (``fmha_iree/toolchain/ptx.py``; ``--iree-exp2`` to
 keep IREE's). The current ``tuned_cuda.json`` entries were chosen by a sweep of IREE's fused
 ``attention`` op on the H200 (2026-11-30, commit 30b39b7; docs/BENCHMARKS.md); this
 script's ``online_attention`` grid is the 2026-11-29 instrument, and its ``write`` output has the
@@ -42,7 +42,7 @@ SDPA on the same shapes with CUDA events, and writes ``DIR/results.json`` and ``
 after every module (partial results survive a timeout).
 
 ``write`` keeps the fastest correct module per (dtype, hdim) at the main shape (S=4096) and
-writes them to ``fmha_iree/tuned_cuda.json``.
+writes them to ``fmha_iree/problem/tuned_cuda.json``.
 
 TFLOP/s = 4 * BH * S * S * D / time.
 """

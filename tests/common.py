@@ -47,10 +47,10 @@ def gpu_formulation(dtype, layout, group, dq, dv=None):
     capabilities (``paths.Loaded``): ``fwd``, the tiles, the ragged and the packed entry points
     (CUDA's unfused bindings). Compiled once per machine and source: the test processes share the
     modules through ``_shared_vmfb``."""
-    from fmha_iree.compile import ASYNC_FLAGS, CUDA_FLAGS, compile_flags
-    from fmha_iree.source import fwd_plan, source_mlir
-    from fmha_iree.spec import KernelSpec
-    from fmha_iree.targets import Target
+    from fmha_iree.toolchain.compile import ASYNC_FLAGS, CUDA_FLAGS, compile_flags
+    from fmha_iree.codegen.source import fwd_plan, source_mlir
+    from fmha_iree.problem.spec import KernelSpec
+    from fmha_iree.problem.targets import Target
 
     spec = KernelSpec(dtype, layout, group, dq, dv or dq, RAGGED_TILES, Target.from_name("host"))
     assert fwd_plan(spec, fused_step=True) is not None
@@ -62,9 +62,9 @@ def bind(vmfb: bytes, spec, *, fused_step: bool = True):
     """``vmfb`` (compiled from ``spec``; ``fused_step``: the GPU formulation) loaded on the CPU with
     its capabilities (``paths.Loaded``), as the paths' functions take it. A build that leaves out
     some entries (``source_mlir(with_fwd=False)``) has the capabilities of those it has."""
-    from fmha_iree.entries import capabilities
+    from fmha_iree.codegen.entries import capabilities
     from fmha_iree.paths import Capabilities, Loaded
-    from fmha_iree.runtime import FmhaModule
+    from fmha_iree.runtime.module import FmhaModule
 
     module = FmhaModule(vmfb, "local-task", spec.module_name, typed_bf16=fused_step)
     record = capabilities(spec, fused_step=fused_step)
@@ -245,7 +245,7 @@ def hide_entries(monkeypatch, *names):
 def spy_calls(monkeypatch, *fns):
     """A list that records ``(fn, args, kw)`` of every ``FmhaModule.call`` of the functions ``fns``
     (all where none are given), the calls still made."""
-    from fmha_iree.runtime import FmhaModule
+    from fmha_iree.runtime.module import FmhaModule
 
     seen, real = [], FmhaModule.call
 

@@ -70,7 +70,7 @@ def test_layout_as_a_numpy_string():
     """A ``numpy.str_`` layout (a str subclass, as ``np.random.choice`` gives) computes as the
     str does and reaches the kernel spec as a plain str (the torch-exported graph rejects numpy
     values at compile time)."""
-    from fmha_iree.spec import check_batch
+    from fmha_iree.problem.spec import check_batch
 
     q, k, v = make_qkv(seed_of("np-str-layout"), B=2, Hq=2, Sq=30, Sk=41, Dq=64, layout="bshd")
     check_fwd(q, k, v, mask="b:4,2", layout=np.str_("bshd"), what="numpy.str_ layout")

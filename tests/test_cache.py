@@ -137,7 +137,7 @@ def test_unwritable_entry_keeps_the_compiled_module(cache, monkeypatch, caplog):
     it compiles and how long it took (logger "fmha_iree", INFO)."""
     import logging
 
-    from fmha_iree import cache as disk
+    from fmha_iree.toolchain import cache as disk
 
     def fail(*a, **k):
         raise PermissionError("read-only file system")
@@ -159,7 +159,7 @@ def test_cache_folder_deleted_during_a_compile_keeps_the_module(cache, monkeypat
     returns the right result with one warning, and the compiled module serves the next call."""
     import shutil
 
-    from fmha_iree import compile as C
+    from fmha_iree.toolchain import compile as C
 
     real = C.compile_spec
 

@@ -15,8 +15,8 @@ import torch
 
 import fmha_iree
 from fmha_iree.cli import compile_matrix
-from fmha_iree.targets import GFX_TARGETS, Target
-from fmha_iree.tiles import not_supported_reasons
+from fmha_iree.problem.targets import GFX_TARGETS, Target
+from fmha_iree.problem.tiles import not_supported_reasons
 
 from common import configured_attention_tiles
 from reference import attention_ref, assert_close
@@ -66,7 +66,7 @@ def test_matrix_compiles_every_default(matrix):
     assert not failed, failed
     for r in (r for r in rows if "refused" in r):
         t = Target.from_name(r["target"])
-        from fmha_iree.tiles import default_tiles
+        from fmha_iree.problem.tiles import default_tiles
 
         why = not_supported_reasons(default_tiles(t.family, r["hdim"], r["hdim"], t.arch, r["dtype"]), t.family, t.arch,
                                     r["hdim"], r["hdim"], r["dtype"])
@@ -148,7 +148,7 @@ def test_matrix_manifests_tiles_and_isa(matrix, target):
                 assert steps and all(k["mfma_count"] + k["wmma_count"] for k in steps), (r["module"], steps)
         else:
             assert man["isa"] is None
-        if man["target"]["backend"] == "cuda":  # every exp2 expansion became ex2.approx (fmha_iree/ptx.py)
+        if man["target"]["backend"] == "cuda":  # every exp2 expansion became ex2.approx (fmha_iree/toolchain/ptx.py)
             ex = man["native_exp2"]
             assert ex["replaced"] > 0 and ex["floors_left"] == 0, (r["module"], ex)
             assert (out / f"{r['module']}.vmfb").read_bytes().count(b"ex2.approx.ftz.f32") >= ex["replaced"]
@@ -182,8 +182,8 @@ def _ptx_entries(dump) -> dict:
 
 @pytest.mark.parametrize("target", ["gfx90a", "gfx950", "gfx1201", "sm_80"])
 def test_nondefault_tiles_reach_configured_ir(tmp_path, target):
-    from fmha_iree.compile import build_artifact
-    from fmha_iree.spec import KernelSpec
+    from fmha_iree.toolchain.compile import build_artifact
+    from fmha_iree.problem.spec import KernelSpec
 
     tiles = fmha_iree.TileConfig(m0=32, n0=32, k0=16, n1=64, k1=16, kv_chunk=128)
     spec = KernelSpec("f16", "bshd", 2, 128, 128, tiles, Target.from_name(target))
@@ -244,8 +244,9 @@ def test_cli_refuses_bad_seqlens(tmp_path, target, extra, fragment):
     assert not (tmp_path / "x.vmfb").exists()
 
 
-CODEGEN = ("fmha_iree.source", "fmha_iree.source_cpu", "fmha_iree.entries", "fmha_iree.graph", "fmha_iree.kernels",
-           "fmha_iree.mlir_templates", "fmha_iree.compile", "fmha_iree.rows", "iree.turbine")
+# The code generator's wings: importing anything in them fails (a submodule's import goes
+# through its package first)
+CODEGEN = ("fmha_iree.codegen", "fmha_iree.toolchain", "iree.turbine")
 
 
 def _route_lines(stdout: str, tag: str) -> list[str]:
@@ -370,7 +371,7 @@ def test_damaged_module_files_are_refused(bshd_module, tmp_path):
             fmha_iree.load(path)
     f = fmha_iree.load(vmfb)
     assert not hasattr(f, "module")
-    from fmha_iree import runtime as runtime_module
+    from fmha_iree.runtime import module as runtime_module
 
     assert "FmhaModule" not in runtime_module.__all__ and "FmhaModule" not in fmha_iree.__all__
 
@@ -382,7 +383,7 @@ def test_module_of_an_earlier_manifest_format_is_refused(tmp_path):
     fmha_iree manifest at all is refused too."""
     import hashlib
 
-    from fmha_iree.abi import MANIFEST_FORMAT
+    from fmha_iree.problem.abi import MANIFEST_FORMAT
 
     assert MANIFEST_FORMAT != "fmha_iree.module/1"
     blob = b"not a module"
@@ -532,10 +533,10 @@ def test_manifest_step_argument_types(target, expect):
     template reads bf16 typed on GPUs and as its int16 bits on the CPU (whose runtime passes them so).
     GPU modules with ``fwd`` and ``fwd_ragged`` carry no plan (``source.has_plan``): their
     manifest has no step, and the step's record is read where it is written."""
-    from fmha_iree.entries import _Io, _plan_entry_points, entry_points
-    from fmha_iree.source import has_plan
-    from fmha_iree.spec import KernelSpec
-    from fmha_iree.tiles import default_tiles
+    from fmha_iree.codegen.entries import _Io, _plan_entry_points, entry_points
+    from fmha_iree.codegen.source import has_plan
+    from fmha_iree.problem.spec import KernelSpec
+    from fmha_iree.problem.tiles import default_tiles
 
     tgt = Target.from_name(target)
     spec = KernelSpec("bf16", "bshd", 4, 128, 128, default_tiles(tgt.family, 128, 128), tgt)
@@ -550,7 +551,7 @@ def test_manifest_step_argument_types(target, expect):
 def test_dispatch_limits_name_what_the_runtime_refuses(tmp_path):
     """A dumped export over IREE's GPU HAL limits (16 bindings, 64 push constants a dispatch: such
     a module compiles and then fails to load) is named; one at the limits is not."""
-    from fmha_iree.isa import dispatch_limits
+    from fmha_iree.toolchain.isa import dispatch_limits
 
     def export(name, n, c):
         binds = ", ".join(['#hal.pipeline.binding<storage_buffer, "ReadOnly|Indirect">'] * n)
@@ -566,8 +567,8 @@ def test_manifest_flags_leave_out_a_temporary_dump(tmp_path, monkeypatch):
     """A gfx build dumps its executables (for the ISA report) into a temporary folder unless given
     one: the manifest's flags and command, how to build the module again, leave that folder out,
     and keep a folder the caller chose."""
-    import fmha_iree.compile as C
-    from fmha_iree.spec import KernelSpec, check_tiles
+    import fmha_iree.toolchain.compile as C
+    from fmha_iree.problem.spec import KernelSpec, check_tiles
 
     seen = []
 

@@ -1,4 +1,4 @@
-"""Context-parallel (ring) attention over torch.distributed (``fmha_iree.distributed``), on the CPU
+"""Context-parallel (ring) attention over torch.distributed (``fmha_iree.integrations.distributed``), on the CPU
 with ``gloo``: 2 and 4 ranks in child processes (one start per world size runs every case of
 that size), a 1-rank group in this process; results against the float64 reference and against one
 ``fmha_fwd`` call over the whole sequence. The shard layout, the ring's block plan and the LSE merge
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fmha_iree
-from fmha_iree.distributed import (chunk_bounds, context_parallel_attention, gather_sequence, merge_attention,
+from fmha_iree.integrations.distributed import (chunk_bounds, context_parallel_attention, gather_sequence, merge_attention,
                                    ring_blocks, shard_lengths, shard_sequence, unshard_sequence)
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
@@ -137,7 +137,7 @@ def spawned(module, deployed, tmp_path_factory):
     rank as a fresh interpreter cost about 8 s for 4 ranks on a 2-core machine); the forkserver
     itself has run nothing, so the ranks open their own IREE devices."""
     cache = {}
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "fmha_iree.api", "fmha_iree.distributed",
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "fmha_iree.api", "fmha_iree.integrations.distributed",
                                             "reference", _rank_main.__module__])
 
     def run(world: int) -> list[dict]:
@@ -332,7 +332,7 @@ def test_merge_attention_equals_softmax_over_both_key_sets():
 def test_merge_rows_keeps_the_unmerged_rows_and_promotes_to_float32():
     """A ring's state starts as the first block's result in the inputs' dtype; merging a later
     block into some of its rows gives float32 for every row, the other rows' values unchanged."""
-    from fmha_iree.distributed import _merge_rows
+    from fmha_iree.integrations.distributed import _merge_rows
 
     g = torch.Generator().manual_seed(seed_of("merge-rows"))
     s = torch.randn(1, 2, 6, 10, generator=g, dtype=torch.float64)

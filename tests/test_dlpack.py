@@ -88,7 +88,7 @@ def test_torch_gpu_tensors_pick_their_gpu_or_are_refused_by_name():
     anything else (CPU tensors, numpy, DeviceTensors) takes the usual path."""
     import torch
 
-    from fmha_iree.torch_gpu import torch_gpu
+    from fmha_iree.runtime.torch_gpu import torch_gpu
 
     g0, g1 = _FakeGpuTensor(0), _FakeGpuTensor(1)
     drv = "hip" if getattr(torch.version, "hip", None) else "cuda"

@@ -159,7 +159,7 @@ def test_unavailable_device_is_refused_before_compiling(main_problem):
     before anything compiles."""
     import time
 
-    from fmha_iree.device import get_device
+    from fmha_iree.runtime.device import get_device
 
     try:
         get_device("cuda://0")
@@ -197,7 +197,7 @@ def test_rows_past_32_bits_are_refused(main_problem, monkeypatch):
     """The kernels index rows (a tensor's axes but the head dim) in 32 bits; a tensor with more is
     a ValueError naming it, in batch and group mode (the bound lowered so that a small tensor
     crosses it)."""
-    import fmha_iree.spec as spec
+    import fmha_iree.problem.spec as spec
 
     q, k, v = good(B=2, Hq=2, Sq=8, Sk=24)
     monkeypatch.setattr(spec, "ROWS_MAX", 2 * 2 * 16)
@@ -217,7 +217,7 @@ def test_cuda_allocator_policy_from_the_environment():
     """CUDA devices keep released buffers (IREE's stream-ordered allocations off, its caching
     allocator on) unless the environment says otherwise; a bad setting is a ValueError naming the
     variable; other devices keep IREE's defaults."""
-    from fmha_iree.allocation import CUDA_CACHE_DEFAULT, CUDA_CACHE_ENV, AllocatorPolicy, allocator_policy
+    from fmha_iree.runtime.allocation import CUDA_CACHE_DEFAULT, CUDA_CACHE_ENV, AllocatorPolicy, allocator_policy
 
     p = allocator_policy("cuda://0", {})
     assert p.flags == ("--cuda_async_allocations=false",) and p.budget == CUDA_CACHE_DEFAULT
@@ -242,7 +242,7 @@ def test_cache_keeper_bounds_the_kept_bytes():
     bytes held are read against what the process held when the test began."""
     import iree.runtime as rt
 
-    from fmha_iree.allocation import CacheKeeper, allocator_policy
+    from fmha_iree.runtime.allocation import CacheKeeper, allocator_policy
 
     spec = allocator_policy("cuda", {}).allocators
     dev = rt.get_driver("local-task").create_device_by_uri("local-task", allocators=list(spec))

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import fmha_iree
-from fmha_iree.compile import ASYNC_FLAGS, compile_flags
-from fmha_iree.source import source_mlir
-from fmha_iree.device import DeviceTensor
-from fmha_iree.spec import KernelSpec, check_batch
-from fmha_iree.targets import Target
+from fmha_iree.toolchain.compile import ASYNC_FLAGS, compile_flags
+from fmha_iree.codegen.source import source_mlir
+from fmha_iree.runtime.device import DeviceTensor
+from fmha_iree.problem.spec import KernelSpec, check_batch
+from fmha_iree.problem.targets import Target
 
 from common import bind, route, run_batch
 from reference import assert_close, attention_ref, make_qkv, seed_of
@@ -241,7 +241,7 @@ def _template_on_host(text: str, S: int, A: int, layout: str, q, k, v, *extra):
 def test_dense_out_transposed_v(layout, group, dtype):
     """The out-only template with V copied to [BH, Dv, S] first (the CUDA tiles' ``transpose_v``),
     built for llvm-cpu: same numbers as the float64 reference."""
-    from fmha_iree.mlir_templates import TRANSPOSE_V_MIN_SEQLEN, render_dense_out
+    from fmha_iree.codegen.mlir_templates import TRANSPOSE_V_MIN_SEQLEN, render_dense_out
 
     S, A, D, B, Hk = TRANSPOSE_V_MIN_SEQLEN, 64, 64, 1, 2
     dt = {torch.float32: "f32", torch.float16: "f16"}[dtype]

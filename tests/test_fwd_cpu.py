@@ -1,4 +1,4 @@
-"""``fwd`` (``fmha_iree.kernels.general``: any lengths and any CK mask in one call) checked for
+"""``fwd`` (``fmha_iree.codegen.kernels.general``: any lengths and any CK mask in one call) checked for
 numbers on the CPU, where CI runs: the GPU module's formulation built for llvm-cpu and driven
 through the batch-mode paths (``paths.run_batch``), against the float64 reference.
 
@@ -13,7 +13,7 @@ import torch
 
 from fmha_iree.paths.base import Refused
 from fmha_iree.paths.tiles import TILES
-from fmha_iree.spec import check_batch
+from fmha_iree.problem.spec import check_batch
 from common import route, run_batch
 
 from reference import assert_close, attention_ref, make_qkv, seed_of

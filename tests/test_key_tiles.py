@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from fmha_iree.abi import TILE_COLUMNS
-from fmha_iree.mask import Mask
-from fmha_iree.paged import check_paged
+from fmha_iree.problem.abi import TILE_COLUMNS
+from fmha_iree.problem.mask import Mask
+from fmha_iree.problem.paged import check_paged
 from fmha_iree.paths import frame as frames, policy, tiles as key_tiles
 from fmha_iree.paths import tiles as tiles_path
 from fmha_iree.paths.base import Problem
 from fmha_iree.paths.capabilities import TilesCaps
-from fmha_iree.spec import check_batch
+from fmha_iree.problem.spec import check_batch
 
 import test_ragged as ragged
 from common import cu, route, run_batch, run_paged

@@ -140,7 +140,7 @@ def test_cpu_decode_reads_pages_in_place(monkeypatch, page):
     """A CPU decode batch over a paged cache runs ``rows_packed_pages`` (the pages read through the
     block table, nothing gathered on the host): several groups of similar key counts, NaN in every
     free page and -1 in the table past each sequence's pages, against the float64 reference."""
-    from fmha_iree.runtime import Upload
+    from fmha_iree.runtime.module import Upload
 
     set_policy(monkeypatch, GROUP_KEYS=64)  # several rows calls at these sizes
     calls = spy_calls(monkeypatch)

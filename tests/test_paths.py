@@ -6,12 +6,12 @@ path before it gives for refusing it. The numbers of each path are tested elsewh
 import numpy as np
 import pytest
 
-from fmha_iree.paged import check_paged
+from fmha_iree.problem.paged import check_paged
 from fmha_iree.paths import ORDER, NoPath, Problem, select
 from fmha_iree.paths.capabilities import Capabilities, DenseCaps, TilesCaps
 from fmha_iree.paths.dispatch import paged_problem
-from fmha_iree.spec import check_batch, check_varlen
-from fmha_iree.tiles import TileConfig
+from fmha_iree.problem.spec import check_batch, check_varlen
+from fmha_iree.problem.tiles import TileConfig
 
 TILES = TileConfig(m0=128, n0=64, k0=32, n1=128, k1=32, kv_chunk=256)
 GPU = ("fwd", "fwd_ragged", "fwd_tiles", "fwd_tiles_paged", "fwd_packed", "fwd_packed_paged", "fwd_packed_pages",

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import fmha_iree
-from fmha_iree import plan as plan_mod
-from fmha_iree.mask import Mask
-from fmha_iree.plan import Sequences, build_plan, state_tiles, units_budget
-from fmha_iree.tiles import default_tiles
+from fmha_iree.problem import plan as plan_mod
+from fmha_iree.problem.mask import Mask
+from fmha_iree.problem.plan import Sequences, build_plan, state_tiles, units_budget
+from fmha_iree.problem.tiles import default_tiles
 from common import MAIN, check_fwd
 from reference import assert_close, attention_ref, make_qkv, seed_of
 

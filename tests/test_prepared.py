@@ -1,4 +1,4 @@
-"""Group-mode calls prepared once and replayed (``fmha_iree.prepared``): a repeated call on
+"""Group-mode calls prepared once and replayed (``fmha_iree.runtime.prepared``): a repeated call on
 DeviceTensors with the same metadata values runs the first call's entry point, index table and
 scalars on the new tensors' data. Checked on the GPU modules' formulation built for llvm-cpu
 against the float64 reference; keys against the metadata's values."""
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from fmha_iree.device import DeviceTensor
-from fmha_iree.paged import check_paged
-from fmha_iree.prepared import PreparedCalls, varlen_call_key
-from fmha_iree.spec import check_varlen
+from fmha_iree.runtime.device import DeviceTensor
+from fmha_iree.problem.paged import check_paged
+from fmha_iree.runtime.prepared import PreparedCalls, varlen_call_key
+from fmha_iree.problem.spec import check_varlen
 
 from common import run_group, run_paged
 from reference import assert_close, seed_of, varlen_ref

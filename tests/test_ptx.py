@@ -1,4 +1,4 @@
-"""``fmha_iree.ptx``: the exp2 expansions IREE 3.13 writes into CUDA kernels are all found, what is
+"""``fmha_iree.toolchain.ptx``: the exp2 expansions IREE 3.13 writes into CUDA kernels are all found, what is
 removed computes 2^x (run instruction by instruction in float32 here, against float64), and the
 patched PTX still assembles (when ``ptxas`` is installed)."""
 
@@ -8,9 +8,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from fmha_iree.mlir_templates import default_lowering, render_dense_out
-from fmha_iree.ptx import find_exp2, native_exp2
-from fmha_iree.targets import Target
+from fmha_iree.codegen.mlir_templates import default_lowering, render_dense_out
+from fmha_iree.toolchain.ptx import find_exp2, native_exp2
+from fmha_iree.problem.targets import Target
 
 
 @pytest.fixture(scope="module")

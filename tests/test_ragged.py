@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from fmha_iree.device import DeviceTensor
-from fmha_iree.mask import Mask
+from fmha_iree.runtime.device import DeviceTensor
+from fmha_iree.problem.mask import Mask
 from fmha_iree.paths import frame as frames, packed as packed_path, policy
 from fmha_iree.paths.base import Refused
 from fmha_iree.paths.tiles import TILES as TILES_PATH
-from fmha_iree.paged import check_paged
-from fmha_iree.spec import check_batch, check_varlen
+from fmha_iree.problem.paged import check_paged
+from fmha_iree.problem.spec import check_batch, check_varlen
 
 from common import RAGGED_TILES, route, run_batch, run_group, run_paged
 from reference import assert_close, attention_ref, seed_of, varlen_ref

@@ -10,11 +10,11 @@ entry points of the templates (``dense``, and at a compiled-in length ``dense_o_
 import pytest
 import torch
 
-import fmha_iree.source as source
+import fmha_iree.codegen.source as source
 from fmha_iree.paths.base import Refused
 from fmha_iree.paths.tiles import TILES
-from fmha_iree.spec import KernelSpec, check_batch
-from fmha_iree.targets import Target
+from fmha_iree.problem.spec import KernelSpec, check_batch
+from fmha_iree.problem.targets import Target
 from common import RAGGED_TILES, _shared_vmfb, bind, gpu_formulation, route, run_batch
 
 from reference import assert_close, attention_ref, make_qkv, seed_of
@@ -59,7 +59,7 @@ S = 256
 def scaled_entries():
     """A bf16 ``bshd`` G = 2 module with S compiled in whose one-call entry points multiply the
     scores by the scale (no ``fwd``: these tests are about the other entries)."""
-    from fmha_iree.compile import ASYNC_FLAGS, compile_flags
+    from fmha_iree.toolchain.compile import ASYNC_FLAGS, compile_flags
 
     spec = KernelSpec("bf16", "bshd", 2, 64, 64, RAGGED_TILES, Target.from_name("host"), (S,))
     with pytest.MonkeyPatch.context() as mp:

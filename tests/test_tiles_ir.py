@@ -7,11 +7,11 @@ fused online_attention step.
 import pytest
 
 import fmha_iree
-from fmha_iree.compile import compile_flags
-from fmha_iree.source import source_mlir
-from fmha_iree.spec import KernelSpec
-from fmha_iree.targets import Target
-from fmha_iree.tiles import default_tiles
+from fmha_iree.toolchain.compile import compile_flags
+from fmha_iree.codegen.source import source_mlir
+from fmha_iree.problem.spec import KernelSpec
+from fmha_iree.problem.targets import Target
+from fmha_iree.problem.tiles import default_tiles
 
 from common import configured_attention_tiles
 
@@ -131,8 +131,8 @@ def test_cuda_tiles_edge_subgroups(dtype, hdim, edge_rows, edge_warps):
     """``fwd_tiles`` on CUDA: the interior op keeps 128 rows at 32 rows a warp (Dv 256: 16); the
     masked edge op takes one warp per 16 rows from Dv 128, and half a tile's rows
     (``EDGE_PARTS``) where that keeps the interior's warps (``tiles._gpu_edge``)."""
-    from fmha_iree.kernels.tiles import render_tiles
-    from fmha_iree.source import fwd_plan
+    from fmha_iree.codegen.kernels.tiles import render_tiles
+    from fmha_iree.codegen.source import fwd_plan
 
     t = Target.from_name("sm_80")
     spec = KernelSpec(dtype, "bshd", 1, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, dtype), t)
@@ -151,8 +151,8 @@ def test_gfx_tiles_where_they_compiled_clean(arch, dtype, hdim, has):
     holds its steps (gfx950) (``source._rocm_tiles``: where its kernels compiled without spills),
     not where the head dims are padded. Where they carry it, both ops render with a lowering whose
     workgroup size matches its subgroups (RDNA's split Dv included)."""
-    from fmha_iree.kernels.tiles import render_tiles, tiles_shape
-    from fmha_iree.source import fwd_plan
+    from fmha_iree.codegen.kernels.tiles import render_tiles, tiles_shape
+    from fmha_iree.codegen.source import fwd_plan
 
     t = Target.from_name(arch)
     spec = KernelSpec(dtype, "bshd", 4, hdim, hdim, default_tiles(t.family, hdim, hdim, t.arch, dtype), t)

@@ -1,4 +1,4 @@
-"""The torch-native entry points (``fmha_iree.torch_ops``): the batch-mode and group-mode custom
+"""The torch-native entry points (``fmha_iree.integrations.torch_ops``): the batch-mode and group-mode custom
 ops eager (against the float64 reference), under ``torch.compile(fullgraph=True)`` and under
 ``torch.export``, and the SDPA drop-in against torch's own SDPA computed in float64, for every mask
 form it takes; masks it cannot take are refused.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fmha_iree
-import fmha_iree.torch_ops as ops
+import fmha_iree.integrations.torch_ops as ops
 from reference import assert_close, attention_ref, make_qkv, seed_of, varlen_ref
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face transformers through fmha_iree (``fmha_iree.hf``), tested as a user would: a tiny
+"""Hugging Face transformers through fmha_iree (``fmha_iree.integrations.hf``), tested as a user would: a tiny
 Llama with random weights (nothing downloaded) built with ``attn_implementation="fmha_iree"`` gives
 the logits and the greedy generations of the same model on transformers' own ``"sdpa"``.
 
@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fmha_iree.hf import attention_forward, ck_mask, padded_batch, register_transformers  # noqa: E402
+from fmha_iree.integrations.hf import attention_forward, ck_mask, padded_batch, register_transformers  # noqa: E402
 from reference import assert_close, to_f64, visible  # noqa: E402
 
 VOCAB = 128
@@ -48,8 +48,8 @@ def _ids(seed, batch, length):
 
 
 def test_import_has_no_side_effects():
-    code = ("import sys, fmha_iree, fmha_iree.torch_ops, fmha_iree.hf; "
-            "assert fmha_iree.register_transformers is fmha_iree.hf.register_transformers; "
+    code = ("import sys, fmha_iree, fmha_iree.integrations.torch_ops, fmha_iree.integrations.hf; "
+            "assert fmha_iree.register_transformers is fmha_iree.integrations.hf.register_transformers; "
             "assert 'transformers' not in sys.modules, 'importing fmha_iree imported transformers'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

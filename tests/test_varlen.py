@@ -107,7 +107,7 @@ def test_plan_in_state_blocks(monkeypatch, mask):
     """Sequences through the tile plan with its state cut into blocks of 8 tiles (the smallest the
     budget allows at 8 query heads, ``plan.state_tiles``) equal the float64 reference; the
     sequences' 16 tiles make two blocks."""
-    from fmha_iree import plan as plan_mod
+    from fmha_iree.problem import plan as plan_mod
 
     monkeypatch.setitem(plan_mod.STATE_BUDGET, "cpu", 1)
     lq, lk = [600, 130, 1, 0, 900, 70], [600, 200, 5, 3, 850, 70]

@@ -13,9 +13,9 @@ import dataclasses
 
 import numpy as np
 
-from ..device import DeviceTensor
-from ..paged import PagedCache
-from ..spec import BatchProblem
+from ..runtime.device import DeviceTensor
+from ..problem.paged import PagedCache
+from ..problem.spec import BatchProblem
 
 __all__ = ["Problem", "Refused", "Call", "EmptyCall", "empty_result", "shaped", "ABI_DTYPES"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..tiles import TileConfig
+from ..problem.tiles import TileConfig
 
 __all__ = ["Capabilities", "DenseCaps", "TilesCaps"]
 

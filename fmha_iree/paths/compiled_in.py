@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from ..runtime import Const
+from ..runtime.module import Const
 from .base import Call, Problem, Refused, shaped
 from .capabilities import Capabilities, DenseCaps
 

@@ -12,10 +12,10 @@ import dataclasses
 
 import numpy as np
 
-from ..abi import CPU_WAVE_KEYS, CPU_WAVE_ROWS
-from ..plan import runs, unit_tiles, wave_tables
-from ..runtime import Host, Upload
-from ..spec import BatchProblem
+from ..problem.abi import CPU_WAVE_KEYS, CPU_WAVE_ROWS
+from ..problem.plan import runs, unit_tiles, wave_tables
+from ..runtime.module import Host, Upload
+from ..problem.spec import BatchProblem
 from .base import Call, Problem, Refused, empty_result
 from .capabilities import Capabilities
 from .cpu_short import rows_group, short_sequences

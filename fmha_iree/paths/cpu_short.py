@@ -10,10 +10,10 @@ import dataclasses
 
 import numpy as np
 
-from ..paged import PagedCache
-from ..plan import runs
-from ..runtime import Const, Upload
-from ..spec import BatchProblem
+from ..problem.paged import PagedCache
+from ..problem.plan import runs
+from ..runtime.module import Const, Upload
+from ..problem.spec import BatchProblem
 from .base import Call, Problem, Refused
 from .capabilities import Capabilities
 from .frame import descriptors

@@ -13,10 +13,10 @@ import math
 
 import numpy as np
 
-from ..device import DeviceTensor
-from ..paged import PagedCache
-from ..runtime import FmhaModule
-from ..spec import BatchProblem, Operand, check_varlen
+from ..runtime.device import DeviceTensor
+from ..problem.paged import PagedCache
+from ..runtime.module import FmhaModule
+from ..problem.spec import BatchProblem, Operand, check_varlen
 from .base import Problem
 from .capabilities import Capabilities
 from .select import Route, select

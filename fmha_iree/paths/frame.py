@@ -11,9 +11,9 @@ import dataclasses
 
 import numpy as np
 
-from ..abi import PREFIX_STEPS
-from ..plan import runs
-from ..runtime import Staged
+from ..problem.abi import PREFIX_STEPS
+from ..problem.plan import runs
+from ..runtime.module import Staged
 from .base import Call, shaped, Problem
 
 __all__ = ["Frame", "TableCall", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame",

@@ -14,8 +14,8 @@ import dataclasses
 
 import numpy as np
 
-from ..abi import PAGE_GROUP, PAGE_ROWS, PIECE_ROWS
-from ..plan import runs
+from ..problem.abi import PAGE_GROUP, PAGE_ROWS, PIECE_ROWS
+from ..problem.plan import runs
 from .base import Problem, Refused
 from .capabilities import Capabilities
 from .frame import Frame, TableCall, frame_keys, problem_frame

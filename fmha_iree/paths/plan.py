@@ -11,9 +11,9 @@ import dataclasses
 
 import numpy as np
 
-from ..device import DeviceTensor
-from ..plan import Block, Plan, Sequences, build_plan, state_tiles, units_budget
-from ..runtime import Bound, Const, Upload
+from ..runtime.device import DeviceTensor
+from ..problem.plan import Block, Plan, Sequences, build_plan, state_tiles, units_budget
+from ..runtime.module import Bound, Const, Upload
 from .base import Call, shaped, EmptyCall, Problem, Refused
 from .capabilities import Capabilities
 

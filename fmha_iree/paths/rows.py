@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from ..runtime import Const
+from ..runtime.module import Const
 from .base import Call, shaped, Problem, Refused
 from .capabilities import Capabilities
 from .frame import descriptors

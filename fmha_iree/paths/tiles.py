@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..abi import EDGE_PARTS, PIECE_ROWS, TILE_COLUMNS
+from ..problem.abi import EDGE_PARTS, PIECE_ROWS, TILE_COLUMNS
 from .base import Problem, Refused
 from .capabilities import Capabilities, TilesCaps
 from .frame import TableCall, descriptors, paged_bases
