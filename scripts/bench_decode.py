@@ -65,7 +65,8 @@ def calls(mod, q, k, v, rng, page: int):
     import fmha_iree
 
     B, Sk, Hk, D = k.shape
-    up = lambda x: fmha_iree.to_device(x, mod.device_uri)  # noqa: E731
+    gpu = not mod.device_uri.startswith("local")  # the CPU's group-mode calls read host arrays
+    up = (lambda x: fmha_iree.to_device(x, mod.device_uri)) if gpu else (lambda x: x)  # noqa: E731
     qb, kb, vb = up(q), up(k), up(v)
     qg, kg, vg = up(q[:, 0]), up(k.reshape(B * Sk, Hk, D)), up(v.reshape(B * Sk, Hk, -1))
     sq = np.arange(B + 1, dtype=np.int32)
@@ -103,13 +104,14 @@ def run_case(mod, G, B, args, rng) -> list[dict]:
     for name, fn, route in calls(mod, q, k, v, rng, args.page):
         t = device_time(fn, args.reps)
         out = fn()
-        out = (out[0] if isinstance(out, tuple) else out).to_numpy().astype(np.float32)
+        out = out[0] if isinstance(out, tuple) else out
+        out = np.asarray(out.to_numpy() if hasattr(out, "to_numpy") else out, np.float32)
         diff = float(np.abs(out.reshape(ref.shape) - ref).max())
         row = dict(G=G, B=B, Hq=Hq, Hk=Hk, Sk=Sk, D=D, call=name, path=route.path, entry=route.entry, ms=t * 1e3,
                    gbps=nbytes / t / 1e9, max_abs_diff=diff,
                    **{f"torch_{p}_ms": (pt * 1e3 if pt else None) for p, pt in peers.items()},
                    ratio_vs_best_torch=(best_peer / t if best_peer else None))
-        print(f"G{G:<3} B{B:<3} {name:6} {route.path}/{route.entry:18} {t * 1e3:8.4f} ms {row['gbps']:7.0f} GB/s"
+        print(f"G{G:<3} B{B:<3} {name:6} {route.path + '/' + str(route.entry):26} {t * 1e3:8.4f} ms {row['gbps']:7.0f} GB/s"
               f"  best torch {best_peer * 1e3 if best_peer else float('nan'):8.4f} ms"
               f"  x{row['ratio_vs_best_torch'] or float('nan'):.2f}  diff {diff:.1e}", flush=True)
         rows.append(row)
