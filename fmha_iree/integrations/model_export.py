@@ -59,9 +59,11 @@ def export_model(model, args=(), *, target, kwargs=None, dynamic_shapes=None, fu
     from iree.turbine import aot
     from iree.turbine.transforms.general.custom_op_expansion import ExpandCustomOpsPass
 
-    from . import torch_ops  # noqa: F401  (registers torch.ops.fmha_iree.*)
+    from . import torch_ops
     from .model_op import expanders
     from .turbine_shims import apply
+
+    del torch_ops  # imported for its registration of torch.ops.fmha_iree.*
 
     apply()
     if isinstance(model, aot.FxProgramsBuilder):

@@ -121,10 +121,12 @@ class Expander:
         wrapper = f"{kernel}_call_{_digest((site, arg_types))}"
         if not _has(kb.symbol_table, wrapper):
             kernel_text = kernel_function(spec, kernel)
-            text = _wrapper_text(site, spec, kernel, wrapper, arg_types, _result_types(kernel_text, kernel))
-            if not _has(kb.symbol_table, kernel):
-                text = kernel_text + text
-            _merge(kb, Operation.parse(f"module {{\n{text}\n}}", context=kb.context))
+            text = kernel_text + _wrapper_text(site, spec, kernel, wrapper, arg_types,
+                                               _result_types(kernel_text, kernel))
+            source = Operation.parse(f"module {{\n{text}\n}}", context=kb.context)
+            if _has(kb.symbol_table, kernel):  # merged by an earlier call site: the wrapper alone
+                _drop(source, kernel)
+            _merge(kb, source)
         out, lse = call_function(kb.symbol_table[wrapper], *args)
         kb.yield_results(out, lse)
 
@@ -275,6 +277,13 @@ def _split_types(text: str) -> list[str]:
         else:
             cur += ch
     return out + ([cur.strip()] if cur.strip() else [])
+
+
+def _drop(module, name: str) -> None:
+    """Erase the symbol ``name`` from ``module`` (parsed text)."""
+    from iree.turbine.support.ir_imports import SymbolTable
+
+    SymbolTable(module.operation)[name].erase()
 
 
 def _merge(kb, source_module) -> None:

@@ -17,7 +17,7 @@ from torch import Tensor
 from ..api import fmha_fwd, fmha_fwd_varlen as _fmha_fwd_varlen
 from ..problem.mask import Mask
 
-__all__ = ["sdpa", "mask_of", "fmha_fwd_varlen"]
+__all__ = ["attention", "sdpa", "mask_of", "fmha_fwd_varlen"]
 
 
 @torch.library.custom_op("fmha_iree::fmha_fwd", mutates_args=())
@@ -58,6 +58,24 @@ def _(q, k, v, seqstart_q, seqstart_k=None, seqlen_k=None, seqstart_padded_q=Non
     return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), q.new_empty((q.shape[1], total_q), dtype=torch.float32)
 
 
+def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None = None, layout: str = "bhsd",
+              return_lse: bool = False):
+    """Batch-mode attention with CK's semantics for torch models: :func:`fmha_iree.fmha_fwd`
+    through ``torch.ops.fmha_iree.fmha_fwd``. Eager calls run fmha_iree's modules; in a model
+    exported with ``fmha_iree.integrations.model_export.export_model`` each call becomes fmha_iree's
+    kernel inside the model. ``mask``: None, a CK mask string or a :class:`fmha_iree.Mask` (fixed
+    per call site: the lengths are runtime values); ``out``, or ``(out, lse)`` with lse float32
+    ``[B, Hq, Sq]``."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    out, lse = torch.ops.fmha_iree.fmha_fwd(q, k, v, _mask_str(mask), None if scale is None else float(scale), layout)
+    return (out, lse) if return_lse else out
+
+
 def fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
                     block_table=None, mask=None, scale=None, return_lse=False):
     """:func:`fmha_iree.fmha_fwd_varlen` through ``torch.ops.fmha_iree.fmha_fwd_varlen`` (torch tensors; the
@@ -78,7 +96,9 @@ def fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_
 def _mask_str(mask) -> str:
     if mask is None:
         return "0"
-    if isinstance(mask, (str, Mask)):
+    if isinstance(mask, str):
+        return str(Mask.from_str(mask))  # a ValueError naming mask before anything runs
+    if isinstance(mask, Mask):
         return str(mask)
     raise TypeError(f"mask must be None, a CK mask string or a fmha_iree.Mask, got {type(mask).__name__}")
 

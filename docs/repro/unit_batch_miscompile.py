@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""Repro: IREE 3.13 (llvm-cpu) miscompiles fmha_iree's ``units`` kernel inlined into a model when
+the call site's sizes are static with B * Hk = 1 and G = Hq / Hk > 1 (docs/model-export.md).
+
+    python docs/repro/unit_batch_miscompile.py
+
+Exports a one-call model (q [1, 33, 4, 64], k / v [1, 70, 1, 64], mask ``b``, every size static)
+twice: as fmha_iree exports it (the wrapper passes q, k and v through ``flow.tensor.reshape`` to
+their sizes behind a ``util.optimization_barrier``, so the kernel sees every size dynamic) and with
+the barrier's sizes replaced by the tensors' own (the static sizes then reach the kernel). Prints
+each build's largest difference from a float64 reference.
+"""
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+import iree.compiler.tools as ict  # noqa: E402
+import iree.runtime as rt  # noqa: E402
+from reference import attention_ref  # noqa: E402
+
+from fmha_iree.integrations.model_export import export_model, model_compile_flags  # noqa: E402
+from fmha_iree.integrations.torch_ops import attention  # noqa: E402
+
+
+class One(torch.nn.Module):
+    def forward(self, q, k, v):
+        return attention(q, k, v, mask="b", layout="bshd")
+
+
+def run(mlir: str, q, k, v) -> np.ndarray:
+    vmfb = ict.compile_str(mlir, extra_args=model_compile_flags("host"))
+    ctx = rt.SystemContext(config=rt.Config("local-task"))
+    ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
+    return np.asarray(ctx.modules.module["main"](q.numpy(), k.numpy(), v.numpy()).to_host())
+
+
+def main():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 33, 4, 64, generator=g), torch.randn(1, 70, 1, 64, generator=g), torch.randn(
+        1, 70, 1, 64, generator=g)
+    mlir = export_model(One(), (q, k, v), target="host")
+    # the reshape to the barrier's sizes, made a reshape to the tensors' own sizes
+    bare = re.sub(r"(flow\.tensor\.reshape %\w+ : (tensor<[^>]*>)\{([^}]*)\} -> \2)\{[^}]*\}", r"\1{\3}", mlir)
+    assert bare != mlir
+    ref, _ = attention_ref(q, k, v, mask="b", layout="bshd")
+    for name, text in (("sizes behind the barrier", mlir), ("static sizes reach the kernel", bare)):
+        print(f"{name}: max |out - ref| = {np.abs(run(text, q, k, v) - ref).max():.3g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""fmha_iree attention inside a whole exported model (``integrations.model_export``): a torch model
+calling ``torch.ops.fmha_iree.fmha_fwd`` exported with iree-turbine, compiled as one module and run
+through ``iree.runtime`` alone, against the float64 reference; refusals before iree-compile; the
+turbine shims still needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from reference import assert_close, attention_ref
+
+import iree.runtime as rt
+from fmha_iree.integrations.model_export import compile_model, export_model, model_compile_flags
+from fmha_iree.integrations.torch_ops import attention
+
+MASKS = ["0", "t", "b", "t:5,3", "b:4,0", "xt:7", "xb:9"]
+
+
+class Masks(torch.nn.Module):
+    """Every CK mask kind on one q, k, v (bshd, GQA): each call site's out and LSE; the first call
+    also with its own scale."""
+
+    def forward(self, q, k, v):
+        res = []
+        for m in MASKS:
+            res += list(attention(q, k, v, mask=m, layout="bshd", return_lse=True))
+        res.append(attention(q, k, v, mask="b", scale=0.3, layout="bshd"))
+        return tuple(res)
+
+
+class Cast(torch.nn.Module):
+    """f16 in bhsd and bf16 in bshd, cast inside the model (host arrays stay f32)."""
+
+    def forward(self, q, k, v):
+        bhsd = [x.transpose(1, 2).to(torch.float16) for x in (q, k, v)]
+        a = attention(*bhsd, mask="b", layout="bhsd").transpose(1, 2).float()
+        b = attention(*(x.to(torch.bfloat16) for x in (q, k, v)), mask="t:6,0", layout="bshd").float()
+        return a, b
+
+
+def _run(vmfb: bytes, *arrays):
+    """The module's ``main`` run through ``iree.runtime`` alone: its results as numpy arrays."""
+    ctx = rt.SystemContext(config=rt.Config("local-task"))
+    ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
+    res = ctx.modules.module["main"](*arrays)
+    return [np.asarray(r.to_host()) for r in (res if isinstance(res, (list, tuple)) else [res])]
+
+
+def _compiled(model, shapes, tmp_path, dyn=True):
+    q, k, v = (torch.zeros(s) for s in shapes)
+    dynamic = None
+    if dyn:
+        s, t = torch.export.Dim("S", max=4096), torch.export.Dim("T", max=4096)
+        dynamic = {"q": {1: s}, "k": {1: t}, "v": {1: t}}
+    mlir = export_model(model, (q, k, v), target="host", dynamic_shapes=dynamic)
+    out = tmp_path / "model.vmfb"
+    manifest = compile_model(mlir, target="host", output=out)
+    assert manifest["functions"] == ["main"] and (tmp_path / "model.json").exists()
+    return out.read_bytes()
+
+
+def _qkv(seed, B, Sq, Sk, Hq, Hk, D, Dv):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Sq, Hq, D, generator=g), torch.randn(B, Sk, Hk, D, generator=g),
+            torch.randn(B, Sk, Hk, Dv, generator=g))
+
+
+def test_every_mask_gqa_lse_and_lengths(tmp_path):
+    """One module: seven masks, GQA 4:2, Dv != Dq, runtime Sq != Sk (decode, chunked prefill,
+    Sq > Sk), each call's out and LSE against float64."""
+    vmfb = _compiled(Masks(), [(2, 8, 4, 64), (2, 8, 2, 64), (2, 8, 2, 32)], tmp_path)
+    for i, (sq, sk) in enumerate([(37, 37), (20, 45), (1, 70), (64, 33)]):
+        q, k, v = _qkv(i, 2, sq, sk, 4, 2, 64, 32)
+        res = _run(vmfb, q.numpy(), k.numpy(), v.numpy())
+        for j, m in enumerate(MASKS):
+            out, lse = attention_ref(q, k, v, mask=m, layout="bshd")
+            assert_close(res[2 * j], out, torch.float32, what=f"{m} {sq}x{sk}")
+            assert_close(res[2 * j + 1], lse, torch.float32, kind="lse", what=f"{m} {sq}x{sk}")
+        out, _ = attention_ref(q, k, v, mask="b", scale=0.3, layout="bshd")
+        assert_close(res[-1], out, torch.float32, what=f"scale {sq}x{sk}")
+
+
+def test_half_types_and_bhsd(tmp_path):
+    """f16 (bhsd) and bf16 (bshd) kernels in one model, MQA 4:1."""
+    vmfb = _compiled(Cast(), [(1, 8, 4, 64), (1, 8, 1, 64), (1, 8, 1, 64)], tmp_path)
+    q, k, v = _qkv(7, 1, 50, 90, 4, 1, 64, 64)
+    a, b = _run(vmfb, q.numpy(), k.numpy(), v.numpy())
+    for res, dtype, mask in ((a, torch.float16, "b"), (b, torch.bfloat16, "t:6,0")):
+        rq, rk, rv = (x.to(dtype) for x in (q, k, v))
+        out, _ = attention_ref(rq, rk, rv, mask=mask, layout="bshd")
+        assert_close(res, out, dtype, what=str(dtype))
+
+
+def test_static_unit_batch_with_groups(tmp_path):
+    """Static B * Hk = 1 with G = 4 at the call site (every size static): the kernel is still
+    compiled with its sizes dynamic and the result is right (IREE 3.13 miscompiled the inlined
+    kernel when the static sizes reached it: docs/model-export.md)."""
+    vmfb = _compiled(Masks(), [(1, 33, 4, 64), (1, 70, 1, 64), (1, 70, 1, 32)], tmp_path, dyn=False)
+    q, k, v = _qkv(3, 1, 33, 70, 4, 1, 64, 32)
+    res = _run(vmfb, q.numpy(), k.numpy(), v.numpy())
+    for j, m in enumerate(MASKS):
+        out, _ = attention_ref(q, k, v, mask=m, layout="bshd")
+        assert_close(res[2 * j], out, torch.float32, what=m)
+
+
+def test_eager_model_runs_through_fmha_iree():
+    """The same model called eagerly runs fmha_iree's own modules, same semantics."""
+    q, k, v = _qkv(5, 1, 9, 12, 4, 2, 64, 32)
+    res = Masks()(q, k, v)
+    out, lse = attention_ref(q, k, v, mask="b", layout="bshd")
+    assert_close(res[4], out, torch.float32)
+    assert_close(res[5], lse, torch.float32, kind="lse")
+
+
+class _Sdpa(torch.nn.Module):
+    def forward(self, q, k, v):
+        import fmha_iree
+
+        return fmha_iree.sdpa(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_sdpa_model_exports_unchanged(tmp_path):
+    """A model written against the SDPA drop-in exports as it is (bhsd)."""
+    q, k, v = (torch.zeros(s) for s in [(1, 4, 8, 64), (1, 2, 8, 64), (1, 2, 8, 64)])
+    s = torch.export.Dim("S", max=4096)
+    mlir = export_model(_Sdpa(), (q, k, v), target="host", dynamic_shapes={"q": {2: s}, "k": {2: s}, "v": {2: s}})
+    compile_model(mlir, target="host", output=tmp_path / "m.vmfb")
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, h, 21, 64, generator=g) for h in (4, 2, 2))
+    (res,) = _run((tmp_path / "m.vmfb").read_bytes(), q.numpy(), k.numpy(), v.numpy())
+    out, _ = attention_ref(q, k, v, mask="t")
+    assert_close(res, out, torch.float32)
+
+
+@pytest.mark.parametrize("target, dtype, fragment", [("gfx9999", torch.float16, "target"),
+                                                     ("sm_80", torch.float32, "dtype")])
+def test_refusals_before_iree_compile(target, dtype, fragment):
+    """An unknown target, or a dtype the target's kernels do not take, is a ValueError naming it,
+    raised at export (iree-compile never runs)."""
+    q, k, v = (torch.zeros(s, dtype=dtype) for s in [(1, 8, 4, 64), (1, 8, 2, 64), (1, 8, 2, 64)])
+
+    class One(torch.nn.Module):
+        def forward(self, q, k, v):
+            return attention(q, k, v, mask="b", layout="bshd")
+
+    with pytest.raises(ValueError, match=fragment):
+        export_model(One(), (q, k, v), target=target)
+    with pytest.raises(ValueError, match="mask"):
+        attention(q, k, v, mask="zz")
+    with pytest.raises(TypeError, match="target"):
+        model_compile_flags(7)
+
+
+def test_turbine_shims_still_needed():
+    """Fails once the pinned compiler bindings have ``Type.isinstance`` again or turbine stops
+    calling it: then delete ``integrations/turbine_shims.py``'s shim."""
+    import inspect
+
+    import iree.turbine.dynamo.type_conversion as tc
+
+    code = "from iree.compiler import ir; print(hasattr(ir.IntegerType, 'isinstance'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False", "the compiler's bindings have Type.isinstance again: the shim can go"
+    assert "IntegerType.isinstance(" in inspect.getsource(tc), "turbine no longer calls Type.isinstance"
