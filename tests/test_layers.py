@@ -32,8 +32,9 @@ LAYERS = [
     ["toolchain.cache", "toolchain.isa", "toolchain.ptx"], ["toolchain.compile"],
     # the public API
     ["api", "deploy"], ["cli", "demo"],
-    # integrations
-    ["integrations.torch_ops", "integrations.distributed_args"], ["integrations.hf", "integrations.distributed"],
+    # integrations (model_op / model_export: fmha_iree's kernels inside an exported model)
+    ["integrations.turbine_shims"], ["integrations.torch_ops", "integrations.distributed_args", "integrations.model_op"],
+    ["integrations.hf", "integrations.distributed", "integrations.model_export"],
     ["__init__"],
 ]
 WINGS = ("runtime", "problem", "codegen", "toolchain", "integrations")
