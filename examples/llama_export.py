@@ -112,12 +112,16 @@ class Decoder(nn.Module):
         return torch.zeros(c.layers, 2, c.pages * c.page, c.kv_heads, c.head_dim, dtype=c.dtype)
 
 
-def export(model: Decoder, target: str, prompt_len: int = 8):
-    """``prefill`` and ``decode`` in one exported module (MLIR with fmha_iree's kernel inside)."""
+def export(model: Decoder, target: str, prompt_len: int = 8, external_params: bool = False):
+    """``prefill`` and ``decode`` in one exported module (MLIR with fmha_iree's kernel inside).
+    ``external_params``: the weights are not in the module but named parameters of scope
+    ``model``, given at load time (``parameters``), as large models are deployed."""
     from iree.turbine import aot
 
     from fmha_iree.integrations.model_export import export_model
 
+    if external_params:
+        aot.externalize_module_parameters(model, external_scope="model")
     cache, table = model.new_cache(), torch.arange(model.cfg.pages)
     fxb = aot.FxProgramsBuilder(model)
     s, t = torch.export.Dim("s", max=model.cfg.pages * model.cfg.page), torch.export.Dim("t", max=model.cfg.pages * model.cfg.page)
@@ -137,13 +141,30 @@ def export(model: Decoder, target: str, prompt_len: int = 8):
     return export_model(fxb, target=target)
 
 
-def generate_iree(vmfb: bytes, prompt: list[int], n: int, table: np.ndarray, cache: np.ndarray, device="local-task"):
-    """Greedy generation through ``iree.runtime`` only: the tokens and each step's logits."""
+def load(vmfb: bytes, device: str = "local-task", params: dict | None = None):
+    """The module's functions on ``device`` through ``iree.runtime`` only; ``params`` (name ->
+    numpy array) for a module exported with ``external_params``."""
     import iree.runtime as rt
 
     ctx = rt.SystemContext(config=rt.Config(device))
+    if params is not None:
+        index = rt.ParameterIndex()
+        for name, array in params.items():
+            index.add_buffer(name, np.ascontiguousarray(array))
+        ctx.add_vm_module(rt.create_io_parameters_module(ctx.instance, index.create_provider(scope="model")))
     ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
-    mod = ctx.modules.module
+    return ctx.modules.module
+
+
+def weights(model: Decoder) -> dict:
+    """The model's weights by parameter name, as numpy arrays (``load``'s ``params``)."""
+    return {name: p.detach().cpu().numpy() for name, p in model.named_parameters()}
+
+
+def generate_iree(vmfb: bytes, prompt: list[int], n: int, table: np.ndarray, cache: np.ndarray, device="local-task",
+                  params: dict | None = None):
+    """Greedy generation through ``iree.runtime`` only: the tokens and each step's logits."""
+    mod = load(vmfb, device, params)
     tokens, logits = list(prompt), []
     out, cache = mod["prefill"](np.array([prompt], np.int64), np.arange(len(prompt), dtype=np.int64), cache, table)
     for _ in range(n):
