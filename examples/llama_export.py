@@ -146,7 +146,7 @@ def load(vmfb: bytes, device: str = "local-task", params: dict | None = None):
     numpy array) for a module exported with ``external_params``."""
     import iree.runtime as rt
 
-    ctx = rt.SystemContext(config=rt.Config(device))
+    ctx = rt.SystemContext(config=rt.Config(device=rt.get_device(device)))  # the process's device of that URI
     if params is not None:
         index = rt.ParameterIndex()
         for name, array in params.items():

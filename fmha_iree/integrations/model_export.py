@@ -38,15 +38,17 @@ def check_target(target) -> Target:
 
 def model_compile_flags(target) -> list[str]:
     """The iree-compile flags of a model with fmha_iree kernels inside, for ``target``: the target's
-    own, those fmha_iree's modules of that backend are built with, and on the CPU the lifted check
-    against large vectors (the ``fwd`` formulation's tiles exceed it on AVX2 hosts)."""
-    from ..toolchain.compile import ASYNC_FLAGS, CUDA_FLAGS
+    own; on the CPU the lifted check against large vectors (the unit loop's tiles exceed it on
+    AVX2 hosts); on CUDA the bindings flag fmha_iree's CUDA modules are built with. IREE's default
+    execution model is kept (fmha_iree's own modules take fences from its runtime; a model is
+    called through ``iree.runtime``'s plain function calls)."""
+    from ..toolchain.compile import CUDA_FLAGS
 
     t = check_target(target)
     flags = t.compile_flags() + ["--iree-input-type=auto"]
     if t.backend == "llvm-cpu":
         return flags + ["--iree-llvmcpu-fail-on-large-vector=false"]
-    return flags + ASYNC_FLAGS + (CUDA_FLAGS if t.backend == "cuda" else [])
+    return flags + (CUDA_FLAGS if t.backend == "cuda" else [])
 
 
 def export_model(model, args=(), *, target, kwargs=None, dynamic_shapes=None, function_name="main",
