@@ -3,17 +3,21 @@ export time, into a call of fmha_iree's kernel function merged into the model's 
 
 A model calls the torch op (``fmha_iree.sdpa``, the transformers backend and
 ``torch.ops.fmha_iree.fmha_fwd`` all do); ``iree.turbine.aot.export`` imports the call as a
-``torch.operator``; :func:`expand` replaces each such call with a ``util.call`` of a wrapper that
-hides the call site's sizes from the kernel (``util.optimization_barrier``), computes CK's mask
-coordinates ``(y, x)`` from the runtime lengths and calls the kernel: ``units`` on the CPU
-(``codegen.mlir_templates.unit_loop``), ``fwd`` on GPU targets (``codegen.kernels.general``), the
-same functions fmha_iree's own modules export, with the same ``(q, k, v, scale, y, x)`` ABI. The
-kernel is merged once per specialization (dtype, layout, G, head dims, target) and shared by every
-layer; a wrapper once per call-site signature.
+``torch.operator``; turbine's ``ExpandCustomOpsPass`` with :func:`expanders` replaces each such
+call with a ``util.call`` of a wrapper that hides the call site's sizes from the kernel, computes
+CK's mask coordinates ``(y, x)`` from the runtime lengths and calls the kernel: ``units`` on the
+CPU (``codegen.mlir_templates.unit_loop``), ``fwd`` on GPU targets (``codegen.kernels.general``),
+the same functions fmha_iree's own modules export, with the same ``(q, k, v, scale, y, x)`` ABI.
+The kernel is merged once per specialization (dtype, layout, G, head dims, target) and shared by
+every layer; a wrapper once per call site.
 
-Why the barrier: with a static ``B * Hk = 1`` and ``G > 1`` at the call site, IREE 3.13 propagated
-the static sizes into the inlined kernel and miscompiled it (docs/model-export.md, "The unit-batch
-miscompile"); compiled with every size dynamic, as in fmha_iree's own modules, it is correct.
+The wrapper passes q, k, v, their sizes and the scale through ``util.optimization_barrier``s, so
+that the kernel is compiled as in fmha_iree's own modules, every size and the scale a runtime
+value: with a static ``B * Hk = 1`` and ``G > 1`` at the call site IREE 3.13 miscompiled the
+inlined CPU kernel (docs/model-export.md, "The unit-batch miscompile"), and with a constant scale
+it hoisted the GPU kernel's work into an initializer the VM conversion refused. On GPU targets the
+kernel is not inlined (``#util.inline.never``): two inlined copies of ``fwd`` in one function
+failed to compile for sm_80 (docs/model-export.md).
 """
 
 from __future__ import annotations
@@ -81,7 +85,12 @@ def kernel_function(spec: KernelSpec, name: str) -> str:
             raise ValueError(f"dtype {spec.dtype!r} with head dims {spec.dq}/{spec.dv} has no fwd kernel for target "
                              f"{spec.target.arch} (fmha_iree's GPU modules carry fwd in f16 / bf16)")
         text = render_fwd(plan, name)
-    return text.replace(f"util.func public @{name}", f"util.func private @{name}", 1)
+    text = text.replace(f"util.func public @{name}", f"util.func private @{name}", 1)
+    if spec.target.backend != "llvm-cpu":
+        head = text.index(f"util.func private @{name}(")
+        body = text.index("{\n", head)
+        text = text[:body] + "attributes {inlining_policy = #util.inline.never} " + text[body:]
+    return text
 
 
 class Expander:
@@ -91,7 +100,7 @@ class Expander:
     name = OP_NAME
 
     def __init__(self, target: Target):
-        self.target = target
+        self.target, self._calls = target, 0
 
     def select(self, ksel) -> None:
         import torch
@@ -118,7 +127,8 @@ class Expander:
         kernel = "fmha_iree_" + spec.module_name
         args = [kb.arg_value(i) for i in range(3)]
         arg_types = tuple(str(a.type) for a in args)
-        wrapper = f"{kernel}_call_{_digest((site, arg_types))}"
+        self._calls += 1  # a wrapper per call site: its barrier is its own (see _wrapper_text)
+        wrapper = f"{kernel}_call{self._calls}_{_digest((site, arg_types))}"
         if not _has(kb.symbol_table, wrapper):
             kernel_text = kernel_function(spec, kernel)
             text = kernel_text + _wrapper_text(site, spec, kernel, wrapper, arg_types,
@@ -224,11 +234,14 @@ def _wrapper_text(site: CallSite, spec: KernelSpec, kernel: str, wrapper: str, a
     for n, t in (("q", dq_t), ("k", dq_t), ("v", dv_t)):
         lines += [f"  %{n}s{i} = tensor.dim %{n}d, %c{i} : {t}" for i in range(3)]
     sizes = [f"%{n}s{i}" for n in "qkv" for i in range(3)]
-    lines.append(f"  {', '.join(s.replace('s', 'h', 1) for s in sizes)} = util.optimization_barrier "
-                 f"{', '.join(sizes)} : {', '.join(['index'] * 9)}")
+    uid = int(wrapper.split("_call", 1)[1].split("_", 1)[0])
+    lines.append(f"  %uid = arith.constant {uid} : index")
+    lines.append(f"  {', '.join(s.replace('s', 'h', 1) for s in sizes)}, %uidh = util.optimization_barrier "
+                 f"{', '.join(sizes)}, %uid : {', '.join(['index'] * 10)}")
     for n, t in (("q", dq_t), ("k", dq_t), ("v", dv_t)):
-        own, hidden = (", ".join(f"%{n}{x}{i}" for i in range(3)) for x in "sh")
-        lines.append(f"  %{n}b = flow.tensor.reshape %{n}d : {t}{{{own}}} -> {t}{{{hidden}}}")
+        hidden = ", ".join(f"%{n}h{i}" for i in range(3))
+        lines.append(f"  %{n}o = util.optimization_barrier %{n}d : {t}")
+        lines.append(f"  %{n}b = flow.tensor.tie_shape %{n}o : {t}{{{hidden}}}")
     lines += [f"  %sq = arith.addi %qh{s_ax}, %c0 : index",
               f"  %sk = arith.addi %kh{s_ax}, %c0 : index",
               *_linear("y", ya, yq, yk), *_linear("x", xa, xq, xk),
@@ -238,7 +251,11 @@ def _wrapper_text(site: CallSite, spec: KernelSpec, kernel: str, wrapper: str, a
               "  %y1 = arith.maxsi %y0, %nsk : index", "  %y2 = arith.minsi %y1, %sq1 : index",
               "  %x1 = arith.maxsi %x0, %nsq : index", "  %x2 = arith.minsi %x1, %sk1 : index",
               "  %y = arith.index_cast %y2 : index to i64", "  %x = arith.index_cast %x2 : index to i64",
-              f"  %scale = arith.constant {float(site.scale)!r} : f32",
+              # the scale a runtime value to the kernel too, as in fmha_iree's own modules (a
+              # constant scale let IREE hoist the kernel's scaled work into an initializer the VM
+              # conversion refused, sm_80)
+              f"  %scale0 = arith.constant {float(site.scale)!r} : f32",
+              "  %scale = util.optimization_barrier %scale0 : f32",
               f"  %r:{n_results} = util.call @{kernel}(%qb, %kb, %vb, %scale, %y, %x) : "
               f"({dq_t}, {dq_t}, {dv_t}, f32, i64, i64) -> ({', '.join(kernel_results)})"]
     o = _bitcast(lines, "o", "%r#0", k_out, tout) if st != T else "%r#0"
