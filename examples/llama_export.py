@@ -44,7 +44,7 @@ class Config:
 def _rope(x, pos, theta):
     """Rotary embedding of x ``[1, S, H, D]`` at positions ``pos`` ``[S]`` (rotate-half form)."""
     d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     ang = pos.to(torch.float32)[:, None] * inv[None, :]
     cos, sin = (f(ang).repeat(1, 2)[None, :, None, :].to(x.dtype) for f in (torch.cos, torch.sin))
     half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
@@ -77,9 +77,12 @@ class Decoder(nn.Module):
 
             return attention(q, k, v, mask="b", layout="bshd")
         sq, sk = q.shape[1], k.shape[1]
-        vis = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+        vis = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+        # an additive [1, 1, Sq, Sk] mask: IREE 3.13 failed to compile turbine's SDPA lowering
+        # with a two-dimensional one (boolean or additive)
+        bias = torch.zeros(vis.shape, dtype=q.dtype, device=q.device).masked_fill(~vis, float("-inf"))
         out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                         attn_mask=vis, enable_gqa=True)
+                                                         attn_mask=bias[None, None], enable_gqa=True)
         return out.transpose(1, 2)
 
     def step(self, tokens, context, cache, block_table):

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _timing import device_time, write_rows
+from _timing import device_time, median_time, write_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 BUILDS = ("fmha", "fmha2", "sdpa")
@@ -64,16 +64,6 @@ def export(args):
         t1 = time.perf_counter()
         compile_model(mlir, target=args.target, output=out / f"llama_{name}.vmfb")
         print(f"{name}: export {t1 - t0:.1f} s, compile {time.perf_counter() - t1:.1f} s", flush=True)
-
-
-def _median(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def _steps(cfg):
@@ -119,7 +109,7 @@ def run(args):
         logits = {}
         for b, mod in mods.items():
             fn = _iree_step(mod, dev, tokens, context, cache, table)
-            row[f"{b}_ms"] = _median(fn, args.reps) * 1e3
+            row[f"{b}_ms"] = median_time(fn, args.reps) * 1e3
             logits[b] = fn()
         targs = (torch.from_numpy(tokens).to(cuda), torch.from_numpy(context).to(cuda),
                  torch.from_numpy(cache).to(cuda), torch.from_numpy(table).to(cuda))
@@ -129,7 +119,7 @@ def run(args):
                     out = m.step(*targs)[0]
                 sync()
                 return out
-            row[f"{name}_ms"] = _median(call, args.reps) * 1e3
+            row[f"{name}_ms"] = median_time(call, args.reps) * 1e3
             logits[name] = call().cpu().numpy()
         q = fmha_iree.to_device(np.random.default_rng(3).standard_normal((1, len(tokens[0]), cfg.heads, cfg.head_dim))
                                 .astype(dtype), dev)
