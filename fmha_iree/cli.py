@@ -1,6 +1,7 @@
 """``fmha-iree``: compile deployable FMHA modules for gfx, CUDA and CPU targets.
 
     fmha-iree compile --target gfx942 --dtype f16 --hdim 128 --heads 32:8 --mask b -o out/fmha.vmfb
+    fmha-iree link-module --target gfx942 --dtype f16 --hdim 128 --heads 32:8 --layout bshd -o attn.mlir
 
 Batch size and sequence lengths are runtime values of every module; the mask given here becomes
 the default of the loaded module (any mask works at run time).
@@ -185,6 +186,30 @@ def info_main(args) -> int:
     return 0
 
 
+def link_main(args) -> int:
+    """``link-module``: the attention function as MLIR for ``iree-link`` (docs/model-export.md)."""
+    from .codegen.link import declaration, link_module
+    from .problem.spec import KernelSpec, check_head_dims, check_tiles
+    from .problem.targets import Target
+
+    try:
+        target = Target.from_name(args.target)
+        dv = args.hdim_v or args.hdim
+        check_head_dims(args.hdim, dv)
+        hq, hk = args.heads
+        spec = KernelSpec(args.dtype, args.layout, hq // hk, args.hdim, dv,
+                          check_tiles(None, target, args.hdim, dv, args.dtype), target)
+        text = link_module(spec)
+    except (ValueError, TypeError) as e:
+        print(f"fmha-iree link-module: {e}", file=sys.stderr)
+        return 2
+    with open(args.output, "w") as f:
+        f.write(text)
+    print(f"{args.output}: module @fmha_iree, function @attention for {target.arch}; declare it as\n  "
+          + declaration(text, "attention", "fmha_iree.attention"))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="fmha-iree", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -215,6 +240,14 @@ def main(argv=None) -> int:
     mx.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
     mx.add_argument("--jobs", type=int, default=2, help="parallel iree-compile processes")
     mx.add_argument("-o", "--output", required=True, help="output folder")
+    lm = sub.add_parser("link-module", help="write the attention function as an MLIR module for iree-link")
+    lm.add_argument("--target", required=True, help="as compile's")
+    lm.add_argument("--dtype", choices=("f16", "bf16", "f32"), required=True)
+    lm.add_argument("--hdim", type=int, required=True, help="Q/K head dim")
+    lm.add_argument("--hdim-v", type=int, help="V head dim (default: --hdim)")
+    lm.add_argument("--heads", type=_heads, default=None, help="HQ[:HK]; only their ratio specializes it")
+    lm.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
+    lm.add_argument("-o", "--output", required=True, help="output .mlir")
     inf = sub.add_parser("info", help="print a module's manifest in short (target, tiles, entry points, ISA)")
     inf.add_argument("module", help="a .vmfb written by fmha-iree compile (its .json beside it)")
     args = ap.parse_args(argv)
@@ -227,6 +260,8 @@ def main(argv=None) -> int:
         args.heads = (1, 1)
     if args.cmd == "compile":
         return compile_main(args)
+    if args.cmd == "link-module":
+        return link_main(args)
     return 2
 
 

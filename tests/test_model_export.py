@@ -187,3 +187,50 @@ def test_llama_example_generates_the_eager_tokens(tmp_path):
     ref, lr = ex.generate_eager(ex.Decoder(cfg, attention="sdpa"), prompt, 12, torch.from_numpy(table))
     assert ours == ref
     np.testing.assert_allclose(lo, lr, atol=1e-4, rtol=1e-4)
+
+
+USER_MLIR = """module @user {{
+  {decl}
+  util.func public @main(%q: {tq}, %k: {tq}, %v: {tq}) -> {tq} {{
+    %scale = arith.constant 0.125 : f32
+    %c1 = arith.constant 1 : index
+    %sq = tensor.dim %q, %c1 : {tq}
+    %sk = tensor.dim %k, %c1 : {tq}
+    %d = arith.subi %sq, %sk : index
+    %y0 = arith.addi %sq, %c1 : index
+    %y = arith.index_cast %y0 : index to i64
+    %x = arith.constant 1 : i64
+    %x1 = arith.index_cast %d : index to i64
+    %x2 = arith.subi %x, %x1 : i64
+    %r:2 = util.call @fmha_iree.attention(%q, %k, %v, %scale, %y, %x2) : {sig}
+    util.return %r#0 : {tq}
+  }}
+}}
+"""
+
+
+def test_link_module_for_iree_link(tmp_path):
+    """Without turbine: ``fmha-iree link-module`` writes the attention function, a hand-written
+    module declares and calls it with CK's (y, x) of mask ``b`` (y = Sq + 1 clipped, x = 1 + Sk - Sq),
+    ``iree-link`` links the two, iree-compile builds the result, and it matches float64."""
+    import iree.compiler.tools as ict
+    from iree.compiler.tools.binaries import find_tool
+
+    attn = tmp_path / "attn.mlir"
+    r = subprocess.run([sys.executable, "-m", "fmha_iree.cli", "link-module", "--target", "host", "--dtype", "f32",
+                        "--hdim", "64", "--heads", "4:2", "--layout", "bshd", "-o", str(attn)],
+                       capture_output=True, text=True, check=True)
+    decl = r.stdout.splitlines()[1].strip()
+    tq = "tensor<?x?x?x64xf32>"
+    sig = f"({tq}, {tq}, {tq}, f32, i64, i64) -> ({tq}, tensor<?x?x?xf32>)"
+    assert decl == f"util.func private @fmha_iree.attention{sig}"
+    (tmp_path / "user.mlir").write_text(USER_MLIR.format(decl=decl, tq=tq, sig=sig))
+    subprocess.run([find_tool("iree-link"), f"--link-module={attn}", str(tmp_path / "user.mlir"), "-o",
+                    str(tmp_path / "linked.mlir")], check=True)
+    vmfb = ict.compile_file(str(tmp_path / "linked.mlir"), extra_args=model_compile_flags("host"))
+    ctx = rt.SystemContext(config=rt.Config("local-task"))
+    ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
+    q, k, v = _qkv(9, 2, 30, 50, 4, 2, 64, 64)
+    out = np.asarray(ctx.modules.user["main"](q.numpy(), k.numpy(), v.numpy()).to_host())
+    ref, _ = attention_ref(q, k, v, mask="b", scale=0.125, layout="bshd")
+    assert_close(out, ref, torch.float32)

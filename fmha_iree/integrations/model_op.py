@@ -26,12 +26,13 @@ import dataclasses
 import hashlib
 import math
 
+from ..codegen.link import kernel_function, result_types
 from ..problem.mask import Mask
 from ..problem.spec import KernelSpec
 from ..problem.targets import Target
 from ..problem.tiles import default_tiles
 
-__all__ = ["OP_NAME", "Expander", "expanders", "kernel_function", "coords_linear"]
+__all__ = ["OP_NAME", "Expander", "expanders", "coords_linear"]
 
 OP_NAME = "fmha_iree.fmha_fwd"  # torch.ops.fmha_iree.fmha_fwd(q, k, v, mask, scale, layout) -> (out, lse)
 _DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32"}
@@ -62,35 +63,6 @@ def coords_linear(mask: Mask) -> tuple[tuple[int, int, int], tuple[int, int, int
     yq, xq = mask.coords(1, 0)
     yk, xk = mask.coords(0, 1)
     return (y0, yq - y0, yk - y0), (x0, xq - x0, xk - x0)
-
-
-def kernel_function(spec: KernelSpec, name: str) -> str:
-    """The MLIR text of the kernel function for ``spec``, named ``name`` and private: ``units`` on
-    the CPU, ``fwd`` on GPU targets."""
-    from ..codegen.source import fwd_plan
-
-    if spec.target.backend == "llvm-cpu":
-        from ..codegen.source_cpu import _cpu_step_lowering
-        from ..codegen.mlir_templates.unit_loop import render_unit_loop
-
-        t = spec.tiles
-        text = render_unit_loop(func_name=name, dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0,
-                                c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv,
-                                lowering=_cpu_step_lowering(spec))
-    else:
-        from ..codegen.kernels.general import render_fwd
-
-        plan = fwd_plan(spec, fused_step=True)
-        if plan is None:
-            raise ValueError(f"dtype {spec.dtype!r} with head dims {spec.dq}/{spec.dv} has no fwd kernel for target "
-                             f"{spec.target.arch} (fmha_iree's GPU modules carry fwd in f16 / bf16)")
-        text = render_fwd(plan, name)
-    text = text.replace(f"util.func public @{name}", f"util.func private @{name}", 1)
-    if spec.target.backend != "llvm-cpu":
-        head = text.index(f"util.func private @{name}(")
-        body = text.index("{\n", head)
-        text = text[:body] + "attributes {inlining_policy = #util.inline.never} " + text[body:]
-    return text
 
 
 class Expander:
@@ -132,7 +104,7 @@ class Expander:
         if not _has(kb.symbol_table, wrapper):
             kernel_text = kernel_function(spec, kernel)
             text = kernel_text + _wrapper_text(site, spec, kernel, wrapper, arg_types,
-                                               _result_types(kernel_text, kernel))
+                                               result_types(kernel_text, kernel))
             source = Operation.parse(f"module {{\n{text}\n}}", context=kb.context)
             if _has(kb.symbol_table, kernel):  # merged by an earlier call site: the wrapper alone
                 _drop(source, kernel)
@@ -274,26 +246,6 @@ def _linear(name: str, a: int, b: int, c: int) -> list[str]:
             f"  %{name}c = arith.constant {c} : index",
             f"  %{name}q = arith.muli %{name}b, %sq : index", f"  %{name}k = arith.muli %{name}c, %sk : index",
             f"  %{name}s = arith.addi %{name}a, %{name}q : index", f"  %{name}0 = arith.addi %{name}s, %{name}k : index"]
-
-
-def _result_types(text: str, kernel: str) -> list[str]:
-    """The result types of ``kernel`` in its rendered ``text``: out, lse, then ``fwd``'s scratch."""
-    head = text[text.index(f"@{kernel}("):]
-    head = head[:head.index("{")]
-    return _split_types(head[head.index("-> (") + 4:head.rindex(")")])
-
-
-def _split_types(text: str) -> list[str]:
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch == "<"
-        depth -= ch == ">"
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    return out + ([cur.strip()] if cur.strip() else [])
 
 
 def _drop(module, name: str) -> None:

@@ -1,0 +1,76 @@
+"""A module's general attention function on its own, for other modules to call: a model exported
+with fmha_iree's attention inside (``integrations.model_op``) and modules linked with ``iree-link``
+(``fmha-iree link-module``). ``units`` on the CPU (``mlir_templates.unit_loop``), ``fwd`` on GPU
+targets (``kernels.general``): fmha_iree's own modules export the same functions, with the ABI
+``(q, k, v, scale: f32, y: i64, x: i64) -> (out, lse[, scratch...])`` (docs/architecture.md)."""
+
+from __future__ import annotations
+
+from ..problem.spec import KernelSpec
+
+__all__ = ["kernel_function", "link_module", "declaration", "result_types"]
+
+
+def kernel_function(spec: KernelSpec, name: str, *, public: bool = False) -> str:
+    """The MLIR text of the attention function for ``spec``, named ``name`` (private unless
+    ``public``). On GPU targets it is marked never to be inlined: two inlined copies of ``fwd`` in
+    one function failed to compile for sm_80 (docs/model-export.md)."""
+    from .source import fwd_plan
+
+    if spec.target.backend == "llvm-cpu":
+        from .mlir_templates.unit_loop import render_unit_loop
+        from .source_cpu import _cpu_step_lowering
+
+        t = spec.tiles
+        text = render_unit_loop(func_name=name, dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0,
+                                c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv,
+                                lowering=_cpu_step_lowering(spec))
+    else:
+        from .kernels.general import render_fwd
+
+        plan = fwd_plan(spec, fused_step=True)
+        if plan is None:
+            raise ValueError(f"dtype {spec.dtype!r} with head dims {spec.dq}/{spec.dv} has no fwd kernel for target "
+                             f"{spec.target.arch} (fmha_iree's GPU modules carry fwd in f16 / bf16)")
+        text = render_fwd(plan, name)
+    if not public:
+        text = text.replace(f"util.func public @{name}", f"util.func private @{name}", 1)
+    if spec.target.backend != "llvm-cpu":
+        head = text.index(f"@{name}(")
+        body = text.index("{\n", head)
+        text = text[:body] + "attributes {inlining_policy = #util.inline.never} " + text[body:]
+    return text
+
+
+def result_types(text: str, name: str) -> list[str]:
+    """The result types of function ``name`` in its rendered ``text``: out, lse, then ``fwd``'s
+    scratch."""
+    head = text[text.index(f"@{name}("):]
+    head = head[:head.index("{")]
+    results, depth, cur = [], 0, ""
+    for ch in head[head.index("-> (") + 4:head.rindex(")")]:
+        depth += (ch == "<") - (ch == ">")
+        if ch == "," and depth == 0:
+            results.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return results + ([cur.strip()] if cur.strip() else [])
+
+
+def declaration(text: str, name: str, callee: str) -> str:
+    """``util.func private @callee(<argument types>) -> (<result types>)``: how another module
+    declares the function ``name`` of ``text`` to call it."""
+    import re
+
+    head = text[text.index(f"@{name}("):]
+    args = head[len(name) + 2:head.index("->")].rsplit(")", 1)[0]
+    types = re.findall(r"%\w+: ([^,]+?(?:<[^>]*>)?)(?=,\s*%|\s*$)", args.strip())
+    return f"util.func private @{callee}({', '.join(types)}) -> ({', '.join(result_types(text, name))})"
+
+
+def link_module(spec: KernelSpec, module: str = "fmha_iree", name: str = "attention") -> str:
+    """A module ``@module`` holding the public ``@name`` for ``spec``: with ``iree-link
+    --link-module=<it>`` another module's declaration ``util.func private @module.name(...)``
+    resolves to it."""
+    return f"module @{module} {{\n{kernel_function(spec, name, public=True)}}}\n"
