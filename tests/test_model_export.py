@@ -234,3 +234,19 @@ def test_link_module_for_iree_link(tmp_path):
     out = np.asarray(ctx.modules.user["main"](q.numpy(), k.numpy(), v.numpy()).to_host())
     ref, _ = attention_ref(q, k, v, mask="b", scale=0.125, layout="bshd")
     assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("target, instr", [("gfx942", "mfma_count"), ("gfx1100", "wmma_count")])
+def test_example_compiles_for_gfx(tmp_path, target, instr):
+    """The example decoder (f16, GQA 4:1, head dim 128) exported for gfx targets compiles as CI's
+    gfx matrix requires: no spill in any kernel, matrix instructions in the attention kernels."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import llama_export as ex
+
+    cfg = ex.Config(layers=2, pages=8, dim=512, heads=4, kv_heads=1, head_dim=128, dtype=torch.float16)
+    manifest = compile_model(ex.export(ex.Decoder(cfg), target), target=target, output=tmp_path / "m.vmfb")
+    isa = manifest["isa"]
+    attention = [k for k in isa if k["kernel"].startswith("fmha_iree_")]
+    assert attention and len(isa) > len(attention)
+    assert sum(k["vgpr_spill_count"] + k["sgpr_spill_count"] for k in isa) == 0
+    assert sum(k[instr] for k in attention) > 0

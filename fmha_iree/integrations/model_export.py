@@ -84,22 +84,33 @@ def export_model(model, args=(), *, target, kwargs=None, dynamic_shapes=None, fu
 
 def compile_model(mlir: str, *, target, output, extra_flags=()) -> dict:
     """Compile ``mlir`` (from :func:`export_model`) for ``target`` into ``output`` (``.vmfb``) and
-    write a manifest beside it (``.json``: target, flags, toolchain, the module's functions).
-    Returns the manifest."""
+    write a manifest beside it (``.json``: target, flags, toolchain, the module's functions; for gfx
+    targets the ISA report of every kernel, as ``fmha-iree compile`` writes it). Returns the
+    manifest. A GPU module the runtime would refuse to load (``isa.dispatch_limits``) is a
+    RuntimeError."""
+    import tempfile
+
     import iree.compiler.tools as ict
 
     from ..toolchain.compile import compile_native_exp2, toolchain
+    from ..toolchain.isa import dispatch_limits, isa_report
 
     t = check_target(target)
     flags = model_compile_flags(t) + list(extra_flags)
     out = Path(output)
-    if t.backend == "cuda":
-        vmfb, exp2 = compile_native_exp2(mlir, flags)
-    else:
-        vmfb, exp2 = ict.compile_str(mlir, extra_args=flags), None
+    with tempfile.TemporaryDirectory(prefix="fmha_iree_model_") as dump:
+        dumped = [f"--iree-hal-dump-executable-files-to={dump}"] if t.backend != "llvm-cpu" else []
+        if t.backend == "cuda":
+            vmfb, exp2 = compile_native_exp2(mlir, flags + dumped)
+        else:
+            vmfb, exp2 = ict.compile_str(mlir, extra_args=flags + dumped), None
+        isa = isa_report(dump, t.arch) if t.backend == "rocm" else None
+        over = dispatch_limits(dump) if dumped else []
+    if over:
+        raise RuntimeError(f"IREE's GPU runtime would refuse to load the model: {'; '.join(over[:4])}")
     out.write_bytes(vmfb)
     manifest = {"format": "fmha_iree.model/1", "target": t.name, "backend": t.backend, "flags": flags,
-                "native_exp2": exp2, "toolchain": toolchain(), "functions": _functions(mlir)}
+                "native_exp2": exp2, "toolchain": toolchain(), "functions": _functions(mlir), "isa": isa}
     out.with_suffix(".json").write_text(json.dumps(manifest, indent=2))
     return manifest
 
