@@ -25,14 +25,15 @@ import numpy as np
 from _timing import cuda_time, device_time, median_time, write_rows
 
 
-def find_modules(folder: str) -> dict[int, Path]:
-    """The folder's bshd modules without compiled-in lengths, by group size."""
+def find_modules(folder: str) -> dict[int, tuple[Path, int | None]]:
+    """The folder's bshd modules without compiled-in lengths, by group size: (path, the KV heads
+    its manifest records, if any: a module compiled with --heads takes those counts only)."""
     found = {}
     for f in sorted(Path(folder).glob("*.json")):
         man = json.loads(f.read_text())
         pr = man.get("problem", {})
         if pr.get("layout") == "bshd" and not (man["capabilities"].get("dense") or {}).get("seqlens"):
-            found.setdefault(int(pr["group"]), f.with_suffix(".vmfb"))
+            found.setdefault(int(pr["group"]), (f.with_suffix(".vmfb"), pr.get("kv_heads")))
     return found
 
 
@@ -87,10 +88,10 @@ def calls(mod, q, k, v, rng, page: int):
     ]
 
 
-def run_case(mod, G, B, args, rng) -> list[dict]:
+def run_case(mod, G, B, args, rng, hk=None) -> list[dict]:
     import torch
 
-    Hk, D, Sk = args.hk, args.hdim, args.sk
+    Hk, D, Sk = hk or args.hk, args.hdim, args.sk
     Hq = Hk * G
     q = rng.standard_normal((B, 1, Hq, D)).astype(np.float16)
     k = rng.standard_normal((B, Sk, Hk, D)).astype(np.float16)
@@ -140,9 +141,10 @@ def main():
         if G not in modules:
             print(f"G{G}: no bshd module in {args.modules}")
             continue
-        mod = fmha_iree.load(modules[G], device=args.device)
+        path, hk = modules[G]
+        mod = fmha_iree.load(path, device=args.device)
         for B in (int(b) for b in args.batches.split(",")):
-            rows += run_case(mod, G, B, args, rng)
+            rows += run_case(mod, G, B, args, rng, hk)
     if args.out:
         write_rows(args.out, rows)
 

@@ -74,6 +74,32 @@ def _steps(cfg):
             ("decode", rng.integers(0, cfg.vocab, (1, 1)), np.arange(min(CONTEXT, rows)))]
 
 
+def _measure(row: dict, logits: dict, name: str, fn, reps: int) -> None:
+    """``row[name_ms]`` (median of ``reps`` after a warm-up) and ``logits[name]``; a failure is
+    recorded as ``row[name_error]`` and printed, and the run goes on."""
+    try:
+        row[f"{name}_ms"] = median_time(fn, reps) * 1e3
+        logits[name] = np.asarray(fn(), np.float32)
+        print(f"  {row['step']} {name}: {row[f'{name}_ms']:.3f} ms", flush=True)
+    except Exception as e:  # noqa: BLE001 (one peer's failure must not lose the others' figures)
+        row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        print(f"  {row['step']} {name}: {row[f'{name}_error']}", flush=True)
+
+
+def _derived(row: dict, logits: dict, layers: int) -> None:
+    """Ratios and agreement from the measured entries present."""
+    ms = lambda k: row.get(f"{k}_ms")  # noqa: E731
+    if ms("fmha") and ms("fmha2"):
+        row["attention_in_model_ms"] = (ms("fmha2") - ms("fmha")) / layers
+        row["attention_ratio"] = row["attention_in_model_ms"] / row["standalone_attention_ms"]
+    for peer in ("sdpa", "eager_fmha", "eager_sdpa"):
+        if ms("fmha") and ms(peer):
+            row[f"speedup_vs_{peer}"] = ms(peer) / ms("fmha")
+    for b in ("fmha", "sdpa", "eager_fmha"):
+        if b in logits and "eager_sdpa" in logits:
+            row[f"max_logit_diff_{b}_vs_eager_sdpa"] = float(np.abs(logits[b] - logits["eager_sdpa"]).max())
+
+
 def _iree_step(mod, device, tokens, context, cache, table):
     """The step's call on arrays uploaded once to ``device`` (the cache stays there)."""
     import iree.runtime as rt
@@ -109,8 +135,7 @@ def run(args):
         logits = {}
         for b, mod in mods.items():
             fn = _iree_step(mod, dev, tokens, context, cache, table)
-            row[f"{b}_ms"] = median_time(fn, args.reps) * 1e3
-            logits[b] = fn()
+            _measure(row, logits, b, fn, args.reps)
         targs = (torch.from_numpy(tokens).to(cuda), torch.from_numpy(context).to(cuda),
                  torch.from_numpy(cache).to(cuda), torch.from_numpy(table).to(cuda))
         for name, m in eager.items():
@@ -119,19 +144,13 @@ def run(args):
                     out = m.step(*targs)[0]
                 sync()
                 return out
-            row[f"{name}_ms"] = median_time(call, args.reps) * 1e3
-            logits[name] = call().cpu().numpy()
+            _measure(row, logits, name, lambda call=call: call().cpu().numpy(), args.reps)
         q = fmha_iree.to_device(np.random.default_rng(3).standard_normal((1, len(tokens[0]), cfg.heads, cfg.head_dim))
                                 .astype(dtype), dev)
         kv = [fmha_iree.to_device(np.random.default_rng(4 + i).standard_normal(
             (1, len(context), cfg.kv_heads, cfg.head_dim)).astype(dtype), dev) for i in range(2)]
         row["standalone_attention_ms"] = device_time(lambda: attn(q, *kv, mask="b"), args.reps) * 1e3
-        row["attention_in_model_ms"] = (row["fmha2_ms"] - row["fmha_ms"]) / cfg.layers
-        row["attention_ratio"] = row["attention_in_model_ms"] / row["standalone_attention_ms"]
-        row["speedup_vs_iree_sdpa"] = row["sdpa_ms"] / row["fmha_ms"]
-        row["speedup_vs_eager_fmha"] = row["eager_fmha_ms"] / row["fmha_ms"]
-        row["max_logit_diff_vs_eager_sdpa"] = float(np.abs(logits["fmha"] - logits["eager_sdpa"]).max())
-        row["max_logit_diff_iree_sdpa"] = float(np.abs(logits["sdpa"] - logits["eager_sdpa"]).max())
+        _derived(row, logits, cfg.layers)
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         rows.append(row)
     if args.out:
