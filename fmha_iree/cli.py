@@ -210,16 +210,21 @@ def link_main(args) -> int:
     return 0
 
 
+def _kernel_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments that specialize a kernel (compile, link-module)."""
+    p.add_argument("--target", required=True, help="host, gfx90a, gfx942, gfx950, gfx1100, gfx1201 (or mi300x, ...), sm_80")
+    p.add_argument("--dtype", choices=("f16", "bf16", "f32"), required=True)
+    p.add_argument("--hdim", type=int, required=True, help="Q/K head dim")
+    p.add_argument("--hdim-v", type=int, help="V head dim (default: --hdim)")
+    p.add_argument("--heads", type=_heads, default=None, help="HQ[:HK]; only their ratio specializes the module")
+    p.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
+    return p
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="fmha-iree", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("compile", help="compile one module (.vmfb + .json manifest)")
-    c.add_argument("--target", required=True, help="host, gfx90a, gfx942, gfx950, gfx1100, gfx1201 (or mi300x, ...), sm_80")
-    c.add_argument("--dtype", choices=("f16", "bf16", "f32"), required=True)
-    c.add_argument("--hdim", type=int, required=True, help="Q/K head dim")
-    c.add_argument("--hdim-v", type=int, help="V head dim (default: --hdim)")
-    c.add_argument("--heads", type=_heads, default=None, help="HQ[:HK]; only their ratio specializes the module")
-    c.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
+    c = _kernel_args(sub.add_parser("compile", help="compile one module (.vmfb + .json manifest)"))
     c.add_argument("--mask", default="0", help="default mask of the module (CK string)")
     c.add_argument("--lse", action="store_true", help="record that callers want LSE (every module can return it)")
     c.add_argument("--tiles", help="m0xn0xk0xn1xk1[:kv_chunk], CK's bm0xbn0xbk0xbn1xbk1")
@@ -240,13 +245,7 @@ def main(argv=None) -> int:
     mx.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
     mx.add_argument("--jobs", type=int, default=2, help="parallel iree-compile processes")
     mx.add_argument("-o", "--output", required=True, help="output folder")
-    lm = sub.add_parser("link-module", help="write the attention function as an MLIR module for iree-link")
-    lm.add_argument("--target", required=True, help="as compile's")
-    lm.add_argument("--dtype", choices=("f16", "bf16", "f32"), required=True)
-    lm.add_argument("--hdim", type=int, required=True, help="Q/K head dim")
-    lm.add_argument("--hdim-v", type=int, help="V head dim (default: --hdim)")
-    lm.add_argument("--heads", type=_heads, default=None, help="HQ[:HK]; only their ratio specializes it")
-    lm.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
+    lm = _kernel_args(sub.add_parser("link-module", help="write the attention function as an MLIR module for iree-link"))
     lm.add_argument("-o", "--output", required=True, help="output .mlir")
     inf = sub.add_parser("info", help="print a module's manifest in short (target, tiles, entry points, ISA)")
     inf.add_argument("module", help="a .vmfb written by fmha-iree compile (its .json beside it)")
