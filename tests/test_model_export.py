@@ -250,3 +250,24 @@ def test_example_compiles_for_gfx(tmp_path, target, instr):
     assert attention and len(isa) > len(attention)
     assert sum(k["vgpr_spill_count"] + k["sgpr_spill_count"] for k in isa) == 0
     assert sum(k[instr] for k in attention) > 0
+
+
+class _Decode(torch.nn.Module):
+    def forward(self, q, k, v):  # bhsd f16, a static one-row query: the CPU's short-tile kernel
+        x = [t.transpose(1, 2).to(torch.float16) for t in (q, k, v)]
+        return attention(*x, mask="b", layout="bhsd").transpose(1, 2).float()
+
+
+def test_decode_call_sites_take_short_tiles(tmp_path):
+    """A call site whose queries are statically short (decode: Sq * G <= 8) gets the CPU kernel of
+    8-row tiles (its name says so), with any key count at run time; f16, bhsd, MQA 4:1, B2."""
+    t = torch.export.Dim("T", max=8192)
+    q, k, v = (torch.zeros(s) for s in [(2, 1, 4, 64), (2, 8, 1, 64), (2, 8, 1, 64)])
+    mlir = export_model(_Decode(), (q, k, v), target="host", dynamic_shapes={"q": {}, "k": {1: t}, "v": {1: t}})
+    assert "_short(" in mlir
+    compile_model(mlir, target="host", output=tmp_path / "d.vmfb")
+    for i, sk in enumerate((1, 90, 700)):
+        q, k, v = _qkv(20 + i, 2, 1, sk, 4, 1, 64, 64)
+        (res,) = _run((tmp_path / "d.vmfb").read_bytes(), q.numpy(), k.numpy(), v.numpy())
+        out, _ = attention_ref(*(x.to(torch.float16) for x in (q, k, v)), mask="b", layout="bshd")
+        assert_close(res, out, torch.float16, what=f"Sk {sk}")

@@ -8,23 +8,32 @@ from __future__ import annotations
 
 from ..problem.spec import KernelSpec
 
-__all__ = ["kernel_function", "link_module", "declaration", "result_types"]
+__all__ = ["CPU_SHORT_ROWS", "kernel_function", "link_module", "declaration", "result_types"]
 
 
-def kernel_function(spec: KernelSpec, name: str, *, public: bool = False) -> str:
+# CPU: the unit loop's rows per tile for call sites whose queries are known short (a decode step:
+# at most this many query rows per KV head): a one-row decode padded to the module's 256-row tiles
+# took 79 ms at Sk = 4096 against 1.4 ms with 8-row tiles (docs/BENCHMARKS.md, "fmha_iree inside an
+# exported model").
+CPU_SHORT_ROWS = 8
+
+
+def kernel_function(spec: KernelSpec, name: str, *, public: bool = False, short: bool = False) -> str:
     """The MLIR text of the attention function for ``spec``, named ``name`` (private unless
-    ``public``). On GPU targets it is marked never to be inlined: two inlined copies of ``fwd`` in
-    one function failed to compile for sm_80 (docs/model-export.md)."""
+    ``public``); ``short`` (CPU): tiles of ``CPU_SHORT_ROWS`` rows. On GPU targets it is marked
+    never to be inlined: two inlined copies of ``fwd`` in one function failed to compile for sm_80
+    (docs/model-export.md)."""
     from .source import fwd_plan
 
     if spec.target.backend == "llvm-cpu":
         from .mlir_templates.unit_loop import render_unit_loop
         from .source_cpu import _cpu_step_lowering
 
-        t = spec.tiles
-        text = render_unit_loop(func_name=name, dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0,
-                                c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv,
-                                lowering=_cpu_step_lowering(spec))
+        t, low = spec.tiles, _cpu_step_lowering(spec)
+        rows = CPU_SHORT_ROWS if short else t.m0
+        low = {**low, "workgroup_m": min(int(low["workgroup_m"]), rows)}
+        text = render_unit_loop(func_name=name, dtype=spec.dtype, layout=spec.layout, group=spec.group, r=rows,
+                                c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=low)
     else:
         from .kernels.general import render_fwd
 

@@ -26,7 +26,7 @@ import dataclasses
 import hashlib
 import math
 
-from ..codegen.link import kernel_function, result_types
+from ..codegen.link import CPU_SHORT_ROWS, kernel_function, result_types
 from ..problem.mask import Mask
 from ..problem.spec import KernelSpec
 from ..problem.targets import Target
@@ -96,13 +96,14 @@ class Expander:
 
         site = self._site
         spec = _kernel_spec(site, self.target)
-        kernel = "fmha_iree_" + spec.module_name
+        short = _short(site, spec)
+        kernel = "fmha_iree_" + spec.module_name + ("_short" if short else "")
         args = [kb.arg_value(i) for i in range(3)]
         arg_types = tuple(str(a.type) for a in args)
         self._calls += 1  # a wrapper per call site: its barrier is its own (see _wrapper_text)
         wrapper = f"{kernel}_call{self._calls}_{_digest((site, arg_types))}"
         if not _has(kb.symbol_table, wrapper):
-            kernel_text = kernel_function(spec, kernel)
+            kernel_text = kernel_function(spec, kernel, short=short)
             text = kernel_text + _wrapper_text(site, spec, kernel, wrapper, arg_types,
                                                result_types(kernel_text, kernel))
             source = Operation.parse(f"module {{\n{text}\n}}", context=kb.context)
@@ -161,6 +162,15 @@ def _kernel_spec(site: CallSite, target: Target) -> KernelSpec:
     dq, dv = site.shape_q[3], site.shape_v[3]
     tiles = default_tiles(target.family, dq, dv, arch=target.arch, dtype=site.dtype)
     return KernelSpec(site.dtype, site.layout, hq // hk, dq, dv, tiles, target)
+
+
+def _short(site: CallSite, spec: KernelSpec) -> bool:
+    """Whether the call site's queries are known short (a static Sq with at most
+    ``CPU_SHORT_ROWS`` query rows per KV head, a decode step): on the CPU its kernel then takes
+    tiles of that many rows. Chosen at export, not at run time: with both kernels behind a
+    runtime branch an f16 bhsd model crashed (docs/BENCHMARKS.md)."""
+    sq = site.shape_q[2 if site.layout == "bhsd" else 1]
+    return spec.target.backend == "llvm-cpu" and 0 < sq and sq * spec.group <= CPU_SHORT_ROWS
 
 
 def _digest(key) -> str:
