@@ -9,7 +9,7 @@ CK's mask coordinates ``(y, x)`` from the runtime lengths and calls the kernel: 
 CPU (``codegen.mlir_templates.unit_loop``), ``fwd`` on GPU targets (``codegen.kernels.general``),
 the same functions fmha_iree's own modules export, with the same ``(q, k, v, scale, y, x)`` ABI.
 The kernel is merged once per specialization (dtype, layout, G, head dims, target) and shared by
-every layer; a wrapper once per call site.
+every layer; a wrapper once per call-site signature.
 
 The wrapper passes q, k, v, their sizes and the scale through ``util.optimization_barrier``s, so
 that the kernel is compiled as in fmha_iree's own modules, every size and the scale a runtime
@@ -35,7 +35,7 @@ from ..problem.tiles import default_tiles
 __all__ = ["OP_NAME", "Expander", "expanders", "coords_linear"]
 
 OP_NAME = "fmha_iree.fmha_fwd"  # torch.ops.fmha_iree.fmha_fwd(q, k, v, mask, scale, layout) -> (out, lse)
-_DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32"}
+_DTYPES = ("f16", "bf16", "f32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,8 @@ class Expander:
     name = OP_NAME
 
     def __init__(self, target: Target):
-        self.target, self._calls = target, 0
+        self.target = target
+        self._kernels: dict[str, str] = {}  # kernel name -> its rendered text, once per export
 
     def select(self, ksel) -> None:
         import torch
@@ -100,10 +101,11 @@ class Expander:
         kernel = "fmha_iree_" + spec.module_name + ("_short" if short else "")
         args = [kb.arg_value(i) for i in range(3)]
         arg_types = tuple(str(a.type) for a in args)
-        self._calls += 1  # a wrapper per call site: its barrier is its own (see _wrapper_text)
-        wrapper = f"{kernel}_call{self._calls}_{_digest((site, arg_types))}"
+        wrapper = f"{kernel}_call_{_digest((site, arg_types))}"
         if not _has(kb.symbol_table, wrapper):
-            kernel_text = kernel_function(spec, kernel, short=short)
+            if kernel not in self._kernels:
+                self._kernels[kernel] = kernel_function(spec, kernel, short=short)
+            kernel_text = self._kernels[kernel]
             text = kernel_text + _wrapper_text(site, spec, kernel, wrapper, arg_types,
                                                result_types(kernel_text, kernel))
             source = Operation.parse(f"module {{\n{text}\n}}", context=kb.context)
@@ -216,10 +218,8 @@ def _wrapper_text(site: CallSite, spec: KernelSpec, kernel: str, wrapper: str, a
     for n, t in (("q", dq_t), ("k", dq_t), ("v", dv_t)):
         lines += [f"  %{n}s{i} = tensor.dim %{n}d, %c{i} : {t}" for i in range(3)]
     sizes = [f"%{n}s{i}" for n in "qkv" for i in range(3)]
-    uid = int(wrapper.split("_call", 1)[1].split("_", 1)[0])
-    lines.append(f"  %uid = arith.constant {uid} : index")
-    lines.append(f"  {', '.join(s.replace('s', 'h', 1) for s in sizes)}, %uidh = util.optimization_barrier "
-                 f"{', '.join(sizes)}, %uid : {', '.join(['index'] * 10)}")
+    lines.append(f"  {', '.join(s.replace('s', 'h', 1) for s in sizes)} = util.optimization_barrier "
+                 f"{', '.join(sizes)} : {', '.join(['index'] * 9)}")
     for n, t in (("q", dq_t), ("k", dq_t), ("v", dv_t)):
         hidden = ", ".join(f"%{n}h{i}" for i in range(3))
         lines.append(f"  %{n}o = util.optimization_barrier %{n}d : {t}")
