@@ -15,22 +15,6 @@ from pathlib import Path
 import numpy as np
 
 
-def device_time(fn, reps=20, blocks=3):
-    def wait(res):
-        last = res[-1] if isinstance(res, tuple) else res
-        if hasattr(last, "wait"):
-            last.wait()
-    wait(fn())
-    best = float("inf")
-    for _ in range(blocks):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            res = fn()
-        wait(res)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
-
-
 def host_issue(fn, reps=20):
     def wait(res):
         last = res[-1] if isinstance(res, tuple) else res
@@ -53,6 +37,8 @@ def main():
     a = ap.parse_args()
     sys.path.insert(0, a.tree)
     sys.path.insert(0, str(Path(a.tree) / "scripts"))
+    global device_time
+    from _timing import device_time  # the bench scripts' own (best of blocks, closed by a wait)
     import torch
     import fmha_iree
     from _varlen_cases import case_data, presets

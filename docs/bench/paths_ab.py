@@ -7,26 +7,9 @@ python ab.py --tree TREE --modules DIR --out OUT.json [--force-fwd] [--reps 20]
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
-
-
-def device_time(fn, reps, blocks=3):
-    def wait(res):
-        last = res[-1] if isinstance(res, tuple) else res
-        if hasattr(last, "wait"):
-            last.wait()
-    wait(fn())
-    best = float("inf")
-    for _ in range(blocks):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            res = fn()
-        wait(res)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
 
 
 def main():
@@ -41,6 +24,8 @@ def main():
     a = ap.parse_args()
     sys.path.insert(0, a.tree)
     sys.path.insert(0, str(Path(a.tree) / "scripts"))
+    global device_time
+    from _timing import device_time  # the bench scripts' own (best of blocks, closed by a wait)
     import torch
     import fmha_iree
     from _varlen_cases import case_data, presets
