@@ -56,8 +56,19 @@ def torch_peers(q, k, v, reps) -> dict:
         except RuntimeError as e:  # the backend does not take this shape / GQA
             times[name] = None
             print(f"    torch {name}: {str(e).splitlines()[0][:100]}")
-    ref = torch.nn.functional.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(), enable_gqa=True)
-    return times, ref.transpose(1, 2)
+    return times, _reference(qt, kt, vt)
+
+
+def _reference(qt, kt, vt):
+    """float32 decode attention, ``[B, 1, Hq, Dv]``: the query heads of a KV head as rows of one
+    product (SDPA's math path repeats K / V per query head: 32 GiB at G16 B64 Sk8192)."""
+    import torch
+
+    B, Hq, _, D = qt.shape
+    Hk = kt.shape[1]
+    q = qt.float().reshape(B, Hk, Hq // Hk, D)
+    s = torch.softmax(q @ kt.float().transpose(2, 3) / D ** 0.5, dim=-1)  # [B, Hk, G, Sk]
+    return (s @ vt.float()).reshape(B, Hq, 1, -1).transpose(1, 2)
 
 
 def calls(mod, q, k, v, rng, page: int):

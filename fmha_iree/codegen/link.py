@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..problem.spec import KernelSpec
 
-__all__ = ["CPU_SHORT_ROWS", "kernel_function", "link_module", "declaration", "result_types"]
+__all__ = ["CPU_SHORT_ROWS", "kernel_function", "link_module", "declaration", "result_types", "never_inlined"]
 
 
 # CPU: the unit loop's rows per tile for call sites whose queries are known short (a decode step:
@@ -18,11 +18,14 @@ __all__ = ["CPU_SHORT_ROWS", "kernel_function", "link_module", "declaration", "r
 CPU_SHORT_ROWS = 8
 
 
-def kernel_function(spec: KernelSpec, name: str, *, public: bool = False, short: bool = False) -> str:
+def kernel_function(spec: KernelSpec, name: str, *, public: bool = False, short: bool = False,
+                    inline: bool = False) -> str:
     """The MLIR text of the attention function for ``spec``, named ``name`` (private unless
     ``public``); ``short`` (CPU): tiles of ``CPU_SHORT_ROWS`` rows. On GPU targets it is marked
-    never to be inlined: two inlined copies of ``fwd`` in one function failed to compile for sm_80
-    (docs/model-export.md)."""
+    never to be inlined unless ``inline``: two inlined copies of ``fwd`` in one function failed to
+    compile for sm_80 (docs/model-export.md); a caller that calls it inside a loop takes it inlined
+    (IREE 3.13 did not rewrite a call nested in scf regions when it expanded the callee's tensor
+    sizes into arguments) and is itself never inlined."""
     from .source import fwd_plan
 
     if spec.target.backend == "llvm-cpu":
@@ -44,11 +47,16 @@ def kernel_function(spec: KernelSpec, name: str, *, public: bool = False, short:
         text = render_fwd(plan, name)
     if not public:
         text = text.replace(f"util.func public @{name}", f"util.func private @{name}", 1)
-    if spec.target.backend != "llvm-cpu":
-        head = text.index(f"@{name}(")
-        body = text.index("{\n", head)
-        text = text[:body] + "attributes {inlining_policy = #util.inline.never} " + text[body:]
+    if spec.target.backend != "llvm-cpu" and not inline:
+        text = never_inlined(text, name)
     return text
+
+
+def never_inlined(text: str, name: str) -> str:
+    """``text`` with function ``name`` marked never to be inlined."""
+    head = text.index(f"@{name}(")
+    body = text.index("{\n", head)
+    return text[:body] + "attributes {inlining_policy = #util.inline.never} " + text[body:]
 
 
 def result_types(text: str, name: str) -> list[str]:

@@ -68,18 +68,33 @@ def export_model(model, args=(), *, target, kwargs=None, dynamic_shapes=None, fu
     del torch_ops  # imported for its registration of torch.ops.fmha_iree.*
 
     apply()
-    if isinstance(model, aot.FxProgramsBuilder):
-        exported = aot.export(model)
-    else:
-        exported = aot.export(model, args=tuple(args), kwargs=kwargs, dynamic_shapes=dynamic_shapes,
-                              function_name=function_name, strict_export=strict_export)
+    try:
+        if isinstance(model, aot.FxProgramsBuilder):
+            exported = aot.export(model)
+        else:
+            exported = aot.export(model, args=tuple(args), kwargs=kwargs, dynamic_shapes=dynamic_shapes,
+                                  function_name=function_name, strict_export=strict_export)
+    except Exception as e:
+        raise _argument_error(e) or e
     module_op = exported.mlir_module
     ExpandCustomOpsPass(module_op, reg=expanders(t)).run()
     text = str(module_op)
     if "torch.fmha_iree." in text:
-        raise ValueError("a call of a fmha_iree op was left unexpanded (only torch.ops.fmha_iree.fmha_fwd is "
-                         "expanded inside a model)")
+        raise ValueError("a call of a fmha_iree op was left unexpanded (torch.ops.fmha_iree.fmha_fwd and "
+                         "fmha_fwd_varlen are expanded inside a model)")
     return text
+
+
+def _argument_error(e: BaseException) -> ValueError | TypeError | None:
+    """The ValueError / TypeError an fmha_iree op's checks raised under tracing, which torch's
+    export wraps in its own errors: the user sees the message naming the argument."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e) in (ValueError, TypeError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def compile_model(mlir: str, *, target, output, extra_flags=()) -> dict:

@@ -22,58 +22,66 @@ failed to compile for sm_80 (docs/model-export.md).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 
-from ..codegen.link import CPU_SHORT_ROWS, kernel_function, result_types
+from ..codegen.link import CPU_SHORT_ROWS, kernel_function, never_inlined, result_types
+from ..codegen.wrappers import CallSite, VarlenSite, batch_wrapper, varlen_wrapper
 from ..problem.mask import Mask
 from ..problem.spec import KernelSpec
 from ..problem.targets import Target
 from ..problem.tiles import default_tiles
 
-__all__ = ["OP_NAME", "Expander", "expanders", "coords_linear"]
+__all__ = ["OP_NAME", "VARLEN_OP_NAME", "Expander", "VarlenExpander", "expanders"]
 
 OP_NAME = "fmha_iree.fmha_fwd"  # torch.ops.fmha_iree.fmha_fwd(q, k, v, mask, scale, layout) -> (out, lse)
+# torch.ops.fmha_iree.fmha_fwd_varlen(q, k, v, seqstart_q, <VARLEN_TABLES>, mask, scale) -> (out, lse)
+VARLEN_OP_NAME = "fmha_iree.fmha_fwd_varlen"
+VARLEN_TABLES = ("seqstart_k", "seqlen_k", "seqstart_padded_q", "seqstart_padded_k", "block_table")
 _DTYPES = ("f16", "bf16", "f32")
 
 
-@dataclasses.dataclass(frozen=True)
-class CallSite:
-    """One expanded call: what the torch op's constant arguments and operand types say."""
+class _Expansion:
+    """What both expanders share: the target, the kernels rendered so far in this export (one
+    text per kernel name, shared by the expanders of one :func:`expanders` registry) and the
+    merge of a kernel and a wrapper into the model."""
 
-    dtype: str
-    layout: str
-    shape_q: tuple  # static sizes, -1 for dynamic ones
-    shape_k: tuple
-    shape_v: tuple
-    mask: Mask
-    scale: float
+    def __init__(self, target: Target, kernels: dict[str, str]):
+        self.target = target
+        self._kernels = kernels  # kernel name -> its rendered text, once per export
 
-    @property
-    def heads(self) -> tuple[int, int]:
-        h = 1 if self.layout == "bhsd" else 2
-        return self.shape_q[h], self.shape_k[h]
+    def _call(self, kb, spec: KernelSpec, short: bool, site, args: list, wrapper_text, looped: bool = False) -> None:
+        """Merge the kernel for ``spec`` and a wrapper for ``site`` and the operand types of
+        ``args`` (``wrapper_text(kernel, wrapper, arg_types, kernel_results)``), unless merged
+        already; then call the wrapper on ``args`` and yield its (out, lse). ``looped``: the
+        wrapper calls the kernel inside a loop; on GPU targets it then takes an inlinable copy of
+        the kernel and is itself never inlined (``codegen.link.kernel_function``)."""
+        from iree.turbine.runtime.op_reg.impl_helper import call_function
+        from iree.turbine.support.ir_imports import Operation
+
+        inline = looped and spec.target.backend != "llvm-cpu"
+        kernel = "fmha_iree_" + spec.module_name + ("_short" if short else "") + ("_inline" if inline else "")
+        arg_types = tuple(str(a.type) for a in args)
+        wrapper = f"{kernel}_call_{_digest((site, arg_types))}"
+        if not _has(kb.symbol_table, wrapper):
+            if kernel not in self._kernels:
+                self._kernels[kernel] = kernel_function(spec, kernel, short=short, inline=inline)
+            kernel_text = self._kernels[kernel]
+            text = wrapper_text(kernel, wrapper, arg_types, result_types(kernel_text, kernel))
+            text = kernel_text + (never_inlined(text, wrapper) if inline else text)
+            source = Operation.parse(f"module {{\n{text}\n}}", context=kb.context)
+            if _has(kb.symbol_table, kernel):  # merged by an earlier call site: the wrapper alone
+                _drop(source, kernel)
+            _merge(kb, source)
+        out, lse = call_function(kb.symbol_table[wrapper], *args)
+        kb.yield_results(out, lse)
 
 
-def coords_linear(mask: Mask) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """``(y, x)`` of ``mask`` as ``a + b * Sq + c * Sk`` each (``Mask.coords`` is linear in the
-    lengths): ``((a, b, c) of y, (a, b, c) of x)``."""
-    y0, x0 = mask.coords(0, 0)
-    yq, xq = mask.coords(1, 0)
-    yk, xk = mask.coords(0, 1)
-    return (y0, yq - y0, yk - y0), (x0, xq - x0, xk - x0)
-
-
-class Expander:
-    """The expansion of ``torch.ops.fmha_iree.fmha_fwd`` for one target: turbine's
+class Expander(_Expansion):
+    """The expansion of ``torch.ops.fmha_iree.fmha_fwd`` (batch mode) for one target: turbine's
     ``ExpandCustomOpsPass`` calls :meth:`select` and :meth:`generate` for each call it finds."""
 
     name = OP_NAME
-
-    def __init__(self, target: Target):
-        self.target = target
-        self._kernels: dict[str, str] = {}  # kernel name -> its rendered text, once per export
 
     def select(self, ksel) -> None:
         import torch
@@ -92,34 +100,56 @@ class Expander:
         self._site = site
 
     def generate(self, ksel, kb) -> None:
-        from iree.turbine.runtime.op_reg.impl_helper import call_function
-        from iree.turbine.support.ir_imports import Operation
-
         site = self._site
-        spec = _kernel_spec(site, self.target)
-        short = _short(site, spec)
-        kernel = "fmha_iree_" + spec.module_name + ("_short" if short else "")
-        args = [kb.arg_value(i) for i in range(3)]
-        arg_types = tuple(str(a.type) for a in args)
-        wrapper = f"{kernel}_call_{_digest((site, arg_types))}"
-        if not _has(kb.symbol_table, wrapper):
-            if kernel not in self._kernels:
-                self._kernels[kernel] = kernel_function(spec, kernel, short=short)
-            kernel_text = self._kernels[kernel]
-            text = kernel_text + _wrapper_text(site, spec, kernel, wrapper, arg_types,
-                                               result_types(kernel_text, kernel))
-            source = Operation.parse(f"module {{\n{text}\n}}", context=kb.context)
-            if _has(kb.symbol_table, kernel):  # merged by an earlier call site: the wrapper alone
-                _drop(source, kernel)
-            _merge(kb, source)
-        out, lse = call_function(kb.symbol_table[wrapper], *args)
-        kb.yield_results(out, lse)
+        hq, hk = site.heads
+        spec = _kernel_spec(site.dtype, site.layout, hq, hk, site.shape_q[3], site.shape_v[3], self.target)
+        backend = spec.target.backend
+
+        def text(kernel, wrapper, arg_types, results):
+            return batch_wrapper(site, backend, kernel, wrapper, arg_types, results)
+
+        self._call(kb, spec, _short(site, spec), site, [kb.arg_value(i) for i in range(3)], text)
+
+
+class VarlenExpander(_Expansion):
+    """The expansion of ``torch.ops.fmha_iree.fmha_fwd_varlen`` (group mode, a paged cache) for
+    one target: a loop over the sequences calling the kernel once per sequence
+    (``codegen.wrappers.varlen_wrapper``)."""
+
+    name = VARLEN_OP_NAME
+
+    def select(self, ksel) -> None:
+        import torch
+
+        for i in range(4):
+            ksel.arg_tensor(i)
+        given = tuple(n for i, n in enumerate(VARLEN_TABLES, 4) if ksel.arg_optional_tensor(i) is not None)
+        mask = ksel.attr_str(9)
+        scale = _optional_float(ksel, 10)
+        self._site = site = _varlen_site(ksel, given, mask.v, scale)
+        q = ksel.arg_descs[0].t
+        ksel.return_tensor(torch.empty([q.shape[0], site.hq, site.dv], dtype=q.dtype))
+        ksel.return_tensor(torch.empty([site.hq, ksel.shape_env.create_unbacked_symint()], dtype=torch.float32))
+
+    def generate(self, ksel, kb) -> None:
+        site = self._site
+        spec = _kernel_spec(site.dtype, "bshd", site.hq, site.hk, site.dq, site.dv, self.target)
+        backend = spec.target.backend
+        names = ("q", "k", "v", "seqstart_q", *site.given)
+
+        def text(kernel, wrapper, arg_types, results):
+            return varlen_wrapper(site, backend, kernel, wrapper, dict(zip(names, arg_types)), results)
+
+        args = [a for a in kb.arg_bindings if a is not None]  # the tensors given (mask, scale are attributes)
+        self._call(kb, spec, False, site, args, text)
 
 
 def expanders(target: str | Target) -> dict:
-    """The registry ``ExpandCustomOpsPass`` takes: fmha_iree's op name -> its expander."""
+    """The registry ``ExpandCustomOpsPass`` takes: fmha_iree's op names -> their expanders (one
+    kernel text per kernel name shared between them)."""
     t = target if isinstance(target, Target) else Target.from_name(target)
-    return {OP_NAME: Expander(t)}
+    kernels: dict[str, str] = {}
+    return {OP_NAME: Expander(t, kernels), VARLEN_OP_NAME: VarlenExpander(t, kernels)}
 
 
 def _optional_float(ksel, i: int):
@@ -132,20 +162,37 @@ def _optional_float(ksel, i: int):
     return ksel.attr_float(i).v
 
 
-def _call_site(ksel, mask: str, scale, layout: str) -> CallSite:
+def _operand_types(ksel, n: int) -> list:
+    """The first ``n`` operands' builtin tensor types."""
     from iree.turbine.support.ir_imports import RankedTensorType
 
-    if layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
-    types = []
-    for i in range(3):
-        native = ksel.type_converter.torch_type_to_native(ksel.operands[i].type, signless=False)
-        types.append(RankedTensorType(native))
+    return [RankedTensorType(ksel.type_converter.torch_type_to_native(ksel.operands[i].type, signless=False))
+            for i in range(n)]
+
+
+def _shape(t) -> tuple:
+    return tuple(-1 if t.is_dynamic_dim(d) else t.get_dim_size(d) for d in range(t.rank))
+
+
+def _check_dtypes(types) -> str:
     dtype = str(types[0].element_type)
     if dtype not in _DTYPES or any(str(t.element_type) != dtype for t in types):
         raise TypeError(f"q, k and v must share one of dtypes f16, bf16, f32; got "
                         f"{[str(t.element_type) for t in types]}")
-    shapes = [tuple(-1 if t.is_dynamic_dim(d) else t.get_dim_size(d) for d in range(t.rank)) for t in types]
+    return dtype
+
+
+def _check_heads(hq: int, hk: int) -> None:
+    if hq < 0 or hk < 0 or hk == 0 or hq % hk:
+        raise ValueError(f"the heads of q and k must be static with Hq a multiple of Hk, got Hq {hq}, Hk {hk}")
+
+
+def _call_site(ksel, mask: str, scale, layout: str) -> CallSite:
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    types = _operand_types(ksel, 3)
+    dtype = _check_dtypes(types)
+    shapes = [_shape(t) for t in types]
     if any(len(s) != 4 for s in shapes):
         raise ValueError(f"q, k and v must be rank-4 ({layout}), got shapes {shapes}")
     dq = shapes[0][3]
@@ -153,17 +200,38 @@ def _call_site(ksel, mask: str, scale, layout: str) -> CallSite:
         raise ValueError(f"head dims must be static and q's equal k's, got q {shapes[0]}, k {shapes[1]}, v {shapes[2]}")
     s = 1.0 / math.sqrt(dq) if scale is None else float(scale)
     site = CallSite(dtype, layout, *shapes, Mask.from_str(mask), s)
-    hq, hk = site.heads
-    if hq < 0 or hk < 0 or hk == 0 or hq % hk:
-        raise ValueError(f"the heads of q and k must be static with Hq a multiple of Hk, got Hq {hq}, Hk {hk}")
+    _check_heads(*site.heads)
     return site
 
 
-def _kernel_spec(site: CallSite, target: Target) -> KernelSpec:
-    hq, hk = site.heads
-    dq, dv = site.shape_q[3], site.shape_v[3]
-    tiles = default_tiles(target.family, dq, dv, arch=target.arch, dtype=site.dtype)
-    return KernelSpec(site.dtype, site.layout, hq // hk, dq, dv, tiles, target)
+def _varlen_site(ksel, given: tuple[str, ...], mask: str, scale) -> VarlenSite:
+    """The group-mode call's facts, or the ValueError / TypeError naming what the call gets wrong."""
+    types = _operand_types(ksel, 4)
+    dtype = _check_dtypes(types[:3])
+    q, k, v = (_shape(t) for t in types[:3])
+    paged = "block_table" in given
+    rank = 4 if paged else 3
+    if len(q) != 3 or len(k) != rank or len(v) != rank:
+        raise ValueError(f"fmha_fwd_varlen takes q [Tq, Hq, Dq] and k, v [Tk, Hk, D] (paged: [pages, page_size, Hk, "
+                         f"D]), got q {list(q)}, k {list(k)}, v {list(v)}")
+    if paged and ({"seqstart_k", "seqstart_padded_k"} & set(given) or "seqlen_k" not in given):
+        raise ValueError("block_table: a paged cache takes seqlen_k (each sequence's keys) and no seqstart_k / "
+                         "seqstart_padded_k")
+    if not paged and "seqstart_k" not in given:
+        raise ValueError("seqstart_k is required unless block_table is given")
+    if str(types[3].element_type) not in ("i32", "si32") or types[3].rank != 1:
+        raise TypeError(f"seqstart_q must be a 1-D int32 tensor, got {types[3]}")
+    dq, dv = q[2], v[-1]
+    if dq < 0 or k[-1] != dq or dv < 0:
+        raise ValueError(f"head dims must be static and q's equal k's, got q {list(q)}, k {list(k)}, v {list(v)}")
+    _check_heads(q[1], k[-2])
+    s = 1.0 / math.sqrt(dq) if scale is None else float(scale)
+    return VarlenSite(dtype, q[1], k[-2], dq, dv, given, Mask.from_str(mask), s)
+
+
+def _kernel_spec(dtype: str, layout: str, hq: int, hk: int, dq: int, dv: int, target: Target) -> KernelSpec:
+    tiles = default_tiles(target.family, dq, dv, arch=target.arch, dtype=dtype)
+    return KernelSpec(dtype, layout, hq // hk, dq, dv, tiles, target)
 
 
 def _short(site: CallSite, spec: KernelSpec) -> bool:
@@ -179,83 +247,12 @@ def _digest(key) -> str:
     return hashlib.sha256(repr(key).encode()).hexdigest()[:10]
 
 
-def _tensor(shape, dtype: str) -> str:
-    return "tensor<" + "x".join("?" if d < 0 else str(d) for d in shape) + f"x{dtype}>"
-
-
 def _has(table, name: str) -> bool:
     try:
         table[name]
     except KeyError:
         return False
     return True
-
-
-def _wrapper_text(site: CallSite, spec: KernelSpec, kernel: str, wrapper: str, arg_types: tuple[str, ...],
-                  kernel_results: list[str]) -> str:
-    """``util.func private @wrapper(q, k, v) -> (out, lse)`` over the call's operand types
-    ``arg_types``: q, k and v re-tied to their sizes passed through a barrier (so that the kernel
-    is compiled with every size dynamic), the kernel's storage types (bf16 as i16 bits on
-    the CPU), CK's (y, x) from the runtime lengths, clipped as ``Mask.clipped_coords`` does; the
-    kernel's out and lse returned with its own (dynamic) types."""
-    T = site.dtype
-    st = "i16" if T == "bf16" and spec.target.backend == "llvm-cpu" else T
-    dq, dv = site.shape_q[3], site.shape_v[3]
-    s_ax = 2 if site.layout == "bhsd" else 1
-    tq, tk, tv = arg_types
-    dq_t, dv_t = _tensor((-1, -1, -1, dq), st), _tensor((-1, -1, -1, dv), st)
-    k_out, k_lse, n_results = kernel_results[0], kernel_results[1], len(kernel_results)
-    tout = k_out.replace("i16", "bf16") if st != T else k_out
-    (ya, yq, yk), (xa, xq, xk) = coords_linear(site.mask)
-    lines = [f"util.func private @{wrapper}(%q: {tq}, %k: {tk}, %v: {tv}) -> ({tout}, {k_lse}) {{"]
-    for n, t in (("q", tq), ("k", tk), ("v", tv)):
-        src = f"%{n}"
-        if st != T:
-            src = _bitcast(lines, n, src, t, t.replace("bf16", "i16"))
-            t = t.replace("bf16", "i16")
-        lines.append(f"  %{n}d = tensor.cast {src} : {t} to {dv_t if n == 'v' else dq_t}")
-    lines += [f"  %c{i} = arith.constant {i} : index" for i in range(3)]
-    for n, t in (("q", dq_t), ("k", dq_t), ("v", dv_t)):
-        lines += [f"  %{n}s{i} = tensor.dim %{n}d, %c{i} : {t}" for i in range(3)]
-    sizes = [f"%{n}s{i}" for n in "qkv" for i in range(3)]
-    lines.append(f"  {', '.join(s.replace('s', 'h', 1) for s in sizes)} = util.optimization_barrier "
-                 f"{', '.join(sizes)} : {', '.join(['index'] * 9)}")
-    for n, t in (("q", dq_t), ("k", dq_t), ("v", dv_t)):
-        hidden = ", ".join(f"%{n}h{i}" for i in range(3))
-        lines.append(f"  %{n}o = util.optimization_barrier %{n}d : {t}")
-        lines.append(f"  %{n}b = flow.tensor.tie_shape %{n}o : {t}{{{hidden}}}")
-    lines += [f"  %sq = arith.addi %qh{s_ax}, %c0 : index",
-              f"  %sk = arith.addi %kh{s_ax}, %c0 : index",
-              *_linear("y", ya, yq, yk), *_linear("x", xa, xq, xk),
-              # clipped: y in [-Sk, Sq + 1], x in [-Sq, Sk + 1]
-              "  %nsk = arith.subi %c0, %sk : index", "  %nsq = arith.subi %c0, %sq : index",
-              "  %sq1 = arith.addi %sq, %c1 : index", "  %sk1 = arith.addi %sk, %c1 : index",
-              "  %y1 = arith.maxsi %y0, %nsk : index", "  %y2 = arith.minsi %y1, %sq1 : index",
-              "  %x1 = arith.maxsi %x0, %nsq : index", "  %x2 = arith.minsi %x1, %sk1 : index",
-              "  %y = arith.index_cast %y2 : index to i64", "  %x = arith.index_cast %x2 : index to i64",
-              # the scale a runtime value to the kernel too, as in fmha_iree's own modules (a
-              # constant scale let IREE hoist the kernel's scaled work into an initializer the VM
-              # conversion refused, sm_80)
-              f"  %scale0 = arith.constant {float(site.scale)!r} : f32",
-              "  %scale = util.optimization_barrier %scale0 : f32",
-              f"  %r:{n_results} = util.call @{kernel}(%qb, %kb, %vb, %scale, %y, %x) : "
-              f"({dq_t}, {dq_t}, {dv_t}, f32, i64, i64) -> ({', '.join(kernel_results)})"]
-    o = _bitcast(lines, "o", "%r#0", k_out, tout) if st != T else "%r#0"
-    lines += [f"  util.return {o}, %r#1 : {tout}, {k_lse}", "}"]
-    return "\n".join(lines) + "\n"
-
-
-def _bitcast(lines: list, n: str, src: str, t_from: str, t_to: str) -> str:
-    lines.append(f"  %{n}i = arith.bitcast {src} : {t_from} to {t_to}")
-    return f"%{n}i"
-
-
-def _linear(name: str, a: int, b: int, c: int) -> list[str]:
-    """``%<name>0 = a + b * sq + c * sk`` (index)."""
-    return [f"  %{name}a = arith.constant {a} : index", f"  %{name}b = arith.constant {b} : index",
-            f"  %{name}c = arith.constant {c} : index",
-            f"  %{name}q = arith.muli %{name}b, %sq : index", f"  %{name}k = arith.muli %{name}c, %sk : index",
-            f"  %{name}s = arith.addi %{name}a, %{name}q : index", f"  %{name}0 = arith.addi %{name}s, %{name}k : index"]
 
 
 def _drop(module, name: str) -> None:
