@@ -115,10 +115,14 @@ class Decoder(nn.Module):
         return torch.zeros(c.layers, 2, c.pages * c.page, c.kv_heads, c.head_dim, dtype=c.dtype)
 
 
-def export(model: Decoder, target: str, prompt_len: int = 8, external_params: bool = False):
+def export(model: Decoder, target: str, prompt_len: int = 8, external_params: bool = False,
+           prefill_len: int | None = None):
     """``prefill`` and ``decode`` in one exported module (MLIR with fmha_iree's kernel inside).
     ``external_params``: the weights are not in the module but named parameters of scope
-    ``model``, given at load time (``parameters``), as large models are deployed."""
+    ``model``, given at load time (``parameters``), as large models are deployed.
+    ``prefill_len``: prefill takes exactly that many tokens (a serving bucket) instead of any
+    number: with a dynamic token count IREE 3.13 configures the CUDA matmuls as matrix-vector
+    products (one output per workgroup; docs/model-export.md)."""
     from iree.turbine import aot
 
     from fmha_iree.integrations.model_export import export_model
@@ -129,9 +133,11 @@ def export(model: Decoder, target: str, prompt_len: int = 8, external_params: bo
     fxb = aot.FxProgramsBuilder(model)
     s, t = torch.export.Dim("s", max=model.cfg.pages * model.cfg.page), torch.export.Dim("t", max=model.cfg.pages * model.cfg.page)
 
-    @fxb.export_program(name="prefill", args=(torch.zeros(1, prompt_len, dtype=torch.int64), torch.arange(prompt_len),
-                                              cache, table),
-                        dynamic_shapes={"tokens": {1: s}, "context": {0: s}, "cache": {}, "block_table": {}})
+    n = prefill_len or prompt_len
+    dyn = {} if prefill_len else {"tokens": {1: s}, "context": {0: s}}
+
+    @fxb.export_program(name="prefill", args=(torch.zeros(1, n, dtype=torch.int64), torch.arange(n), cache, table),
+                        dynamic_shapes={"tokens": {}, "context": {}, "cache": {}, "block_table": {}, **dyn})
     def prefill(m, tokens, context, cache, block_table):
         return m.step(tokens, context, cache, block_table)
 

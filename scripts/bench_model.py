@@ -60,7 +60,9 @@ def export(args):
     out.mkdir(parents=True, exist_ok=True)
     for name, attention in (("fmha", "fmha_iree"), ("fmha2", _twice), ("sdpa", "sdpa")):
         t0 = time.perf_counter()
-        mlir = ex.export(ex.Decoder(config(args.small), attention=attention), args.target, external_params=True)
+        cfg = config(args.small)
+        prefill = None if args.small else min(PREFILL, cfg.pages * cfg.page // 2)  # a serving bucket (ex.export)
+        mlir = ex.export(ex.Decoder(cfg, attention=attention), args.target, external_params=True, prefill_len=prefill)
         t1 = time.perf_counter()
         compile_model(mlir, target=args.target, output=out / f"llama_{name}.vmfb")
         print(f"{name}: export {t1 - t0:.1f} s, compile {time.perf_counter() - t1:.1f} s", flush=True)
@@ -123,8 +125,12 @@ def run(args):
     table = np.random.default_rng(0).permutation(cfg.pages).astype(np.int64)
     dtype = np.float16 if cfg.dtype == torch.float16 else np.float32
     cache = (np.random.default_rng(2).standard_normal(model.new_cache().shape) * 0.1).astype(dtype)
-    attn = fmha_iree.load(args.attention_module, device=dev)
+    # the models' device opened first, with IREE's defaults (stream-ordered allocations):
+    # fmha_iree's runtime turns those off process-wide for its own CUDA devices (it keeps
+    # released buffers in its caching allocator), which would leave the models' transient
+    # buffers to synchronous allocations
     mods = {b: ex.load((Path(args.modules) / f"llama_{b}.vmfb").read_bytes(), dev, params) for b in BUILDS}
+    attn = fmha_iree.load(args.attention_module, device=dev)
     cuda = torch.device("cuda" if dev.startswith("cuda") else "cpu")
     sync = torch.cuda.synchronize if cuda.type == "cuda" else (lambda: None)
     eager = {"eager_fmha": ex.Decoder(cfg, attention=lambda q, k, v: attn(q, k, v, mask="b")).to(cuda),

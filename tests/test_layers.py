@@ -27,7 +27,7 @@ LAYERS = [
     ["paths"],
     # codegen: a module's functions as MLIR, the manifest's entry points
     ["codegen.torch_abi"], ["codegen.rows"], ["codegen.graph", "codegen.mlir_templates"],
-    ["codegen.kernels", "codegen.source_cpu"], ["codegen.source"], ["codegen.entries", "codegen.link"],
+    ["codegen.kernels", "codegen.source_cpu", "codegen.wrappers"], ["codegen.source"], ["codegen.entries", "codegen.link"],
     # toolchain: iree-compile, caches, ISA reports
     ["toolchain.cache", "toolchain.isa", "toolchain.ptx"], ["toolchain.compile"],
     # the public API
