@@ -271,3 +271,49 @@ def test_decode_call_sites_take_short_tiles(tmp_path):
         (res,) = _run((tmp_path / "d.vmfb").read_bytes(), q.numpy(), k.numpy(), v.numpy())
         out, _ = attention_ref(*(x.to(torch.float16) for x in (q, k, v)), mask="b", layout="bshd")
         assert_close(res, out, torch.float16, what=f"Sk {sk}")
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("kind, window", [("Llama", None), ("Mistral", 5)])
+def test_transformers_model_exports_unchanged(tmp_path, kind, window):
+    """A tiny transformers model built with attn_implementation="fmha_iree" (Mistral with a
+    sliding window of 5) exports unchanged: its logits from the compiled module equal the same
+    model's in transformers' "eager" attention at lengths other than the export's; a padding
+    mask is refused at export, naming attention_mask."""
+    transformers = pytest.importorskip("transformers")
+    from fmha_iree.integrations.hf import register_transformers
+
+    extra = {"sliding_window": window} if window else {}
+    cfg = getattr(transformers, f"{kind}Config")(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=256, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{kind}ForCausalLM")(cfg).eval()
+    model.config._attn_implementation = register_transformers()
+    ids = torch.randint(0, 128, (1, 12))
+    s = torch.export.Dim("S", max=255)
+    mlir = export_model(_Logits(model), (ids,), target="host", dynamic_shapes={"ids": {1: s}})
+    compile_model(mlir, target="host", output=tmp_path / "hf.vmfb")
+    for n in (9, 40):
+        ids = torch.randint(0, 128, (1, n))
+        (got,) = _run((tmp_path / "hf.vmfb").read_bytes(), ids.numpy())
+        model.config._attn_implementation = "eager"
+        with torch.no_grad():
+            ref = model(input_ids=ids, use_cache=False).logits.numpy()
+        model.config._attn_implementation = "fmha_iree"
+        np.testing.assert_allclose(got, ref, atol=2e-5, rtol=0)
+
+    class Padded(torch.nn.Module):
+        def forward(self, ids, mask):
+            return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    with pytest.raises(ValueError, match="attention_mask"):
+        export_model(Padded(), (ids, torch.ones_like(ids)), target="host")

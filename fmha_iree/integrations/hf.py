@@ -69,12 +69,45 @@ def build_mask(masking_utils, *, q_length: int, kv_length: int, q_offset=0, kv_o
     causal = mask_function is None or mask_function is mu.causal_mask_function
     ints = isinstance(q_offset, int) and isinstance(kv_offset, int)
     bottom_right = ints and q_offset + q_length == kv_offset + kv_length
+    if torch.compiler.is_exporting():
+        return _exported_mask(attention_mask, bottom_right)
     if allow_is_causal_skip and causal and attention_mask is None and bottom_right:
         return None
     skip = allow_is_causal_skip and (q_length == 1 or q_length == kv_length)
     return mu.sdpa_mask(q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
                         mask_function=mu.causal_mask_function if mask_function is None else mask_function,
                         attention_mask=attention_mask, allow_is_causal_skip=skip, **kwargs)
+
+
+def _exported_mask(attention_mask, bottom_right: bool):
+    """The mask of a model being exported: None (read by :func:`attention_forward` as the module's
+    causal mask or sliding window, bottom-right), for one sequence per batch row with its queries
+    at the end of its keys; a padding mask, or queries elsewhere, is a ValueError. Under export
+    transformers' masks are tensors of traced values (and it cannot rule out packed sequences in
+    ``position_ids``): fmha_iree's kernel takes the mask as a CK mask fixed at export, so the
+    exported model serves batches without padding; group mode (``torch_ops.fmha_fwd_varlen``)
+    serves sequences of their own lengths."""
+    if attention_mask is not None:
+        raise ValueError("attention_mask: a padding mask cannot be exported with fmha_iree attention (its CK mask is "
+                         "fixed at export); export for batches without padding, or call "
+                         "fmha_iree.integrations.torch_ops.fmha_fwd_varlen for sequences of their own lengths")
+    if not bottom_right:
+        raise ValueError("attention_mask: queries that do not end at the last key (a cache's offsets) cannot be "
+                         "exported with fmha_iree attention")
+    return None
+
+
+def _module_mask(module, causal: bool, sq: int, window=None) -> str:
+    """The CK mask of a module's attention without a mask tensor: bottom-right causal, within the
+    sliding window the call passes (``sliding_window=``, as Mistral's and Gemma 2's attention do;
+    else the module's attribute) where there is one (transformers: a query sees the ``window`` keys
+    ending at its own position), or every key."""
+    if not causal:
+        return "0"
+    window = getattr(module, "sliding_window", None) if window is None else window
+    if isinstance(window, int) and window > 0:
+        return f"b:{window - 1},0"
+    return "b" if sq > 1 else "0"
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -104,7 +137,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          f"{list(value.shape)}")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     sq, sk = query.shape[2], key.shape[2]
-    if attention_mask is None:
+    if attention_mask is None and torch.compiler.is_exporting():
+        plan = _module_mask(module, bool(causal), sq, kwargs.get("sliding_window"))
+    elif attention_mask is None:
         plan = ck_mask(None, bool(causal), sq, sk)
     else:
         plan = MASK_PLANS.get(attention_mask, sq, sk)

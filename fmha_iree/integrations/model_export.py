@@ -88,11 +88,23 @@ def export_model(model, args=(), *, target, kwargs=None, dynamic_shapes=None, fu
 def _argument_error(e: BaseException) -> ValueError | TypeError | None:
     """The ValueError / TypeError an fmha_iree op's checks raised under tracing, which torch's
     export wraps in its own errors: the user sees the message naming the argument."""
+    import ast
+    import re
+
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if type(e) in (ValueError, TypeError):
             return e
+        # raised inside code Dynamo traces (strict export), the error arrives as Dynamo's
+        # "observed" exception whose message quotes it
+        found = re.match(r"raised exception (ValueError|TypeError)\((.*)\)$", str(e).split("\n")[0])
+        if found and type(e).__name__.startswith("Observed"):
+            try:
+                message = ast.literal_eval(found.group(2))
+            except (ValueError, SyntaxError):
+                message = found.group(2)
+            return (ValueError if found.group(1) == "ValueError" else TypeError)(message)
         e = e.__cause__ or e.__context__
     return None
 
