@@ -18,14 +18,11 @@ __all__ = ["CPU_SHORT_ROWS", "kernel_function", "link_module", "declaration", "r
 CPU_SHORT_ROWS = 8
 
 
-def kernel_function(spec: KernelSpec, name: str, *, public: bool = False, short: bool = False,
-                    inline: bool = False) -> str:
+def kernel_function(spec: KernelSpec, name: str, *, public: bool = False, short: bool = False) -> str:
     """The MLIR text of the attention function for ``spec``, named ``name`` (private unless
     ``public``); ``short`` (CPU): tiles of ``CPU_SHORT_ROWS`` rows. On GPU targets it is marked
-    never to be inlined unless ``inline``: two inlined copies of ``fwd`` in one function failed to
-    compile for sm_80 (docs/model-export.md); a caller that calls it inside a loop takes it inlined
-    (IREE 3.13 did not rewrite a call nested in scf regions when it expanded the callee's tensor
-    sizes into arguments) and is itself never inlined."""
+    never to be inlined: two inlined copies of ``fwd`` in one function failed to compile for sm_80
+    (docs/model-export.md)."""
     from .source import fwd_plan
 
     if spec.target.backend == "llvm-cpu":
@@ -47,7 +44,7 @@ def kernel_function(spec: KernelSpec, name: str, *, public: bool = False, short:
         text = render_fwd(plan, name)
     if not public:
         text = text.replace(f"util.func public @{name}", f"util.func private @{name}", 1)
-    if spec.target.backend != "llvm-cpu" and not inline:
+    if spec.target.backend != "llvm-cpu":
         text = never_inlined(text, name)
     return text
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 
-from ..codegen.link import CPU_SHORT_ROWS, kernel_function, never_inlined, result_types
+from ..codegen.link import CPU_SHORT_ROWS, kernel_function, result_types
 from ..codegen.wrappers import CallSite, VarlenSite, batch_wrapper, varlen_wrapper
 from ..problem.mask import Mask
 from ..problem.spec import KernelSpec
@@ -50,25 +50,22 @@ class _Expansion:
         self.target = target
         self._kernels = kernels  # kernel name -> its rendered text, once per export
 
-    def _call(self, kb, spec: KernelSpec, short: bool, site, args: list, wrapper_text, looped: bool = False) -> None:
-        """Merge the kernel for ``spec`` and a wrapper for ``site`` and the operand types of
-        ``args`` (``wrapper_text(kernel, wrapper, arg_types, kernel_results)``), unless merged
-        already; then call the wrapper on ``args`` and yield its (out, lse). ``looped``: the
-        wrapper calls the kernel inside a loop; on GPU targets it then takes an inlinable copy of
-        the kernel and is itself never inlined (``codegen.link.kernel_function``)."""
+    def _call(self, kb, spec: KernelSpec, short: bool, site, args: list, wrapper_text) -> None:
+        """Merge the kernel for ``spec`` (``short``: with the CPU's short tiles) and a wrapper for
+        ``site`` and the operand types of ``args`` (``wrapper_text(kernel, wrapper, arg_types,
+        kernel_results)``), unless merged already; then call the wrapper on ``args`` and yield its
+        (out, lse)."""
         from iree.turbine.runtime.op_reg.impl_helper import call_function
         from iree.turbine.support.ir_imports import Operation
 
-        inline = looped and spec.target.backend != "llvm-cpu"
-        kernel = "fmha_iree_" + spec.module_name + ("_short" if short else "") + ("_inline" if inline else "")
+        kernel = "fmha_iree_" + spec.module_name + ("_short" if short else "")
         arg_types = tuple(str(a.type) for a in args)
         wrapper = f"{kernel}_call_{_digest((site, arg_types))}"
         if not _has(kb.symbol_table, wrapper):
             if kernel not in self._kernels:
-                self._kernels[kernel] = kernel_function(spec, kernel, short=short, inline=inline)
+                self._kernels[kernel] = kernel_function(spec, kernel, short=short)
             kernel_text = self._kernels[kernel]
-            text = wrapper_text(kernel, wrapper, arg_types, result_types(kernel_text, kernel))
-            text = kernel_text + (never_inlined(text, wrapper) if inline else text)
+            text = kernel_text + wrapper_text(kernel, wrapper, arg_types, result_types(kernel_text, kernel))
             source = Operation.parse(f"module {{\n{text}\n}}", context=kb.context)
             if _has(kb.symbol_table, kernel):  # merged by an earlier call site: the wrapper alone
                 _drop(source, kernel)
@@ -141,6 +138,9 @@ class VarlenExpander(_Expansion):
             return varlen_wrapper(site, backend, kernel, wrapper, dict(zip(names, arg_types)), results)
 
         args = [a for a in kb.arg_bindings if a is not None]  # the tensors given (mask, scale are attributes)
+        # one kernel: with the CPU's short-tile form beside it behind a per-sequence scf.if, the
+        # module's initializer asked for more memory than the host has (dev machine; an f16 bhsd
+        # batch model with the same choice crashed: docs/model-export.md)
         self._call(kb, spec, False, site, args, text)
 
 
