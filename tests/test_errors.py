@@ -234,6 +234,25 @@ def test_cuda_allocator_policy_from_the_environment():
             allocator_policy("cuda", {CUDA_CACHE_ENV: bad})
 
 
+def test_warns_when_iree_opened_the_driver_first(monkeypatch):
+    """Where IREE's own device of a driver was opened before fmha_iree's, the driver keeps the
+    flags it was made with (fmha_iree's allocation policy cannot apply): a RuntimeWarning says so
+    and how to avoid it; none for another driver's device."""
+    import warnings
+
+    from iree.runtime import system_setup
+
+    from fmha_iree.runtime.device import _warn_if_driver_exists
+
+    monkeypatch.setattr(system_setup, "_GLOBAL_DEVICES_BY_URI", {"local-task": object()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_if_driver_exists("cuda://0")
+    monkeypatch.setattr(system_setup, "_GLOBAL_DEVICES_BY_URI", {"cuda://0": object()})
+    with pytest.warns(RuntimeWarning, match="cuda_async_allocations=false"):
+        _warn_if_driver_exists("cuda://0")
+
+
 def test_cache_keeper_bounds_the_kept_bytes():
     """IREE's caching allocator (on the CPU device here, the same code as on CUDA) keeps released
     buffers; the keeper returns them once the device's allocations grew by more than its budget

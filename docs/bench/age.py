@@ -1,10 +1,10 @@
-# An experiment driver kept with the figures it produced (docs/BENCHMARKS.md, "Paths with a contract:
-# before and after"); not part of the package.
 """Does a serving process slow down with age? Our window and group-mode calls on DeviceTensors,
 timed fresh, after torch.compile'd FlexAttention peers ran beside them, then with Python's GC
-frozen / disabled, then after torch's caches are emptied.
+frozen / disabled, then after torch's caches are emptied. ``--iree-first``: IREE's own CUDA device
+(``iree.runtime.get_device``, IREE's default flags) opened before fmha_iree's.
 
-python age.py --modules DIR
+python docs/bench/age.py --modules DIR [--iree-first]   (DIR: f16_d128_g1_generic.vmfb and
+f16_d128_g1_bshd.vmfb from fmha-iree compile --target sm_80 --dtype f16 --hdim 128 [--layout bshd])
 """
 import argparse
 import gc
@@ -13,6 +13,22 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+
+def device_time(fn, reps=20, blocks=3):
+    def wait(res):
+        last = res[-1] if isinstance(res, tuple) else res
+        if hasattr(last, "wait"):
+            last.wait()
+    wait(fn())
+    best = float("inf")
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            res = fn()
+        wait(res)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
 
 
 def host_issue(fn, reps=20):
@@ -34,11 +50,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--modules", required=True)
     ap.add_argument("--tree", default=".")
+    ap.add_argument("--iree-first", action="store_true")
     a = ap.parse_args()
+    if a.iree_first:
+        import iree.runtime as rt
+
+        rt.get_device("cuda://0")
     sys.path.insert(0, a.tree)
     sys.path.insert(0, str(Path(a.tree) / "scripts"))
-    global device_time
-    from _timing import device_time  # the bench scripts' own (best of blocks, closed by a wait)
     import torch
     import fmha_iree
     from _varlen_cases import case_data, presets

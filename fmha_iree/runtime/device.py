@@ -62,10 +62,33 @@ def _open(uri: str, policy: AllocatorPolicy):
         if not policy.allocators:
             return rt.get_device(uri)
         if policy.flags:
+            _warn_if_driver_exists(uri)
             rt.flags.parse_flags(*policy.flags)  # read when the driver is created (first use)
         return rt.get_driver(uri).create_device_by_uri(uri, allocators=list(policy.allocators))
     except Exception as e:  # the runtime raises ValueError/RuntimeError variants
         raise ValueError(f"device {uri!r} could not be opened: {e}") from None
+
+
+def _warn_if_driver_exists(uri: str) -> None:
+    """Warn where IREE's own device for ``uri``'s driver was opened before fmha_iree's (through
+    ``iree.runtime.get_device``): the driver then keeps the flags it was created with, IREE's
+    stream-ordered allocations stay on beside fmha_iree's caching allocator, and the pool's trim
+    at every synchronization cost group-mode prefill 2.1-2.5x its time on an H100
+    (docs/BENCHMARKS.md, "A serving process and the order its devices were opened")."""
+    import warnings
+
+    try:
+        from iree.runtime import system_setup
+    except ImportError:
+        return
+    driver = uri.split(":", 1)[0]
+    opened = getattr(system_setup, "_GLOBAL_DEVICES_BY_URI", {})
+    if any(str(key).split(":", 1)[0] == driver for key in list(opened)):
+        warnings.warn(f"fmha_iree opens {uri!r} after IREE's own {driver} device was opened in this process: the "
+                      f"driver keeps IREE's stream-ordered allocations, which made fmha_iree's calls up to 2.5x "
+                      f"slower; open fmha_iree's device first (fmha_iree.to_device / load before iree.runtime."
+                      f"get_device) or set IREE_PY_RUNTIME_FLAGS=--cuda_async_allocations=false before either",
+                      RuntimeWarning, stacklevel=4)
 
 
 DEVICES = DeviceRegistry()
