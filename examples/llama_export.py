@@ -150,12 +150,14 @@ def export(model: Decoder, target: str, prompt_len: int = 8, external_params: bo
     return export_model(fxb, target=target)
 
 
-def load(vmfb: bytes, device: str = "local-task", params: dict | None = None):
-    """The module's functions on ``device`` through ``iree.runtime`` only; ``params`` (name ->
-    numpy array) for a module exported with ``external_params``."""
+def load(vmfb: bytes, device="local-task", params: dict | None = None):
+    """The module's functions on ``device`` (a URI: the process's IREE device of that URI; or an
+    ``iree.runtime.HalDevice``) through ``iree.runtime`` only; ``params`` (name -> numpy array) for
+    a module exported with ``external_params``."""
     import iree.runtime as rt
 
-    ctx = rt.SystemContext(config=rt.Config(device=rt.get_device(device)))  # the process's device of that URI
+    dev = rt.get_device(device) if isinstance(device, str) else device
+    ctx = rt.SystemContext(config=rt.Config(device=dev))
     if params is not None:
         index = rt.ParameterIndex()
         for name, array in params.items():

@@ -102,11 +102,10 @@ def _derived(row: dict, logits: dict, layers: int) -> None:
             row[f"max_logit_diff_{b}_vs_eager_sdpa"] = float(np.abs(logits[b] - logits["eager_sdpa"]).max())
 
 
-def _iree_step(mod, device, tokens, context, cache, table):
-    """The step's call on arrays uploaded once to ``device`` (the cache stays there)."""
+def _iree_step(mod, dev, tokens, context, cache, table):
+    """The step's call on arrays uploaded once to the HAL device ``dev`` (the cache stays there)."""
     import iree.runtime as rt
 
-    dev = rt.get_device(device)
     args = [rt.asdevicearray(dev, np.ascontiguousarray(x)) for x in
             (np.asarray(tokens, np.int64), np.asarray(context, np.int64), cache, table)]
     fn = mod["prefill" if tokens.shape[1] > 1 else "decode"]
@@ -125,11 +124,16 @@ def run(args):
     table = np.random.default_rng(0).permutation(cfg.pages).astype(np.int64)
     dtype = np.float16 if cfg.dtype == torch.float16 else np.float32
     cache = (np.random.default_rng(2).standard_normal(model.new_cache().shape) * 0.1).astype(dtype)
-    # the models' device opened first, with IREE's defaults (stream-ordered allocations):
-    # fmha_iree's runtime turns those off process-wide for its own CUDA devices (it keeps
-    # released buffers in its caching allocator), which would leave the models' transient
-    # buffers to synchronous allocations
-    mods = {b: ex.load((Path(args.modules) / f"llama_{b}.vmfb").read_bytes(), dev, params) for b in BUILDS}
+    # --models-device iree: the models on IREE's own device of the URI, opened first (IREE's
+    # stream-ordered allocations; fmha_iree's device then keeps them too and warns); fmha: every
+    # module on fmha_iree's device (stream-ordered allocations off, released buffers kept).
+    # docs/BENCHMARKS.md, "A serving process and the order its devices were opened"
+    import iree.runtime as rt
+
+    from fmha_iree.runtime.device import get_device
+
+    hal = rt.get_device(dev) if args.models_device == "iree" else get_device(dev)
+    mods = {b: ex.load((Path(args.modules) / f"llama_{b}.vmfb").read_bytes(), hal, params) for b in BUILDS}
     attn = fmha_iree.load(args.attention_module, device=dev)
     cuda = torch.device("cuda" if dev.startswith("cuda") else "cpu")
     sync = torch.cuda.synchronize if cuda.type == "cuda" else (lambda: None)
@@ -140,7 +144,7 @@ def run(args):
         row = dict(step=step, tokens=int(tokens.shape[1]), context=int(len(context)))
         logits = {}
         for b, mod in mods.items():
-            fn = _iree_step(mod, dev, tokens, context, cache, table)
+            fn = _iree_step(mod, hal, tokens, context, cache, table)
             _measure(row, logits, b, fn, args.reps)
         targs = (torch.from_numpy(tokens).to(cuda), torch.from_numpy(context).to(cuda),
                  torch.from_numpy(cache).to(cuda), torch.from_numpy(table).to(cuda))
@@ -177,6 +181,8 @@ def main():
     r.add_argument("--reps", type=int, default=20)
     r.add_argument("--out")
     r.add_argument("--small", action="store_true", help="the small model of export --small")
+    r.add_argument("--models-device", choices=("fmha", "iree"), default="fmha",
+                   help="the models on fmha_iree's device (default) or on IREE's own, opened first")
     args = ap.parse_args()
     export(args) if args.cmd == "export" else run(args)
 

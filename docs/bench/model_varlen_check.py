@@ -2,8 +2,9 @@
 docs/bench/model_varlen_export.py sm_80: f16, 16:4 heads of 128, mask b) against a float32 torch
 reference, and its time against a deployed module's group / paged calls. From the repository
 root, on the GPU machine:
-    OUT=DIR python docs/bench/model_varlen_check.py varlen_sm_80.vmfb ATTN.vmfb
-(ATTN: a bshd f16 d128 G4 module compiled without --heads). Writes DIR/varlen.json."""
+    OUT=DIR python docs/bench/model_varlen_check.py varlen_sm_80.vmfb ATTN.vmfb [--fmha-device]
+(ATTN: a bshd f16 d128 G4 module compiled without --heads; --fmha-device: the model on fmha_iree's
+device, else on IREE's own, opened first). Writes DIR/varlen.json."""
 import json, os, sys
 import numpy as np, torch
 import iree.runtime as rt
@@ -12,7 +13,12 @@ from _timing import device_time, median_time
 import fmha_iree
 
 OUT = os.environ["OUT"]
-dev = rt.get_device("cuda://0")
+if "--fmha-device" in sys.argv:
+    from fmha_iree.runtime.device import get_device
+
+    dev = get_device("cuda://0")
+else:
+    dev = rt.get_device("cuda://0")
 ctx = rt.SystemContext(config=rt.Config(device=dev))
 ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, open(sys.argv[1], "rb").read()))
 main = ctx.modules.module["main"]
@@ -70,4 +76,4 @@ qd, kd, vd, kcd, vcd = map(up, (q, k, v, kc, vc))
 res["deployed_group_ms"] = device_time(lambda: mod.varlen(qd, kd, vd, sq, sk), 20) * 1e3
 res["deployed_paged_ms"] = device_time(lambda: mod.varlen(qd, kcd, vcd, sq, None, seqlen_k=lk, block_table=bt), 20) * 1e3
 print(res, flush=True)
-json.dump(res, open(f"{OUT}/varlen.json", "w"), indent=1)
+json.dump(res, open(f"{OUT}/varlen{'_fmha' if '--fmha-device' in sys.argv else ''}.json", "w"), indent=1)
