@@ -15,22 +15,6 @@ from pathlib import Path
 import numpy as np
 
 
-def device_time(fn, reps=20, blocks=3):
-    def wait(res):
-        last = res[-1] if isinstance(res, tuple) else res
-        if hasattr(last, "wait"):
-            last.wait()
-    wait(fn())
-    best = float("inf")
-    for _ in range(blocks):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            res = fn()
-        wait(res)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
-
-
 def host_issue(fn, reps=20):
     def wait(res):
         last = res[-1] if isinstance(res, tuple) else res
@@ -62,6 +46,9 @@ def main():
     import fmha_iree
     from _varlen_cases import case_data, presets
 
+    global device_time
+    from _timing import device_time  # the bench scripts' own (best of blocks, closed by a wait)
+
     dev = "cuda://0"
     M = Path(a.modules)
     g1 = fmha_iree.load(M / "f16_d128_g1_generic.vmfb", device=dev)
@@ -77,7 +64,7 @@ def main():
 
     def report(stage):
         for name, fn in calls.items():
-            t, h = device_time(fn), host_issue(fn)
+            t, h = device_time(fn, 20), host_issue(fn)
             print(f"{stage:<28} {name:<14} {t * 1e3:7.3f} ms/call, host issue {h * 1e3:6.3f} ms; gc counts "
                   f"{gc.get_count()}, tracked {len(gc.get_objects())}", flush=True)
 
