@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from ..problem.spec import KernelSpec
 
-__all__ = ["CPU_SHORT_ROWS", "kernel_function", "link_module", "declaration", "result_types", "never_inlined"]
+__all__ = ["CPU_SHORT_ROWS", "CPU_LOOP_ROWS", "kernel_function", "link_module", "declaration", "result_types",
+           "never_inlined"]
 
 
 # CPU: the unit loop's rows per tile for call sites whose queries are known short (a decode step:
@@ -17,10 +18,18 @@ __all__ = ["CPU_SHORT_ROWS", "kernel_function", "link_module", "declaration", "r
 # exported model").
 CPU_SHORT_ROWS = 8
 
+# CPU: the rows per tile of the kernel a group-mode call site loops over its sequences with (their
+# lengths unknown at export): against the module's 256-row tiles, 128 rows ran decode 1.4-2.0x
+# faster and prefill from 18% slower to 17% faster, by head dim and group (docs/BENCHMARKS.md,
+# "fmha_iree inside an exported model", the CPU's group mode).
+CPU_LOOP_ROWS = 128
 
-def kernel_function(spec: KernelSpec, name: str, *, public: bool = False, short: bool = False) -> str:
+
+def kernel_function(spec: KernelSpec, name: str, *, public: bool = False, short: bool = False,
+                    rows: int | None = None) -> str:
     """The MLIR text of the attention function for ``spec``, named ``name`` (private unless
-    ``public``); ``short`` (CPU): tiles of ``CPU_SHORT_ROWS`` rows. On GPU targets it is marked
+    ``public``); on the CPU tiles of ``CPU_SHORT_ROWS`` rows where ``short``, else of ``rows``
+    (default: the spec's kM0). On GPU targets it is marked
     never to be inlined: two inlined copies of ``fwd`` in one function failed to compile for sm_80
     (docs/model-export.md)."""
     from .source import fwd_plan
@@ -30,7 +39,7 @@ def kernel_function(spec: KernelSpec, name: str, *, public: bool = False, short:
         from .source_cpu import _cpu_step_lowering
 
         t, low = spec.tiles, _cpu_step_lowering(spec)
-        rows = CPU_SHORT_ROWS if short else t.m0
+        rows = CPU_SHORT_ROWS if short else rows or t.m0
         low = {**low, "workgroup_m": min(int(low["workgroup_m"]), rows)}
         text = render_unit_loop(func_name=name, dtype=spec.dtype, layout=spec.layout, group=spec.group, r=rows,
                                 c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=low)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 
-from ..codegen.link import CPU_SHORT_ROWS, kernel_function, result_types
+from ..codegen.link import CPU_LOOP_ROWS, CPU_SHORT_ROWS, kernel_function, result_types
 from ..codegen.wrappers import CallSite, VarlenSite, batch_wrapper, varlen_wrapper
 from ..problem.mask import Mask
 from ..problem.spec import KernelSpec
@@ -50,20 +50,22 @@ class _Expansion:
         self.target = target
         self._kernels = kernels  # kernel name -> its rendered text, once per export
 
-    def _call(self, kb, spec: KernelSpec, short: bool, site, args: list, wrapper_text) -> None:
-        """Merge the kernel for ``spec`` (``short``: with the CPU's short tiles) and a wrapper for
+    def _call(self, kb, spec: KernelSpec, short: bool, site, args: list, wrapper_text,
+              rows: int | None = None) -> None:
+        """Merge the kernel for ``spec`` (``short``: with the CPU's short tiles; ``rows``: the
+        CPU's rows per tile, else the spec's) and a wrapper for
         ``site`` and the operand types of ``args`` (``wrapper_text(kernel, wrapper, arg_types,
         kernel_results)``), unless merged already; then call the wrapper on ``args`` and yield its
         (out, lse)."""
         from iree.turbine.runtime.op_reg.impl_helper import call_function
         from iree.turbine.support.ir_imports import Operation
 
-        kernel = "fmha_iree_" + spec.module_name + ("_short" if short else "")
+        kernel = "fmha_iree_" + spec.module_name + ("_short" if short else f"_r{rows}" if rows else "")
         arg_types = tuple(str(a.type) for a in args)
         wrapper = f"{kernel}_call_{_digest((site, arg_types))}"
         if not _has(kb.symbol_table, wrapper):
             if kernel not in self._kernels:
-                self._kernels[kernel] = kernel_function(spec, kernel, short=short)
+                self._kernels[kernel] = kernel_function(spec, kernel, short=short, rows=rows)
             kernel_text = self._kernels[kernel]
             text = kernel_text + wrapper_text(kernel, wrapper, arg_types, result_types(kernel_text, kernel))
             source = Operation.parse(f"module {{\n{text}\n}}", context=kb.context)
@@ -138,10 +140,11 @@ class VarlenExpander(_Expansion):
             return varlen_wrapper(site, backend, kernel, wrapper, dict(zip(names, arg_types)), results)
 
         args = [a for a in kb.arg_bindings if a is not None]  # the tensors given (mask, scale are attributes)
-        # one kernel: with the CPU's short-tile form beside it behind a per-sequence scf.if, the
-        # module's initializer asked for more memory than the host has (dev machine; an f16 bhsd
-        # batch model with the same choice crashed: docs/model-export.md)
-        self._call(kb, spec, False, site, args, text)
+        # one kernel, on the CPU of CPU_LOOP_ROWS rows per tile (decode and prefill sequences
+        # alike): with the short-tile form beside it behind a per-sequence scf.if, the module's
+        # initializer asked for more memory than the host has (docs/model-export.md)
+        rows = CPU_LOOP_ROWS if backend == "llvm-cpu" else None
+        self._call(kb, spec, False, site, args, text, rows=rows)
 
 
 def expanders(target: str | Target) -> dict:
