@@ -97,17 +97,15 @@ def _exported_mask(attention_mask, bottom_right: bool):
     return None
 
 
-def _module_mask(module, causal: bool, sq: int, window=None) -> str:
-    """The CK mask of a module's attention without a mask tensor: bottom-right causal, within the
+def _module_mask(module, causal: bool, sq: int, sk: int, window=None) -> str:
+    """The CK mask of a module's attention without a mask tensor: :func:`ck_mask`'s, within the
     sliding window the call passes (``sliding_window=``, as Mistral's and Gemma 2's attention do;
-    else the module's attribute) where there is one (transformers: a query sees the ``window`` keys
-    ending at its own position), or every key."""
-    if not causal:
-        return "0"
+    else the module's attribute) where the attention is causal and has one (transformers: a query
+    sees the ``window`` keys ending at its own position)."""
     window = getattr(module, "sliding_window", None) if window is None else window
-    if isinstance(window, int) and window > 0:
+    if causal and isinstance(window, int) and window > 0:
         return f"b:{window - 1},0"
-    return "b" if sq > 1 else "0"
+    return ck_mask(None, causal, sq, sk)
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -137,10 +135,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          f"{list(value.shape)}")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     sq, sk = query.shape[2], key.shape[2]
-    if attention_mask is None and torch.compiler.is_exporting():
-        plan = _module_mask(module, bool(causal), sq, kwargs.get("sliding_window"))
-    elif attention_mask is None:
-        plan = ck_mask(None, bool(causal), sq, sk)
+    if attention_mask is None:
+        plan = _module_mask(module, bool(causal), sq, sk, kwargs.get("sliding_window"))
     else:
         plan = MASK_PLANS.get(attention_mask, sq, sk)
     if isinstance(plan, PaddedBatch):
