@@ -185,11 +185,9 @@ def varlen_wrapper(site: VarlenSite, backend: str, kernel: str, wrapper: str, ar
     c0, c1 = b("arith.constant 0 : index", "c"), b("arith.constant 1 : index", "c")
     starts = x["seqstart_q"]
     nb = b(f"arith.subi {b(f'tensor.dim {starts}, {c0} : tensor<?xi32>', 'n')}, {c1} : index", "nb")
-    total = _load(b, x["seqstart_q"], nb)
+    total = _load(b, starts, nb)
     tq = b(f"tensor.dim {x['q']}, {c0} : {want['q']}", "tq")
-    # the LSE carried as rows [seqstart_q[-1], Hq] and transposed after the loop: carried as
-    # [Hq, ?], iree-util-ipo left its insert's operand unlinked (sm_80)
-    t_out, t_lse = _tensor((-1, site.hq, site.dv), st), f"tensor<?x{site.hq}xf32>"
+    t_out, t_lse = _carried(site, st)
     zero = b(f"arith.constant 0{'.0' if st != 'i16' else ''} : {st}", "z")
     ninf = b("arith.constant 0xFF800000 : f32", "ninf")
     out0 = b(f"linalg.fill ins({zero} : {st}) outs({b(f'tensor.empty({tq}) : {t_out}', 'e')} : {t_out}) -> {t_out}",
@@ -205,7 +203,7 @@ def varlen_wrapper(site: VarlenSite, backend: str, kernel: str, wrapper: str, ar
     l_in = body(f"flow.tensor.tie_shape %li : {t_lse}{{{total}}}", "lt")
     more = body(f"arith.cmpi slt, %b, {nb} : index", "more")
     seq = body.sub()
-    _sequence(seq, site, f"{wrapper}_seq", results, x, want, "%b", o_in, l_in, (tq, total))
+    _sequence(seq, site, st, f"{wrapper}_seq", results, x, want, "%b", o_in, l_in, (tq, total))
     body.lines += [f"  %step:3 = scf.if {more} -> (index, {t_out}, {t_lse}) {{", *("  " + ln for ln in seq.lines),
                    "  } else {", f"    scf.yield %b, {o_in}, {l_in} : index, {t_out}, {t_lse}", "  }"]
     b.lines += [f"  %res:3 = scf.while (%b = {c0}, %oi = {out0}, %li = {lse0}) : (index, {t_out}, {t_lse}) -> "
@@ -214,14 +212,11 @@ def varlen_wrapper(site: VarlenSite, backend: str, kernel: str, wrapper: str, ar
                 "  } do {", f"  ^bb0(%bn: index, %on: {t_out}, %ln: {t_lse}):",
                 f"    scf.yield %bn, %on, %ln : index, {t_out}, {t_lse}", "  }"]
     res_o = b(f"flow.tensor.tie_shape %res#1 : {t_out}{{{tq}}}", "ot")
-    rows_l = b(f"flow.tensor.tie_shape %res#2 : {t_lse}{{{total}}}", "lt")
-    t_lse_out = f"tensor<{site.hq}x?xf32>"
-    res_l = b(f"linalg.transpose ins({rows_l} : {t_lse}) outs({b(f'tensor.empty({total}) : {t_lse_out}', 'e')} : "
-              f"{t_lse_out}) permutation = [1, 0]", "tr")
+    res_l = b(f"flow.tensor.tie_shape %res#2 : {t_lse}{{{total}}}", "lt")
     out = b.bitcast(res_o, t_out, t_out.replace(st, T))
     args = ", ".join(f"%{n}: {arg_types[n]}" for n in names)
-    text = [f"util.func private @{wrapper}({args}) -> ({t_out.replace(st, T)}, {t_lse_out}) {{", *b.lines,
-            f"  util.return {out}, {res_l} : {t_out.replace(st, T)}, {t_lse_out}", "}"]
+    text = [f"util.func private @{wrapper}({args}) -> ({t_out.replace(st, T)}, {t_lse}) {{", *b.lines,
+            f"  util.return {out}, {res_l} : {t_out.replace(st, T)}, {t_lse}", "}"]
     return "\n".join(text) + "\n" + _per_sequence(site, st, kernel, f"{wrapper}_seq", results, backend != "llvm-cpu")
 
 
@@ -240,6 +235,11 @@ def _per_sequence(site: VarlenSite, st: str, kernel: str, name: str, results: li
                       f"  util.return {r}#0, {r}#1 : {results[0]}, {results[1]}", "}"]) + "\n"
 
 
+def _carried(site: VarlenSite, st: str) -> tuple[str, str]:
+    """The types the loop carries: out ``[Tq, Hq, Dv]`` and the LSE ``[Hq, seqstart_q[-1]]``."""
+    return _tensor((-1, site.hq, site.dv), st), f"tensor<{site.hq}x?xf32>"
+
+
 def _load(b: _Body, table: str, i: str, j: str | None = None) -> str:
     """``table[i]`` (or ``table[i, j]``), an i32 element, as an index."""
     at = f"{i}, {j}" if j else i
@@ -247,11 +247,10 @@ def _load(b: _Body, table: str, i: str, j: str | None = None) -> str:
     return b(f"arith.index_cast {b(f'tensor.extract {table}[{at}] : {t}', 'ld')} : i32 to index", "ix")
 
 
-def _sequence(b: _Body, site: VarlenSite, callee: str, results: list[str], x: dict, want: dict, seq: str,
+def _sequence(b: _Body, site: VarlenSite, st: str, callee: str, results: list[str], x: dict, want: dict, seq: str,
               out: str, lse: str, sizes: tuple[str, str]) -> None:
     """The loop body for sequence ``seq``: its rows and keys, the kernel call when it has both,
     its out rows and LSE inserted into ``out`` / ``lse``; ``scf.yield`` of the two."""
-    st = want["q"].rsplit("x", 1)[1][:-1]
     c0, c1 = b("arith.constant 0 : index", "c"), b("arith.constant 1 : index", "c")
     nxt = b(f"arith.addi {seq}, {c1} : index", "nx")
     q0 = _load(b, x["seqstart_q"], seq)
@@ -266,7 +265,7 @@ def _sequence(b: _Body, site: VarlenSite, callee: str, results: list[str], x: di
         ks = _load(b, x["seqstart_padded_k"], seq) if "seqstart_padded_k" in x else k0
     go = b(f"arith.andi {b(f'arith.cmpi sgt, {ql}, {c0} : index', 'g')}, "
            f"{b(f'arith.cmpi sgt, {kl}, {c0} : index', 'g')} : i1", "go")
-    t_out, t_lse = _tensor((-1, site.hq, site.dv), st), f"tensor<?x{site.hq}xf32>"
+    t_out, t_lse = _carried(site, st)
     inner = b.sub()
     operands = [_rows(inner, x["q"], want["q"], qs, ql, site.hq, site.dq, st)]
     for n, d in (("k", site.dq), ("v", site.dv)):
@@ -285,13 +284,10 @@ def _sequence(b: _Body, site: VarlenSite, callee: str, results: list[str], x: di
     o3 = inner(f"tensor.collapse_shape {o4} [[0, 1], [2], [3]] : {_tensor((1, -1, site.hq, site.dv), st)} into "
                f"{t_out}", "o")
     l3 = inner(f"tensor.cast {l_t} : {results[1]} to tensor<1x{site.hq}x?xf32>", "lc")
-    l1 = inner(f"tensor.collapse_shape {l3} [[0, 1], [2]] : tensor<1x{site.hq}x?xf32> into tensor<{site.hq}x?xf32>",
-               "l")
-    l2 = inner(f"linalg.transpose ins({l1} : tensor<{site.hq}x?xf32>) outs("
-               f"{inner(f'tensor.empty({ql}) : {t_lse}', 'e')} : {t_lse}) permutation = [1, 0]", "tr")
+    l2 = inner(f"tensor.collapse_shape {l3} [[0, 1], [2]] : tensor<1x{site.hq}x?xf32> into {t_lse}", "l")
     o_new = inner(f"tensor.insert_slice {o3} into {out}[{qs}, 0, 0] [{ql}, {site.hq}, {site.dv}] [1, 1, 1] : "
                   f"{t_out} into {t_out}", "oi")
-    l_new = inner(f"tensor.insert_slice {l2} into {lse}[{q0}, 0] [{ql}, {site.hq}] [1, 1] : {t_lse} into {t_lse}",
+    l_new = inner(f"tensor.insert_slice {l2} into {lse}[0, {q0}] [{site.hq}, {ql}] [1, 1] : {t_lse} into {t_lse}",
                   "li")
     b.lines += [f"  %seq:2 = scf.if {go} -> ({t_out}, {t_lse}) {{", *("  " + ln for ln in inner.lines),
                 f"    scf.yield {o_new}, {l_new} : {t_out}, {t_lse}", "  } else {",
