@@ -16,6 +16,7 @@ from .codegen.source import dense_params
 from .problem.spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
 from .problem.targets import resolve_device
 from .runtime.torch_gpu import TorchCall, torch_gpu
+from .paths.sinks import apply_sinks, check_sinks, varlen_rows
 
 __all__ = ["fmha_fwd", "fmha_fwd_varlen", "route", "cache_stats", "clear_memory_caches", "to_device"]
 
@@ -118,7 +119,7 @@ def to_device(x, device=None) -> DeviceTensor:
 
 def fmha_fwd(
     q, k, v, *, mask=None, scale=None, return_lse=False, layout="bhsd",
-    cu_seqlen_q=None, cu_seqlen_k=None, tiles=None, device=None, specialize=False,
+    cu_seqlen_q=None, cu_seqlen_k=None, tiles=None, device=None, specialize=False, softcap=None, sinks=None,
 ):
     """CK's FMHA forward (batch mode): ``softmax(scale * q @ k^T, masked) @ v``.
 
@@ -147,6 +148,14 @@ def fmha_fwd(
             of plain matmul/softmax (faster on the dev CPU, docs/BENCHMARKS.md). Other
             calls still run, on the generic entry points; the first call of each new shape pays a
             compile (tens of seconds).
+        softcap: the logits soft-cap (Gemma 2, Grok; CK's ``logits_soft_cap``): each score
+            ``s = scale * q . k`` becomes ``softcap * tanh(s / softcap)`` before the mask and the
+            softmax (the LSE too). A constant of the compiled module: each value is a module of
+            its own (compiled once, then cached).
+        sinks: attention sinks (gpt-oss): float ``[Hq]``, head ``h``'s logit joins every row's
+            softmax denominator (``paths.sinks``): out ``sum_j exp(s_j) v_j / (sum_j exp(s_j) +
+            exp(sinks[h]))``, the LSE includes it, a row that sees no key gives 0 and lse
+            ``sinks[h]``. Host arrays and torch tensors (not DeviceTensors).
 
     Rows that see no key give 0 and lse ``-inf``. Returns ``out`` (the input's type, dtype and
     layout, ``Dv`` wide) or ``(out, lse)``.
@@ -154,19 +163,25 @@ def fmha_fwd(
     Which of the module's functions runs the call is the paths' choice (:func:`route` says which
     and why); all give the same results.
     """
+    if sinks is not None:
+        return _with_sinks(lambda: fmha_fwd(q, k, v, mask=mask, scale=scale, return_lse=True, layout=layout,
+                                            cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=device,
+                                            specialize=specialize, softcap=softcap),
+                           q, sinks, 2 if layout == "bshd" else 1, layout, return_lse)
     gpu = torch_gpu({"q": q, "k": k, "v": v}, device)
     if gpu is not None:  # torch GPU tensors: shared with IREE both ways (torch_gpu)
         call = TorchCall(gpu)
         out = fmha_fwd(*call.inputs((q, k, v)), mask=mask, scale=scale, return_lse=return_lse, layout=layout,
                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=gpu.uri,
-                       specialize=specialize)
+                       specialize=specialize, softcap=softcap)
         return call.outputs(out)
     key = varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k), mask, scale, return_lse, layout, tiles, device,
-                          specialize)
+                          specialize, softcap)
     run = PREPARED.get(key)
     if run is not None:
         return run(q, k, v)
-    p = check_batch(q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
+    p = check_batch(q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k,
+                    softcap=softcap)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if not isinstance(specialize, bool):
@@ -182,7 +197,7 @@ def fmha_fwd(
 
 def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None, seqstart_q=None,
           seqstart_k=None, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None, block_table=None,
-          tiles=None, device=None, specialize=False) -> Route:
+          tiles=None, device=None, specialize=False, softcap=None) -> Route:
     """The path a call with these arguments takes, without running it: :func:`fmha_fwd`'s (batch
     mode) or, given ``seqstart_q``, :func:`fmha_fwd_varlen`'s (group mode; a paged cache with
     ``block_table``). The :class:`paths.Route` names the path, the module function it calls and
@@ -195,20 +210,22 @@ def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=No
                           ("seqstart_padded_k", seqstart_padded_k), ("block_table", block_table)):
             if val is not None:
                 raise ValueError(f"{name} is group mode's: give seqstart_q too")
-        p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
+        p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k,
+                        softcap=softcap)
         return batch_route(p, return_lse, _compiled(p, tiles, device, specialize)[1])
     if block_table is not None:
         cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
-        prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=None, with_lse=return_lse)
+        prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=None, with_lse=return_lse,
+                             softcap=softcap)
         return problem_route(prob, _compiled(prob.p, tiles, device)[1])
     p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
-                             seqstart_padded_k=seqstart_padded_k, mask=mask, scale=None)
+                             seqstart_padded_k=seqstart_padded_k, mask=mask, scale=None, softcap=softcap)
     return group_route(p, starts, return_lse, _compiled(p, tiles, device)[1])
 
 
 def fmha_fwd_varlen(
     q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
-    block_table=None, mask=None, scale=None, return_lse=False, tiles=None, device=None,
+    block_table=None, mask=None, scale=None, return_lse=False, tiles=None, device=None, softcap=None, sinks=None,
 ):
     """CK's FMHA forward in group mode: sequences packed along the token axis ("thd").
 
@@ -227,6 +244,7 @@ def fmha_fwd_varlen(
             host arrays only).
         mask: as in :func:`fmha_fwd`, applied per sequence with that sequence's own lengths
             (bottom-right aligns each sequence's last query with its last key).
+        softcap, sinks: as in :func:`fmha_fwd`.
 
     Returns ``out [Tq, Hq, Dv]`` (rows owned by no sequence are 0) or ``(out, lse)`` with lse
     float32 ``[Hq, seqstart_q[-1]]`` indexed by the unpadded starts. One compiled module serves any
@@ -234,30 +252,53 @@ def fmha_fwd_varlen(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if sinks is not None:
+        rows = varlen_rows(seqstart_q, seqstart_padded_q)
+        return _with_sinks(lambda: fmha_fwd_varlen(
+            q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
+            seqstart_padded_k=seqstart_padded_k, block_table=block_table, mask=mask, scale=scale, return_lse=True,
+            tiles=tiles, device=device, softcap=softcap), q, sinks, 1, "thd", return_lse, rows)
     gpu = torch_gpu({"q": q, "k": k, "v": v}, device)
     if gpu is not None:  # torch GPU tensors: shared with IREE both ways (torch_gpu)
         call = TorchCall(gpu)
         out = fmha_fwd_varlen(*call.inputs((q, k, v)), seqstart_q, seqstart_k, seqlen_k=seqlen_k,
                               seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                               block_table=block_table, mask=mask, scale=scale, return_lse=return_lse, tiles=tiles,
-                              device=gpu.uri)
+                              device=gpu.uri, softcap=softcap)
         return call.outputs(out)
     key = varlen_call_key(q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table),
-                          "varlen", mask, scale, return_lse, tiles, device)
+                          "varlen", mask, scale, return_lse, tiles, device, softcap)
     run = PREPARED.get(key)
     if run is not None:
         return run(q, k, v)
     memo = PREPARED.memo(key)
     if block_table is not None:
         cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
-        prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, with_lse=return_lse)
+        prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, with_lse=return_lse,
+                             softcap=softcap)
         family, get = _compiled(prob.p, tiles, device)
         if cache.on_device and family == "cpu":  # CPU modules read a paged cache on the host: refused before compiling
             raise TypeError("k_cache: CPU modules read a paged cache from host arrays (torch CPU tensors or numpy); "
                             "got a DeviceTensor")
         return run_paged(prob, get, memo)
     p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
-                             seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale)
+                             seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale, softcap=softcap)
     return run_group(p, starts, return_lse, _compiled(p, tiles, device)[1], memo)
 
+
+def _with_sinks(run, q, sinks, head_axis: int, layout: str, return_lse, rows=None):
+    """``run()``'s ``(out, lse)`` with ``sinks`` (``paths.sinks``), checked before it runs; ``q``'s
+    axis ``head_axis`` holds the query heads."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if isinstance(q, DeviceTensor):
+        raise TypeError("sinks: calls on DeviceTensors take no sinks (they are applied to host or torch results); "
+                        "pass torch tensors or host arrays")
+    shape = getattr(q, "shape", None)
+    ndim = 3 if layout == "thd" else 4  # another rank: q's own check refuses it
+    hq = int(shape[head_axis]) if shape is not None and len(shape) == ndim else None
+    s = check_sinks(sinks, hq)
+    out, lse = run()
+    out, lse = apply_sinks(out, lse, s, layout, rows)
+    return (out, lse) if return_lse else out
 

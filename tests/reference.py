@@ -153,8 +153,13 @@ def _cu_lengths(cu, b: int, full: int, name: str) -> np.ndarray:
 
 
 def attention_ref(q, k, v, *, mask=None, scale=None, layout="bhsd", cu_seqlen_q=None,
-                  cu_seqlen_k=None):
-    """float64 reference. Returns (out, lse): out in the input layout, lse [B, Hq, Sq]."""
+                  cu_seqlen_k=None, softcap=None, sinks=None):
+    """float64 reference. Returns (out, lse): out in the input layout, lse [B, Hq, Sq].
+
+    ``softcap``: each score ``s = scale * q.k`` becomes ``softcap * tanh(s / softcap)`` before the
+    mask. ``sinks`` ([Hq]): head h's sink logit joins every row's softmax denominator
+    (``sum_j exp(s_j) + exp(sink)``, no value); LSE includes it, and a row that sees no key (a
+    padding row too) gives out 0 and lse = the sink."""
     q, k, v = to_f64(q), to_f64(k), to_f64(v)
     if layout == "bshd":
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
@@ -172,6 +177,8 @@ def attention_ref(q, k, v, *, mask=None, scale=None, layout="bhsd", cu_seqlen_q=
 
     out = np.zeros((B, Hq, Sq, Dv), dtype=np.float64)
     lse = np.full((B, Hq, Sq), -np.inf, dtype=np.float64)
+    if sinks is not None:
+        lse[:] = to_f64(sinks).reshape(1, Hq, 1)
     for b in range(B):
         sq, sk = int(lq[b]), int(lk[b])
         if sq == 0:
@@ -183,7 +190,12 @@ def attention_ref(q, k, v, *, mask=None, scale=None, layout="bhsd", cu_seqlen_q=
         for h in range(Hq):
             kh = h // group
             s = scale * (q[b, h, :sq] @ k[b, kh, :sk].T)  # [sq, sk]
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
             s = np.where(vis, s, -np.inf)
+            if sinks is not None:
+                out[b, h, :sq], lse[b, h, :sq] = _with_sink(s, vis, v[b, kh, :sk], float(to_f64(sinks)[h]))
+                continue
             with np.errstate(invalid="ignore"):
                 m = np.max(s, axis=1, keepdims=True) if sk > 0 else np.zeros((sq, 1))
                 m_safe = np.where(any_vis[:, None], m, 0.0)
@@ -198,6 +210,15 @@ def attention_ref(q, k, v, *, mask=None, scale=None, layout="bhsd", cu_seqlen_q=
     if layout == "bshd":
         out = out.transpose(0, 2, 1, 3)
     return out, lse
+
+
+def _with_sink(s, vis, v, sink: float):
+    """(out, lse) of masked scores ``s`` [sq, sk] whose denominator also holds ``exp(sink)``."""
+    with np.errstate(invalid="ignore"):
+        m = np.maximum(np.max(s, axis=1, keepdims=True, initial=-np.inf), sink)
+        p = np.where(vis, np.exp(s - m), 0.0)
+        l = p.sum(axis=1, keepdims=True) + np.exp(sink - m)
+        return (p @ v) / l, (m + np.log(l))[:, 0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,7 +300,7 @@ def ints(x) -> np.ndarray | None:
 
 
 def varlen_ref(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
-               seqstart_padded_k=None, mask=None, scale=None):
+               seqstart_padded_k=None, mask=None, scale=None, softcap=None, sinks=None):
     """float64 group-mode reference built on ``attention_ref``: each sequence sliced out of the
     packed tensors and run as a B=1 bshd batch with its own lengths.
 
@@ -296,6 +317,8 @@ def varlen_ref(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padde
     Dv = v64.shape[-1]
     out = np.zeros((Tq, Hq, Dv), dtype=np.float64)
     lse = np.full((Hq, int(sq_[-1])), -np.inf, dtype=np.float64)
+    if sinks is not None:
+        lse[:] = to_f64(sinks)[:, None]
     for b in range(B):
         nq = int(sq_[b + 1] - sq_[b])
         nk = int(sk_[b + 1] - sk_[b])
@@ -308,7 +331,7 @@ def varlen_ref(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padde
         qs = q64[oq:oq + nq][None]  # [1, nq, Hq, Dq] (bshd)
         ks = k64[ok:ok + nk][None]
         vs = v64[ok:ok + nk][None]
-        o, l = attention_ref(qs, ks, vs, mask=mask, scale=scale, layout="bshd")
+        o, l = attention_ref(qs, ks, vs, mask=mask, scale=scale, layout="bshd", softcap=softcap, sinks=sinks)
         out[oq:oq + nq] = o[0]
         lse[:, int(sq_[b]):int(sq_[b]) + nq] = l[0]
     return out, lse

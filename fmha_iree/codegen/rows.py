@@ -10,6 +10,12 @@ import torch
 from ..problem.spec import KernelSpec
 from .torch_abi import LN2, LOG2E, NEG_INF, abi_dtype, from_abi, to_abi
 
+
+def capped(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Log2-unit scores ``s`` soft-capped (``mlir_templates.scores``: ``cap * tanh(x / cap)`` on the
+    natural-log score); ``s`` itself when ``softcap`` is 0."""
+    return torch.tanh(s * (LN2 / softcap)) * (softcap * LOG2E) if softcap else s
+
 __all__ = ["CPU_ROWS", "ROWS_DESC_COLUMNS", "Rows", "RowBlocks", "export_rows", "export_short"]
 
 from ..problem.abi import ROWS_DESC_COLUMNS
@@ -46,7 +52,7 @@ class Rows(torch.nn.Module):
         hi = torch.where(i < qlen, torch.minimum(i + x, klen), torch.zeros_like(lo))
         vis = torch.logical_and(j >= lo, j < hi)  # [B, 1, G*Sq, Sk]
         qs = (q * (scale * LOG2E)).reshape(B, Hk, G * Sq, sp.dq)
-        s = torch.where(vis, torch.matmul(qs, k.transpose(2, 3)), NEG_INF)  # log2 units
+        s = torch.where(vis, capped(torch.matmul(qs, k.transpose(2, 3)), sp.softcap), NEG_INF)  # log2 units
         m = s.amax(-1, keepdim=True)
         m = torch.where(m == NEG_INF, torch.zeros_like(m), m)
         p = torch.exp2(s - m)
@@ -103,7 +109,7 @@ class RowBlocks(torch.nn.Module):
             qb = qs[:, :, :, r0:r0 + R].reshape(B, Hk, G * R, sp.dq) if G > 1 else qs[:, :, r0:r0 + R]
             # K sliced, then transposed (slicing a transposed K made IREE copy it per block, slower
             # on the dev CPU: docs/BENCHMARKS.md, "CPU: the 2-core x86_64 development machine")
-            s = torch.matmul(qb, k[:, :, :end].transpose(2, 3))  # [B, Hk, G*R, end], log2 units
+            s = capped(torch.matmul(qb, k[:, :, :end].transpose(2, 3)), sp.softcap)  # [B, Hk, G*R, end], log2 units
             if self.causal:
                 i = torch.arange(r0, r0 + R).repeat(G) if G > 1 else torch.arange(r0, r0 + R)
                 j = torch.arange(end)

@@ -61,13 +61,13 @@ def gpu_lowering(spec: KernelSpec) -> dict | None:
 
 @functools.lru_cache(maxsize=64)
 def _torch_module(dtype: str, layout: str, group: int, dq: int, dv: int, tiles, cpu: bool,
-                  seqlens: tuple = (), batch: int = 0, kv_heads: int = 0) -> tuple[str, str]:
+                  seqlens: tuple = (), batch: int = 0, kv_heads: int = 0, softcap: float = 0.0) -> tuple[str, str]:
     """Exported torch-graph MLIR (target independent, so exported once per process) and the
     module name it carries."""
     from .graph import export_module
     from ..problem.targets import Target
 
-    fixed = (tuple(seqlens), batch, kv_heads) if cpu else ((), 0, 0)
+    fixed = (tuple(seqlens), batch, kv_heads, softcap) if cpu else ((), 0, 0)
     spec = KernelSpec(dtype, layout, group, dq, dv, tiles, Target("llvm-cpu", "host"), *fixed)
     return export_module(spec, with_rows=cpu), spec.module_name
 
@@ -179,7 +179,7 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     plan_too = has_plan(spec, fused_step=fused, with_fwd=with_fwd, with_ragged=with_ragged)
     if plan_too:
         text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused,
-                                   spec.seqlens, spec.batch, spec.kv_heads)
+                                   spec.seqlens, spec.batch, spec.kv_heads, spec.softcap)
         text = text.replace(f"module @{name}", f"module @{spec.module_name}", 1)
     else:
         text = f"module @{spec.module_name} {{\n}}\n"
@@ -194,11 +194,12 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     if plan_too:
         dims, low = step_compute(spec)
         funcs.append(render_online_step(func_name="step", dtype=spec.dtype, layout=spec.layout, group=spec.group,
-                                        r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=low, compute_dims=dims))
+                                        r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv, lowering=low, compute_dims=dims,
+                                        softcap=spec.softcap))
     dense = dense_params(spec, fused_step=fused)
     if dense:
         kw = dict(dtype=spec.dtype, layout=spec.layout, group=spec.group, dq=spec.dq, dv=spec.dv,
-                  align=dense["align"], lowering=dense["lowering"], workspace=True)
+                  align=dense["align"], lowering=dense["lowering"], workspace=True, softcap=spec.softcap)
         funcs.append(render_dense(func_name="dense", **kw))
         for s, c in sorted(dense["seqlens"].items()):
             funcs.append(render_dense_out(func_name=f"dense_o_s{s}", seqlen=s, **kw))
@@ -315,7 +316,8 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     return Plan(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, Tier(main, wm), Tier(_short_lowering(spec, main, short), 16),
                 cols=cols, rows=max(512, wm), fill_wgs=fill, max_groups=4 if cpu else 16,
                 dq_arg=arg_dims[0], dv_arg=arg_dims[1], mask_blocks=spec.target.backend == "cuda",
-                banded=spec.target.backend != "rocm", tiles=spec.target.backend != "rocm" or _rocm_tiles(spec, wm))
+                banded=spec.target.backend != "rocm", tiles=spec.target.backend != "rocm" or _rocm_tiles(spec, wm),
+                softcap=spec.softcap)
 
 
 def _rocm_tiles(spec: KernelSpec, rows: int) -> bool:

@@ -22,7 +22,7 @@ def _cpu_step(spec: KernelSpec) -> list[str]:
 
     t = spec.tiles
     kw = dict(dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0, c=t.kv_chunk, dq=spec.dq, dv=spec.dv,
-              lowering=_cpu_step_lowering(spec))
+              lowering=_cpu_step_lowering(spec), softcap=spec.softcap)
     return [render_online_step(func_name="step", **kw), render_online_step(func_name="step_open", masked=False, **kw)]
 
 
@@ -51,17 +51,18 @@ def _cpu_units(spec: KernelSpec) -> list[str]:
 
     t = spec.tiles
     funcs = [render_unit_loop(func_name="units", dtype=spec.dtype, layout=spec.layout, group=spec.group, r=t.m0,
-                              c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=_cpu_step_lowering(spec)),
+                              c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=_cpu_step_lowering(spec),
+                              softcap=spec.softcap),
              render_unit_waves(func_name="waves_varlen", dtype=spec.dtype, group=spec.group, r=CPU_WAVE_ROWS,
                                c=CPU_WAVE_KEYS, dq=spec.dq, dv=spec.dv, layout=spec.layout,
-                               lowering=_cpu_step_lowering(spec, CPU_WAVE_KEYS))]
+                               lowering=_cpu_step_lowering(spec, CPU_WAVE_KEYS), softcap=spec.softcap)]
     if spec.layout == "bshd":  # group mode's packed sequences
         from .mlir_templates.unit_varlen import render_unit_varlen
         from ..problem.tiles import varlen_rows
 
         funcs.append(render_unit_varlen(func_name="units_varlen", dtype=spec.dtype, group=spec.group, r=varlen_rows(t),
                                         c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv,
-                                        lowering=_cpu_step_lowering(spec)))
+                                        lowering=_cpu_step_lowering(spec), softcap=spec.softcap))
     return funcs
 
 
@@ -73,6 +74,6 @@ def _cpu_packed(spec: KernelSpec) -> list[str]:
         return []
     from .mlir_templates.rows_packed import render_rows_packed
 
-    kw = dict(dtype=spec.dtype, group=spec.group, dq=spec.dq, dv=spec.dv)
+    kw = dict(dtype=spec.dtype, group=spec.group, dq=spec.dq, dv=spec.dv, softcap=spec.softcap)
     return [render_rows_packed(func_name="rows_packed", **kw),
             render_rows_packed(func_name="rows_packed_pages", paged=True, **kw)]

@@ -53,6 +53,7 @@ class KernelSpec:
     seqlens: tuple = ()
     batch: int = 0
     kv_heads: int = 0
+    softcap: float = 0.0  # logits soft-cap ``cap * tanh(s / cap)`` in every score stage; 0: none
 
     @property
     def module_name(self) -> str:
@@ -60,6 +61,7 @@ class KernelSpec:
         s = ("_s" + "_".join(map(str, self.seqlens))) if self.seqlens else ""
         s += f"_b{self.batch}" if self.batch else ""
         s += f"_h{self.kv_heads}" if self.kv_heads else ""
+        s += f"_cap{self.softcap:.9g}".replace(".", "p") if self.softcap else ""
         return (
             f"fmha_{self.dtype}_{self.layout}_g{self.group}_d{self.dq}x{self.dv}"
             f"_t{t.ck_name}c{t.kv_chunk}_{self.target.arch}{s}"
@@ -70,6 +72,7 @@ class KernelSpec:
             "dtype": self.dtype, "layout": self.layout, "group": self.group, "dq": self.dq,
             "dv": self.dv, "tiles": self.tiles.as_dict(), "target": dataclasses.asdict(self.target),
             "seqlens": list(self.seqlens), "batch": self.batch, "kv_heads": self.kv_heads,
+            **({"softcap": self.softcap} if self.softcap else {}),
         }
 
 
@@ -173,6 +176,18 @@ def check_scale(scale, dq: int) -> float:
     return scale
 
 
+def check_softcap(softcap) -> float:
+    """The logits soft-cap as a float (0.0 for None): ``s = softcap * tanh(s / softcap)``."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a positive real number or None, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and 0.0 < softcap <= _F32_MAX):
+        raise ValueError(f"softcap must be positive and finite in float32, got {softcap}")
+    return softcap
+
+
 def check_tiles(tiles, target: Target, dq: int, dv: int, dtype: str) -> TileConfig:
     """The tile config to use: ``tiles`` if it can work on ``target`` (else ``ValueError`` with the
     reasons), or the target's default."""
@@ -222,12 +237,14 @@ class BatchProblem:
     scale: float
     q_lens: np.ndarray  # effective rows per batch
     k_lens: np.ndarray  # effective keys per batch
+    softcap: float = 0.0  # the logits soft-cap, 0 for none (a module's constant: KernelSpec.softcap)
 
     def kernel(self, tiles: TileConfig, target: Target) -> KernelSpec:
-        return KernelSpec(self.q.dtype, self.layout, self.hq // self.hk, self.dq, self.dv, tiles, target)
+        return KernelSpec(self.q.dtype, self.layout, self.hq // self.hk, self.dq, self.dv, tiles, target,
+                          softcap=self.softcap)
 
 
-def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k) -> BatchProblem:
+def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k, softcap=None) -> BatchProblem:
     """Validate a batch-mode ``fmha_fwd`` call (see :func:`fmha_iree.fmha_fwd`)."""
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -245,10 +262,10 @@ def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k) -> Ba
     if Bk != B or Bv != B:
         raise ValueError(f"batch sizes differ: q {B}, k {Bk}, v {Bv}")
     _check_kv(Hq, Dq, (Hk, Sk, Dk), (Hv, Sv, Dv), "seqlen")
-    scale = check_scale(scale, Dq)
+    scale, softcap = check_scale(scale, Dq), check_softcap(softcap)
     q_lens = np.full(B, Sq, np.int64) if cu_seqlen_q is None else check_seqlens(cu_seqlen_q, "cu_seqlen_q", B, Sq)
     k_lens = np.full(B, Sk, np.int64) if cu_seqlen_k is None else check_seqlens(cu_seqlen_k, "cu_seqlen_k", B, Sk)
-    return BatchProblem(qo, ko, vo, layout, B, Hq, Hk, Sq, Sk, Dq, Dv, mask, scale, q_lens, k_lens)
+    return BatchProblem(qo, ko, vo, layout, B, Hq, Hk, Sq, Sk, Dq, Dv, mask, scale, q_lens, k_lens, softcap)
 
 
 def int_array(x, name: str, shape_doc: str = "") -> np.ndarray:
@@ -298,7 +315,8 @@ def _check_padded(p, name: str, lens: np.ndarray, total: int) -> np.ndarray:
     return starts
 
 
-def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q, seqstart_padded_k, mask, scale):
+def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q, seqstart_padded_k, mask, scale,
+                 softcap=None):
     """Validate a group-mode call; returns the problem (as a B=1 ``bshd`` batch over the packed
     token axis) and the per-sequence starts and lengths."""
     mask = as_mask(mask)
@@ -307,7 +325,7 @@ def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q
     Tk, Hk, Dk = ko.array.shape
     Tv, Hv, Dv = vo.array.shape
     _check_kv(Hq, Dq, (Hk, Tk, Dk), (Hv, Tv, Dv), "tokens")
-    scale = check_scale(scale, Dq)
+    scale, softcap = check_scale(scale, Dq), check_softcap(softcap)
 
     sq = int_vector(seqstart_q, "seqstart_q", None)
     sk = int_vector(seqstart_k, "seqstart_k", None)
@@ -328,5 +346,6 @@ def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q
     def packed(o: Operand) -> Operand:
         return Operand(o.array.reshape((1,) + o.array.shape), o.dtype, o.is_torch)
 
-    problem = BatchProblem(packed(qo), packed(ko), packed(vo), "bshd", 1, Hq, Hk, Tq, Tk, Dq, Dv, mask, scale, q_len, k_len)
+    problem = BatchProblem(packed(qo), packed(ko), packed(vo), "bshd", 1, Hq, Hk, Tq, Tk, Dq, Dv, mask, scale, q_len, k_len,
+                           softcap)
     return problem, (q_start, q_len, k_start, k_len, sq[:-1], int(sq[-1]))

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from ..mlir_templates.lowering import SCORE_YIELD, lowering_for_runtime_sizes, scores_scale
+from ..mlir_templates.lowering import lowering_for_runtime_sizes, scores_scale
+from ..mlir_templates.scores import score_region
 from .ir import Fn
 
 __all__ = ["Operand", "online_attention", "lowering_attrs"]
@@ -52,7 +53,7 @@ def _map(dims: Sequence[str], nb: int, k2o: bool = False) -> str:
 
 
 def _score_scale(fn: Fn, scale: str, scale_type: str) -> tuple[str, list[str]]:
-    """(the op's scale operand, its score region's body lines) for a lowering with
+    """(the op's scale operand, its score region's lines computing ``%scaled``) for a lowering with
     ``scale_on_scores`` (module docstring): ``scale * log2(e)`` in f32 multiplies the scores."""
     # emitted where the op is (a dispatch region's body is isolated from the function's constants);
     # scores_scale refuses a scale type other than bf16
@@ -65,13 +66,15 @@ def _score_scale(fn: Fn, scale: str, scale_type: str) -> tuple[str, list[str]]:
 
 def online_attention(fn: Fn, *, q: Operand, k: Operand, v: Operand, scale: str, scale_type: str,
                      outs: Sequence[Operand], nb: int, lowering, dv: int, mask: Operand | None = None,
-                     k2o: bool = False) -> list[str]:
+                     k2o: bool = False, softcap: float = 0.0) -> list[str]:
     """Emit the op (``outs``: acc, max, sum as its initial state); returns its three results.
-    ``k2o``: keys in two dims, ``k2o`` (outer, one per step) and ``k2``."""
+    ``k2o``: keys in two dims, ``k2o`` (outer, one per step) and ``k2``. ``softcap``: the
+    module's logits soft-cap (``scores``), 0 for none."""
     props, attrs = lowering_attrs(lowering, dv=dv, batch_dims=nb, k2o=k2o, masked=mask is not None)
-    body = [SCORE_YIELD]
+    body = score_region(softcap)
     if isinstance(lowering, dict) and lowering.get("scale_on_scores"):
-        scale, body = _score_scale(fn, scale, scale_type)
+        scale, pre = _score_scale(fn, scale, scale_type)
+        body = score_region(softcap, pre, "%scaled")
     _m = lambda dims: _map(dims, nb, k2o)  # noqa: E731
     maps = [_m(q.dims), _m(k.dims), _m(v.dims), _m(())]
     ins = [q.name, k.name, v.name, scale]
@@ -89,6 +92,6 @@ def online_attention(fn: Fn, *, q: Operand, k: Operand, v: Operand, scale: str, 
         + ",\n      ".join(maps) + f"]}}>{attrs}\n"
         f"    ins({', '.join(ins)} : {', '.join(in_tys)})\n"
         f"    outs({', '.join(o.name for o in outs)} : {out_tys}) {{\n"
-        "  ^bb0(%score: f32):\n" + "\n".join(body) + "\n"
+        "  ^bb0(%score: f32):\n" + body + "\n"
         f"  }} -> {out_tys}")
     return res

@@ -315,7 +315,7 @@ def _op(c: Ctx, tier: Tier, h: Banded, st: State, qp: str, mask: str | None, sp:
         outs = _state_rows(c, h, st, g0, cnt) if chained else _fresh(c, h, cnt)
         res = online_attention(fn, q=_q(c, h, qp, g0, cnt), k=_pages(c, h, "k", live),
                                v=_pages(c, h, "v", live), scale=c.scale, scale_type=p.dtype, outs=outs, nb=3,
-                               lowering=tier.lowering, dv=p.dv, mask=m, k2o=True)
+                               lowering=tier.lowering, dv=p.dv, mask=m, k2o=True, softcap=p.softcap)
         rows = fn.mul(cnt, h.m)
         flat = []
         for r, o, tail in zip(res, outs, ([p.dv], [], [])):

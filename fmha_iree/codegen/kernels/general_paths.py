@@ -93,7 +93,7 @@ def _q_rows(c: Ctx, qp: str, row0, m: str) -> Operand:
 def _attend(c: Ctx, tier: Tier, q: Operand, k: Operand, v: Operand, outs: list[Operand], nb: int,
             mask: Operand | None = None) -> list[str]:
     return online_attention(c.fn, q=q, k=k, v=v, scale=c.scale, scale_type=c.p.dtype, outs=outs, nb=nb,
-                            lowering=tier.lowering, dv=c.p.dv, mask=mask)
+                            lowering=tier.lowering, dv=c.p.dv, mask=mask, softcap=c.p.softcap)
 
 
 def _window(c: Ctx, lo: str, hi: str, live: str | None = None) -> tuple[str, str]:

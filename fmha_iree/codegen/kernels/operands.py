@@ -58,6 +58,7 @@ class Plan:
     # dq / dv over copies zero-padded along the head dim, as CK's kK0max pads 96 to 128 in its tile
     dq_arg: int = 0
     dv_arg: int = 0
+    softcap: float = 0.0  # the module's logits soft-cap (mlir_templates.scores), 0 for none
 
     @property
     def arg_dims(self) -> tuple[int, int]:

@@ -262,7 +262,7 @@ def _op(c: Ctx, tier, h: Packed, qp: str, mask: str, st, tail: bool):
             mo = Operand(mv, m_ty, ("b0", "m", "k2"))
         res = online_attention(fn, q=Operand(q, q_ty, ("b0", "b1", "m", "k1")), k=kv("k", p.dq), v=kv("v", p.dv),
                                scale=c.scale, scale_type=p.dtype, outs=fresh_outs(fn, [n, c.hk, h.m], ("b0", "b1", "m"), p.dv),
-                               nb=2, lowering=tier.lowering, dv=p.dv, mask=mo, k2o=grouped)
+                               nb=2, lowering=tier.lowering, dv=p.dv, mask=mo, k2o=grouped, softcap=p.softcap)
         return st.insert(fn, res, [at, "0", "0", "0"], lead)
 
     return st.with_names(fn.dispatch(st.region_results(), region))

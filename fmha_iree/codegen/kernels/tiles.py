@@ -192,7 +192,7 @@ def _interior(c: TilesFn) -> list[str]:
             kv.append(Operand(c.load_rows(b, a[view[0]], row["entry"], first, hk, nk, dims["tk"], dims["hk"], ty), ty,
                               ("k2", role)))
         res = online_attention(fn, q=q, k=kv[0], v=kv[1], scale=_scale(b, c, a["%scale"]), scale_type=p.dtype,
-                               outs=_fresh(b, c), nb=0, lowering=t.lowering, dv=p.dv)
+                               outs=_fresh(b, c), nb=0, lowering=t.lowering, dv=p.dv, softcap=p.softcap)
         for r, part, view in zip(res, _parts(c), outs):
             store(b, r, part.tile_type, view, *part.at(b, tile, hk))
 
@@ -239,7 +239,8 @@ def _edge(c: TilesFn, state: list[str], mask: str, ek: str, ev: str) -> list[str
         prev = [Operand(load(b, a[s], *part.at(b, tile, hk, rows), part.rows_type(rh)), part.rows_type(rh), part.dims)
                 for s, part in zip(state, _parts(c))]
         acc, mx, sm = online_attention(fn, q=q, k=kv[0], v=kv[1], scale=_scale(b, c, a["%scale"]), scale_type=p.dtype,
-                                       outs=prev, nb=0, lowering=t.lowering, dv=p.dv, mask=m)
+                                       outs=prev, nb=0, lowering=t.lowering, dv=p.dv, mask=m,
+                                       softcap=p.softcap)
         o, lse = _normalized(b, c, acc, mx, sm, rh)
         store(b, o, tensor_type([rh, p.dv], p.dtype), outs[0], [tile, hk, r0, b.c(0)], [1, 1, rh, p.dv])
         store(b, lse, tensor_type([rh], "f32"), outs[1], [tile, hk, r0], [1, 1, rh])

@@ -96,7 +96,7 @@ def window_pieces_work(c: Ctx, tier: Tier, h: WindowPieces) -> list[str]:
         res = online_attention(fn, q=q, k=kv_operand(c, "k", h.start, h.per, h.pieces),
                                v=kv_operand(c, "v", h.start, h.per, h.pieces), scale=c.scale, scale_type=p.dtype,
                                outs=fresh_outs(fn, lead, dims, p.dv), nb=3, lowering=tier.lowering, dv=p.dv,
-                               mask=Operand(mv, m_ty, ("b0", "b2", "m", "k2")))
+                               mask=Operand(mv, m_ty, ("b0", "b2", "m", "k2")), softcap=p.softcap)
         return st.insert(fn, res, ["0", "0", "0", "0"], lead)
 
     st = st.with_names(fn.dispatch(st.region_results(), region))

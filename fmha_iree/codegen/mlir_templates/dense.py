@@ -82,7 +82,7 @@ def _from_bhsd(t: str, layout: str, a: int, st: str, dv: int) -> tuple[str, str,
 
 def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
                   seqlen: int | None = None, workspace: bool = False, extra_args: tuple[str, ...] = (), *,
-                  lowering=None) -> dict:
+                  lowering=None, softcap: float = 0.0) -> dict:
     """Fields shared by the dense and causal templates.
 
     The sequence axis crosses the ABI split as (S / A, A) with A = `align` (the host reshapes, for
@@ -106,7 +106,7 @@ def _dense_common(dtype: str, layout: str, group: int, dq: int, dv: int, align: 
     t = _check_dense(dtype, layout, group, dq, dv, align, seqlen)
     a = int(align)
     st = "?" if seqlen is None else str(int(seqlen) // a)
-    scale, score_body = scale_operand(lowering, t)
+    scale, score_body = scale_operand(lowering, t, softcap)
     lines, arg_ty = _prologue(t, layout, int(group), a, st, dq, dv, scale)
     from_bhsd, res_dyn, res = _from_bhsd(t, layout, a, st, dv)
     args = ", ".join([f"%{x}_arg: {arg_ty[x]}" for x in ("q", "k", "v")] + ["%scale: tensor<1xf32>", *extra_args]
@@ -130,11 +130,11 @@ def _normalize(f: dict, suffix: str, rows: str) -> str:
 
 def render_dense(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
                  lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None,
-                 workspace: bool = False) -> str:
+                 workspace: bool = False, softcap: float = 0.0) -> str:
     """MLIR text of `util.func public @func_name(q, k, v, scale) -> (out, lse)`: attention where
     every row sees every key, as one online_attention (template `mlir/dense.mlir.in`). `seqlen`:
     Sq = Sk fixed at compile time, `workspace` (see `_dense_common`)."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, lowering=lowering)
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, lowering=lowering, softcap=softcap)
     props, attrs = lowering_for_runtime_sizes(lowering, dv)
     return _load("dense.mlir.in").substitute(func_name=func_name, attn_props=props, attn_attrs=attrs,
                                              normalize=_normalize(f, "", "%M"), **f)
@@ -142,14 +142,14 @@ def render_dense(*, func_name: str, dtype: str, layout: str, group: int, dq: int
 
 def render_dense_out(*, func_name: str, dtype: str, layout: str, group: int, dq: int, dv: int, align: int,
                      lowering: Mapping[str, Any] | str | None = None, seqlen: int | None = None,
-                     causal: bool = False, workspace: bool = False) -> str:
+                     causal: bool = False, workspace: bool = False, softcap: float = 0.0) -> str:
     """MLIR text of `util.func public @func_name(q, k, v, scale) -> out`: `render_dense` without
     the LSE, as IREE's `attention` op, which normalizes inside the kernel and writes the output
     type directly (no f32 accumulator in memory, no second dispatch; template
     `mlir/dense_out.mlir.in`). `causal` (needs `seqlen`, Sq == Sk): row i sees keys j <= i
     through a broadcast [G*S, S] i1 mask; every block is still computed (IREE does not skip
     masked tiles). `workspace`: see `_dense_common`."""
-    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, lowering=lowering)
+    f = _dense_common(dtype, layout, group, dq, dv, align, seqlen, workspace, lowering=lowering, softcap=softcap)
     props, attrs = lowering_for_runtime_sizes(lowering, dv)
     mask = dict(mask="", mask_map="", mask_in="", mask_ty="", mask_doc="Every row sees every key.")
     if causal:

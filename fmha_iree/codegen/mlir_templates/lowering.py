@@ -66,6 +66,8 @@ import string
 from pathlib import Path
 from typing import Any, Mapping
 
+from .scores import score_region
+
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "mlir"
 
 # A lowering's ``scale_on_scores`` (``kernels.attention``'s docstring): the op's scale is ln 2
@@ -78,30 +80,28 @@ LOG2E = "1.44269504"
 def scores_scale(scale_f32: str, scale_type: str, names: tuple[str, str, str]) -> tuple[list[str], list[str]]:
     """``scale_on_scores`` as text, for every template that writes the op: (the lines defining
     ``names`` = (the op's scale operand, SCALE_ONE; the log2(e) constant; the f32 factor
-    ``scale_f32 * log2(e)``), the op's score region body multiplying the scores by the factor)."""
+    ``scale_f32 * log2(e)``), the score region's lines computing ``%scaled`` = the scores times
+    the factor; ``scores.score_region`` yields it)."""
     if scale_type != "bf16":  # SCALE_ONE folds to 1 with IREE's log2(e) in bf16 only
         raise ValueError(f"scale_on_scores: the op's scale type must be bf16, got {scale_type}")
     one, log2e, factor = names
     defs = [f"{one} = arith.constant {SCALE_ONE} : bf16", f"{log2e} = arith.constant {LOG2E} : f32",
             f"{factor} = arith.mulf {scale_f32}, {log2e} : f32"]
-    return defs, [f"    %scaled = arith.mulf %score, {factor} : f32", "    iree_linalg_ext.yield %scaled : f32"]
+    return defs, [f"    %scaled = arith.mulf %score, {factor} : f32"]
 
 
-# The op's score region in IREE's own form: the scores as they are.
-SCORE_YIELD = "    iree_linalg_ext.yield %score : f32"
-
-
-def scale_operand(lowering, t: str) -> tuple[list[str], str]:
+def scale_operand(lowering, t: str, softcap: float = 0.0) -> tuple[list[str], str]:
     """The templates' scale: (the lines defining the op's scale operand ``%scale_t``, element type
-    ``t``, from the caller's ``%scale_f32``; the op's score region body). IREE's form casts the
-    scale to ``t`` and yields the scores as they are; a lowering with ``scale_on_scores`` takes
-    ``scores_scale``'s (``%scale_t`` = SCALE_ONE, the factor ``%scale_l`` on the scores)."""
+    ``t``, from the caller's ``%scale_f32``; the op's score region body, ``scores.score_region``
+    with ``softcap``). IREE's form casts the scale to ``t`` and takes the scores as they are; a
+    lowering with ``scale_on_scores`` takes ``scores_scale``'s (``%scale_t`` = SCALE_ONE, the
+    factor ``%scale_l`` on the scores)."""
     if isinstance(lowering, Mapping) and lowering.get("scale_on_scores"):
-        defs, body = scores_scale("%scale_f32", t, ("%scale_t", "%log2e_s", "%scale_l"))
-        return defs, "\n".join(body)
+        defs, pre = scores_scale("%scale_f32", t, ("%scale_t", "%log2e_s", "%scale_l"))
+        return defs, score_region(softcap, pre, "%scaled")
     if t == "f32":
-        return ["%scale_t = arith.addf %scale_f32, %zero : f32"], SCORE_YIELD
-    return [f"%scale_t = arith.truncf %scale_f32 : f32 to {t}"], SCORE_YIELD
+        return ["%scale_t = arith.addf %scale_f32, %zero : f32"], score_region(softcap)
+    return [f"%scale_t = arith.truncf %scale_f32 : f32 to {t}"], score_region(softcap)
 
 
 _DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32", "float16": "f16",

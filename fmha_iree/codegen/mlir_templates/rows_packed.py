@@ -25,6 +25,7 @@ cache is read in place too; the table's entries for pages past a sequence's keys
 from __future__ import annotations
 
 from .lowering import _load
+from .scores import softcap_lines
 
 __all__ = ["render_rows_packed", "ROWS_PACKED_DESC_COLUMNS"]
 
@@ -106,15 +107,19 @@ _PAGED_KEY = ("    %kpi = arith.divui %jc, %psz : index\n"
 
 
 def render_rows_packed(*, func_name: str, dtype: str, group: int, dq: int, dv: int, paged: bool = False,
-                       scores_tiles: tuple[int, int] = SCORES_TILES, vec: int = SCORES_VEC, pv_vec: int = PV_VEC) -> str:
+                       scores_tiles: tuple[int, int] = SCORES_TILES, vec: int = SCORES_VEC, pv_vec: int = PV_VEC,
+                       softcap: float = 0.0) -> str:
     """MLIR text of ``util.func public @func_name`` (the module docstring's signatures: ``paged``
-    for ``rows_packed_pages``)."""
+    for ``rows_packed_pages``); ``softcap``: the module's logits soft-cap on the log2-unit scores
+    (``scores``), applied where the mask is."""
+    capped = softcap_lines("%x", softcap)
     if dtype not in _STORAGE:
         raise ValueError(f"dtype: expected one of {sorted(_STORAGE)}, got {dtype!r}")
     key_row, key_at = _PAGED_KEY if paged else _PACKED_KEY
     table_setup = f"  %psz = tensor.dim %k, %c1 : tensor<?x?x?x{int(dq)}x{_STORAGE[dtype]}>\n" if paged else ""
     return _load("rows_packed.mlir.in").substitute(
         key_row=key_row, key_at=key_at, table_setup=table_setup,
+        softcap="".join(line + "\n" for line in capped), score="%capped" if capped else "%x",
         table_arg=" %bt: tensor<?x?xi32>," if paged else "",
         key_doc="pages through the block table" if paged else "each sequence from its start",
         func_name=func_name, G=int(group), DQ=int(dq), DV=int(dv), ST=_STORAGE[dtype],

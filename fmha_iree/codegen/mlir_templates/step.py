@@ -10,7 +10,7 @@ from .lowering import _load, checked_fields, render_lowering_attrs, scale_operan
 
 def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int,
                        dq: int, dv: int, lowering: Mapping[str, Any] | str | None = None,
-                       masked: bool = True, compute_dims: tuple[int, int] | None = None) -> str:
+                       masked: bool = True, compute_dims: tuple[int, int] | None = None, softcap: float = 0.0) -> str:
     """MLIR text of `util.func public @func_name` implementing one wave of the plan.
 
     Signature (dynamic: B, Sq, Sk, Hq, Hk, NT, P; M = group * r):
@@ -24,7 +24,8 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
     the visibility mask out: the function then takes only units whose rows all see every key of
     their chunk (``plan.Block.unmasked``). ``compute_dims`` (GPU gathers only): the head dims
     ``(Dq', Dv')`` the op computes at, the gathered tiles zero past ``dq`` / ``dv`` and the op's
-    output cut back to ``dv`` (``lowering`` is then that of the wider dims).
+    output cut back to ``dv`` (``lowering`` is then that of the wider dims). ``softcap``: the
+    module's logits soft-cap (``scores``).
     """
     t = checked_fields(dtype, layout, group=group, r=r, c=c, dq=dq, dv=dv)
     dqp, dvp = (int(dq), int(dv)) if compute_dims is None else map(int, compute_dims)
@@ -47,7 +48,7 @@ def render_online_step(*, func_name: str, dtype: str, layout: str, group: int, r
         t = "f32"
         if (dqp, dvp) != (int(dq), int(dv)):
             raise ValueError("compute_dims wider than the head dims are rendered for GPU gathers only")
-    defs, score_body = scale_operand(lowering, t)  # scale_on_scores: kernels.attention's docstring
+    defs, score_body = scale_operand(lowering, t, softcap)  # scale_on_scores: kernels.attention's docstring
     scale_cast = "\n".join("  " + d for d in defs)
     attn_props, attn_attrs = render_lowering_attrs(lowering, m_total=m_total, dv=dvp, c=int(c))
     fields = dict(T=t, ST=st, G=int(group), R=int(r), C=int(c), DQ=int(dq), DV=int(dv), DQP=dqp, DVP=dvp,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .lowering import _load, checked_fields, render_lowering_attrs
+from .scores import score_region
 from .step import _TO_F32
 
 __all__ = ["render_unit_loop", "render_tile_steps", "LOOP_AFFINITY"]
@@ -27,26 +28,27 @@ LOOP_AFFINITY = " {stream.affinity = #hal.device.affinity<@__device_0>}"
 
 
 def render_step(tag: str, width: int, masked: bool, *, batch: str, r: int, dq: int, dv: int, props: str,
-                attrs: str, own_keys: bool = False) -> str:
+                attrs: str, own_keys: bool = False, softcap: float = 0.0) -> str:
     """The body of a unit loop's step loop (``mlir/unit_step.mlir.in``): one ``online_attention``
     over ``width`` keys from ``%kg`` on, ``batch`` (an SSA name) heads, masked by ``%mask``;
-    ``own_keys``: keys from the sequence's ``%lk`` on read as zeros (``mlir/unit_slices_own.mlir.in``)."""
+    ``own_keys``: keys from the sequence's ``%lk`` on read as zeros (``mlir/unit_slices_own.mlir.in``);
+    ``softcap``: the module's logits soft-cap (``scores``)."""
     slices = _load("unit_slices_own.mlir.in" if own_keys else "unit_slices.mlir.in").substitute(
         tag=tag, W=width, BATCH=batch, DQ=dq, DV=dv)
     return _load("unit_step.mlir.in").substitute(
         tag=tag, W=width, what="masked" if masked else "every row sees every key", R=r, DQ=dq, DV=dv,
-        slices=slices, attn_props=props, attn_attrs=attrs,
+        slices=slices, attn_props=props, attn_attrs=attrs, score_body=score_region(softcap),
         mask_map="\n              affine_map<(d0, d1, d2, d3, d4) -> (d1, d3)>," if masked else "",
         mask_arg=", %mask" if masked else "", mask_type=f", tensor<{r}x{width}xi1>" if masked else "")
 
 
 def render_tile_steps(*, batch: str, kbase: str, kmax: str, klen: str, r: int, c: int, c_narrow: int, dq: int,
-                      dv: int, props: str, attrs: str, own_keys: bool = False) -> tuple[str, str]:
+                      dv: int, props: str, attrs: str, own_keys: bool = False, softcap: float = 0.0) -> tuple[str, str]:
     """The text both unit loops share (``mlir/unit_counts.mlir.in``, ``mlir/unit_steps.mlir.in``):
     a tile's step counts and its three step loops (open ``c``-key, open ``c_narrow``-key, masked
     ``c_narrow``-key). SSA names: ``batch`` heads per op, ``kbase`` the sequence's first key in K^T
     / V, ``kmax`` the largest first key a masked step may read from, ``klen`` its key count."""
-    kw = dict(batch=batch, r=r, dq=dq, dv=dv, props=props, attrs=attrs)
+    kw = dict(batch=batch, r=r, dq=dq, dv=dv, props=props, attrs=attrs, softcap=softcap)
     fields = dict(BATCH=batch, KBASE=kbase, KMAX=kmax, KLEN=klen, R=r, DV=dv, CN=c_narrow)
     counts = _load("unit_counts.mlir.in").substitute(KLEN=klen)
 
@@ -73,7 +75,7 @@ _TIE = """    %{name}0 = flow.tensor.tie_shape %{name}#0 : tensor<?x{r}x{dv}xf32
 
 
 def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: int, c: int, c_narrow: int, dq: int,
-                     dv: int, lowering: Mapping[str, Any]) -> str:
+                     dv: int, lowering: Mapping[str, Any], softcap: float = 0.0) -> str:
     """MLIR text of ``util.func public @func_name(q, k, v, scale: f32, y: i64, x: i64) -> (out,
     lse)``: any batch-mode problem (runtime B, Sq, Sk, heads; CK's mask coordinates ``(y, x)``)
     as tiles of ``r`` rows in a loop inside the module, each over open steps of ``c`` keys and
@@ -87,7 +89,7 @@ def render_unit_loop(*, func_name: str, dtype: str, layout: str, group: int, r: 
     g, dq, dv = int(group), int(dq), int(dv)
     props, attrs = render_lowering_attrs(dict(lowering), m_total=int(r), dv=dv, c=int(c_narrow))
     counts, steps = render_tile_steps(batch="%BH", kbase="%c0", kmax="%Skc", klen="%Sk", r=int(r), c=int(c),
-                                      c_narrow=int(c_narrow), dq=dq, dv=dv, props=props, attrs=attrs)
+                                      c_narrow=int(c_narrow), dq=dq, dv=dv, props=props, attrs=attrs, softcap=softcap)
     if layout == "bhsd":
         fields = dict(seq_dim=2, head_dim=1, q_expand="[0], [1, 2], [3], [4]", q_expand_shape=f"%B, %Hk, {g}, %Sq, {dq}",
                       q5_type=f"tensor<?x?x{g}x?x{dq}x{st}>", q5_map="b, h, g, s, d", kt_map="b, h, j, d", v_map="b, h, j, d",

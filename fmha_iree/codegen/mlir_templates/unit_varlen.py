@@ -23,7 +23,7 @@ _ZERO = {"f32": "0.0 : f32", "f16": "0.0 : f16", "i16": "0 : i16"}
 
 
 def render_unit_varlen(*, func_name: str, dtype: str, group: int, r: int, c: int, c_narrow: int, dq: int, dv: int,
-                       lowering: Mapping[str, Any]) -> str:
+                       lowering: Mapping[str, Any], softcap: float = 0.0) -> str:
     """MLIR text of ``util.func public @func_name(q, k, v, tiles, scale: f32) -> (out, lse)``: packed
     sequences (bshd ``[1, T, H, D]``) whose R-row tiles the ``tiles`` table lists
     (``TILE_COLUMNS``), keys in open chunks of ``c`` and masked or open ones of ``c_narrow``, each
@@ -35,7 +35,8 @@ def render_unit_varlen(*, func_name: str, dtype: str, group: int, r: int, c: int
     r, dq, dv = int(r), int(dq), int(dv)
     props, attrs = render_lowering_attrs(dict(lowering), m_total=r, dv=dv, c=int(c_narrow))
     counts, steps = render_tile_steps(batch="%Hk", kbase="%ks", kmax="%Tkc", klen="%lk", r=r, c=int(c),
-                                      c_narrow=int(c_narrow), dq=dq, dv=dv, props=props, attrs=attrs, own_keys=True)
+                                      c_narrow=int(c_narrow), dq=dq, dv=dv, props=props, attrs=attrs, own_keys=True,
+                                      softcap=softcap)
     return _load("unit_varlen.mlir.in").substitute(
         func_name=func_name, ST=st, G=int(group), R=r, C=int(c), CN=int(c_narrow), DQ=dq, DV=dv,
         raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st], zero_st=_ZERO[st], tile_counts=counts, tile_steps=steps,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .lowering import _load, checked_fields, render_lowering_attrs
+from .scores import score_region
 from .step import _TO_F32, _cpu_config
 from .unit_loop import _FROM_F32, LOOP_AFFINITY
 
@@ -15,7 +16,7 @@ __all__ = ["render_unit_waves"]
 
 
 def render_unit_waves(*, func_name: str, dtype: str, group: int, r: int, c: int, dq: int, dv: int,
-                      lowering: Mapping[str, Any], layout: str = "bshd") -> str:
+                      lowering: Mapping[str, Any], layout: str = "bshd", softcap: float = 0.0) -> str:
     """MLIR text of ``util.func public @func_name(q, k, v, chunks, slots, steps, rowslot, levels,
     scale: f32) -> (out, lse)``: sequences of packed tokens (``layout`` bshd ``[B, S, H, D]``, group
     mode's ``[1, T, H, D]``, or bhsd ``[B, H, S, D]``; token t = b S + s) in slots of ``r`` rows and
@@ -27,7 +28,7 @@ def render_unit_waves(*, func_name: str, dtype: str, group: int, r: int, c: int,
     return _load("unit_waves.mlir.in").substitute(
         func_name=func_name, ST=st, G=int(group), R=int(r), C=int(c), DQ=int(dq), DV=int(dv),
         raw_to_f32=_TO_F32[st], f32_to_out=_FROM_F32[st], attn_props=props, attn_attrs=attrs,
-        loop_affinity=LOOP_AFFINITY, iota_r=_iota(r), iota_c=_iota(c), iota_dq=_iota(dq), iota_dv=_iota(dv),
+        score_body=score_region(softcap), loop_affinity=LOOP_AFFINITY, iota_r=_iota(r), iota_c=_iota(c), iota_dq=_iota(dq), iota_dv=_iota(dv),
         **_COPY_CONFIGS, **_layout_fields(layout, st, int(group), int(dq), int(dv)))
 
 

@@ -1,0 +1,107 @@
+"""Attention sinks (gpt-oss; StreamingLLM's learned form): one logit per query head that joins
+every row's softmax denominator and carries no value,
+
+    out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)),   lse' = log(exp(lse) + exp(sink)),
+
+applied to the ``(out, lse)`` any path returns: ``out' = out * sigmoid(lse - sink)`` (exactly the
+formula above, since ``out = sum_j exp(s_j) v_j / exp(lse)``), computed in float32. So every path
+of every mode takes sinks without a kernel of its own; a row that sees no key (lse ``-inf``: a
+masked-out row, a padding row) gives out 0 and lse = the sink. The product rounds ``out`` once
+more (at most one unit in the last place of its dtype beyond the kernel's own rounding).
+
+Host results (numpy arrays, torch tensors on any device) are rescaled where they lie, with numpy
+or torch; a call on DeviceTensors is refused (``check_sinks``'s caller says so).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["check_sinks", "apply_sinks", "varlen_rows"]
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def check_sinks(sinks, hq: int | None):
+    """``sinks`` as float32 ``[hq]`` (a torch tensor stays one, on its device; anything else becomes
+    a numpy array); ``hq`` None skips the length check (the inputs' own check will refuse them)."""
+    if _is_torch(sinks):
+        if not sinks.dtype.is_floating_point:
+            raise TypeError(f"sinks must hold floats, got {sinks.dtype}")
+        arr = sinks.detach().float()
+    else:
+        if isinstance(sinks, (bool, str, bytes)) or sinks is None:
+            raise TypeError(f"sinks must be a float tensor/array of shape [Hq], got {type(sinks).__name__}")
+        try:
+            arr = np.asarray(sinks)
+        except Exception as e:  # noqa: BLE001 (anything numpy cannot read is the caller's type error)
+            raise TypeError(f"sinks must be a float tensor/array of shape [Hq], got {type(sinks).__name__}") from e
+        if arr.dtype.kind not in "fiu":
+            raise TypeError(f"sinks must hold floats, got {arr.dtype}")
+        arr = arr.astype(np.float32)
+    if arr.ndim != 1 or (hq is not None and arr.shape[0] != hq):
+        want = "[Hq]" if hq is None else f"[{hq}] (one per query head)"
+        raise ValueError(f"sinks must have shape {want}, got {list(arr.shape)}")
+    return arr
+
+
+def varlen_rows(seqstart_q, seqstart_padded_q) -> tuple[np.ndarray, np.ndarray] | None:
+    """Group mode's (out rows, lse columns) of each query token where ``seqstart_padded_q`` places
+    the rows elsewhere than the LSE's unpadded columns; None where they coincide."""
+    if seqstart_padded_q is None:
+        return None
+    from ..problem.spec import int_vector
+
+    sq = int_vector(seqstart_q, "seqstart_q", None)
+    pq = int_vector(seqstart_padded_q, "seqstart_padded_q", len(sq))
+    lens = np.diff(sq)
+    cols = np.concatenate([np.arange(s, s + n) for s, n in zip(sq[:-1], lens)] or [np.zeros(0, np.int64)])
+    rows = np.concatenate([np.arange(s, s + n) for s, n in zip(pq[:-1], lens)] or [np.zeros(0, np.int64)])
+    return rows.astype(np.int64), cols.astype(np.int64)
+
+
+def apply_sinks(out, lse, sinks, layout: str, rows=None):
+    """``(out', lse')`` of a path's results with ``sinks`` (``check_sinks``'s). ``layout``: ``bhsd``
+    (out ``[B, H, S, D]``, lse ``[B, H, S]``), ``bshd`` (out ``[B, S, H, D]``) or ``thd`` (group
+    mode: out ``[T, H, D]``, lse ``[H, T']``; ``rows`` from ``varlen_rows``)."""
+    if _is_torch(out):
+        return _torch(out, lse, sinks, layout, rows)
+    s = np.asarray(sinks, np.float32)
+    lse = np.asarray(lse, np.float32)
+    sink = s[None, :, None] if layout != "thd" else s[:, None]
+    with np.errstate(over="ignore", invalid="ignore"):
+        factor = 1.0 / (1.0 + np.exp(sink - lse))  # sigmoid(lse - sink): 0 at lse -inf
+        lse2 = np.logaddexp(lse, sink).astype(np.float32)
+    o = out.astype(np.float32)
+    _scale_rows(o, factor, layout, rows)
+    return o.astype(out.dtype), lse2
+
+
+def _scale_rows(o, factor, layout: str, rows):
+    """``o *= factor`` broadcast to ``o``'s rows (in place; numpy or torch)."""
+    if layout == "bhsd":
+        o *= factor[..., None]
+    elif layout == "bshd":
+        o *= factor.transpose(0, 2, 1)[..., None] if isinstance(factor, np.ndarray) else factor.transpose(1, 2)[..., None]
+    elif rows is None:  # group mode: token t of the LSE is out's row t; rows past the LSE are 0
+        n = factor.shape[1]
+        o[:n] *= factor.T[..., None]
+    else:
+        r, c = rows
+        o[r] *= factor[:, c].T[..., None]
+
+
+def _torch(out, lse, sinks, layout: str, rows):
+    import torch
+
+    s = torch.as_tensor(sinks, dtype=torch.float32, device=lse.device)
+    sink = s[None, :, None] if layout != "thd" else s[:, None]
+    factor = torch.sigmoid(lse - sink)
+    lse2 = torch.logaddexp(lse, sink.expand_as(lse))
+    o = out.float()
+    if rows is not None:
+        rows = tuple(torch.as_tensor(x, device=out.device) for x in rows)
+    _scale_rows(o, factor, layout, rows)
+    return o.to(out.dtype), lse2
