@@ -42,7 +42,7 @@ def ragged_modules():
     return get
 
 
-def gpu_formulation(dtype, layout, group, dq, dv=None):
+def gpu_formulation(dtype, layout, group, dq, dv=None, softcap=0.0):
     """The GPU modules' formulation (``RAGGED_TILES``) built for llvm-cpu, loaded with its
     capabilities (``paths.Loaded``): ``fwd``, the tiles, the ragged and the packed entry points
     (CUDA's unfused bindings). Compiled once per machine and source: the test processes share the
@@ -52,7 +52,7 @@ def gpu_formulation(dtype, layout, group, dq, dv=None):
     from fmha_iree.problem.spec import KernelSpec
     from fmha_iree.problem.targets import Target
 
-    spec = KernelSpec(dtype, layout, group, dq, dv or dq, RAGGED_TILES, Target.from_name("host"))
+    spec = KernelSpec(dtype, layout, group, dq, dv or dq, RAGGED_TILES, Target.from_name("host"), softcap=softcap)
     assert fwd_plan(spec, fused_step=True) is not None
     flags = compile_flags(spec) + ASYNC_FLAGS + CUDA_FLAGS + GPU_FORMULATION_CPU_FLAGS
     return bind(_shared_vmfb(source_mlir(spec, fused_step=True), flags), spec)
