@@ -361,7 +361,7 @@ def test_unsupported_arguments_are_refused():
     q = torch.zeros(1, 4, 3, 32)
     kv = torch.zeros(1, 2, 3, 32)
     layer = torch.nn.Module()
-    for kw, word in ((dict(dropout=0.1), "dropout"), (dict(softcap=30.0), "softcap"),
+    for kw, word in ((dict(dropout=0.1), "dropout"), (dict(position_bias=torch.zeros(1)), "position_bias"),
                      (dict(output_attentions=True), "output_attentions")):
         with pytest.raises(ValueError, match=word):
             attention_forward(layer, q, kv, kv, None, **kw)

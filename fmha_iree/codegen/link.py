@@ -42,7 +42,8 @@ def kernel_function(spec: KernelSpec, name: str, *, public: bool = False, short:
         rows = CPU_SHORT_ROWS if short else rows or t.m0
         low = {**low, "workgroup_m": min(int(low["workgroup_m"]), rows)}
         text = render_unit_loop(func_name=name, dtype=spec.dtype, layout=spec.layout, group=spec.group, r=rows,
-                                c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=low)
+                                c=t.kv_chunk, c_narrow=t.n0, dq=spec.dq, dv=spec.dv, lowering=low,
+                                softcap=spec.softcap)
     else:
         from .kernels.general import render_fwd
 

@@ -35,8 +35,6 @@ __all__ = ["NAME", "register_transformers", "attention_forward", "build_mask", "
 NAME = "fmha_iree"
 # keyword arguments some models pass that change the attention in ways fmha_iree does not compute
 _UNSUPPORTED = (
-    ("softcap", "logit soft-capping"),
-    ("s_aux", "attention sinks"),
     ("position_bias", "an additive position bias"),
     ("cache", "a paged KV cache (continuous batching)"),
 )
@@ -126,6 +124,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     a key gets what SDPA gives it under the same mask (right padding's pad rows included); rows
     that see none (left padding's pad rows) come back 0, never NaN.
 
+    Gemma 2's ``softcap`` (the logits soft-cap, a constant of the compiled kernel) and gpt-oss's
+    ``s_aux`` (attention sinks, ``[Hq]``: applied to the kernel's output and LSE as torch ops,
+    ``paths.sinks``) are taken; the per-layer ``sliding_window`` is read where the mask is None.
+
     The padded path reads the mask's values to find the sequences: under ``torch.compile`` it
     graph-breaks there (``fullgraph=True`` and ``torch.export`` refuse it); models without padding
     (the mask None, see :func:`build_mask`) trace whole."""
@@ -139,9 +141,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         plan = _module_mask(module, bool(causal), sq, sk, kwargs.get("sliding_window"))
     else:
         plan = MASK_PLANS.get(attention_mask, sq, sk)
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     if isinstance(plan, PaddedBatch):
-        return _group_forward(query, key, value, plan, scaling), None
-    out, _ = torch.ops.fmha_iree.fmha_fwd(query, key, value, plan, scaling, "bhsd")
+        return _group_forward(query, key, value, plan, scaling, softcap, sinks), None
+    out = torch_ops.attention(query, key, value, mask=plan, scale=scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -173,7 +176,7 @@ class MaskPlans:
 MASK_PLANS = MaskPlans()
 
 
-def _group_forward(query, key, value, plan: "PaddedBatch", scaling) -> torch.Tensor:
+def _group_forward(query, key, value, plan: "PaddedBatch", scaling, softcap=None, sinks=None) -> torch.Tensor:
     """Group mode over the flattened batch: ``[B, Sq, Hq, Dv]``, 0 in rows no sequence owns."""
     b, hq, sq, dq = query.shape
     hk, sk, dv = key.shape[1], key.shape[2], value.shape[-1]
@@ -184,8 +187,9 @@ def _group_forward(query, key, value, plan: "PaddedBatch", scaling) -> torch.Ten
     k = key.transpose(1, 2).reshape(b * sk, hk, dq)
     v = value.transpose(1, 2).reshape(b * sk, hk, dv)
     seqstart_q, seqstart_k, padded_q, padded_k = starts
-    out, _ = torch.ops.fmha_iree.fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, None, padded_q, padded_k, None,
-                                                 plan.mask, scaling)
+    out = torch_ops.fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, seqstart_padded_q=padded_q,
+                                    seqstart_padded_k=padded_k, mask=plan.mask, scale=scaling, softcap=softcap,
+                                    sinks=sinks)
     return out.reshape(b, sq, hq, dv)
 
 

@@ -90,6 +90,7 @@ class Expander(_Expansion):
         mask = ksel.attr_str(3)
         scale = _optional_float(ksel, 4)
         layout = ksel.attr_str(5)
+        self._softcap = _softcap(ksel, 6)
         q, _, v = (ksel.arg_descs[i].t for i in range(3))
         site = _call_site(ksel, mask.v, scale, layout.v)
         b, s_ax, h_ax = q.shape[0], (2 if site.layout == "bhsd" else 1), (1 if site.layout == "bhsd" else 2)
@@ -101,7 +102,8 @@ class Expander(_Expansion):
     def generate(self, ksel, kb) -> None:
         site = self._site
         hq, hk = site.heads
-        spec = _kernel_spec(site.dtype, site.layout, hq, hk, site.shape_q[3], site.shape_v[3], self.target)
+        spec = _kernel_spec(site.dtype, site.layout, hq, hk, site.shape_q[3], site.shape_v[3], self.target,
+                            self._softcap)
         backend = spec.target.backend
 
         def text(kernel, wrapper, arg_types, results):
@@ -125,6 +127,7 @@ class VarlenExpander(_Expansion):
         given = tuple(n for i, n in enumerate(VARLEN_TABLES, 4) if ksel.arg_optional_tensor(i) is not None)
         mask = ksel.attr_str(9)
         scale = _optional_float(ksel, 10)
+        self._softcap = _softcap(ksel, 11)
         self._site = site = _varlen_site(ksel, given, mask.v, scale)
         q = ksel.arg_descs[0].t
         ksel.return_tensor(torch.empty([q.shape[0], site.hq, site.dv], dtype=q.dtype))
@@ -132,7 +135,7 @@ class VarlenExpander(_Expansion):
 
     def generate(self, ksel, kb) -> None:
         site = self._site
-        spec = _kernel_spec(site.dtype, "bshd", site.hq, site.hk, site.dq, site.dv, self.target)
+        spec = _kernel_spec(site.dtype, "bshd", site.hq, site.hk, site.dq, site.dv, self.target, self._softcap)
         backend = spec.target.backend
         names = ("q", "k", "v", "seqstart_q", *site.given)
 
@@ -232,9 +235,19 @@ def _varlen_site(ksel, given: tuple[str, ...], mask: str, scale) -> VarlenSite:
     return VarlenSite(dtype, q[1], k[-2], dq, dv, given, Mask.from_str(mask), s)
 
 
-def _kernel_spec(dtype: str, layout: str, hq: int, hk: int, dq: int, dv: int, target: Target) -> KernelSpec:
+def _softcap(ksel, i: int) -> float:
+    """The op's ``softcap`` argument (operand ``i``; absent or None: 0.0, no cap)."""
+    if len(ksel.operands) <= i:
+        return 0.0
+    from ..problem.spec import check_softcap
+
+    return check_softcap(_optional_float(ksel, i))
+
+
+def _kernel_spec(dtype: str, layout: str, hq: int, hk: int, dq: int, dv: int, target: Target,
+                 softcap: float = 0.0) -> KernelSpec:
     tiles = default_tiles(target.family, dq, dv, arch=target.arch, dtype=dtype)
-    return KernelSpec(dtype, layout, hq // hk, dq, dv, tiles, target)
+    return KernelSpec(dtype, layout, hq // hk, dq, dv, tiles, target, softcap=softcap)
 
 
 def _short(site: CallSite, spec: KernelSpec) -> bool:

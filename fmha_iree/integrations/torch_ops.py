@@ -15,20 +15,22 @@ import torch
 from torch import Tensor
 
 from ..api import fmha_fwd, fmha_fwd_varlen as _fmha_fwd_varlen
+from ..paths.sinks import apply_sinks, check_sinks, varlen_rows
 from ..problem.mask import Mask
+from ..problem.spec import check_softcap
 
 __all__ = ["attention", "sdpa", "mask_of", "fmha_fwd_varlen"]
 
 
 @torch.library.custom_op("fmha_iree::fmha_fwd", mutates_args=())
 def _fmha_fwd_op(q: Tensor, k: Tensor, v: Tensor, mask: str, scale: float | None,
-                 layout: str) -> tuple[Tensor, Tensor]:
-    out, lse = fmha_fwd(q, k, v, mask=mask, scale=scale, layout=layout, return_lse=True)
+                 layout: str, softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    out, lse = fmha_fwd(q, k, v, mask=mask, scale=scale, layout=layout, return_lse=True, softcap=softcap)
     return out, lse
 
 
 @_fmha_fwd_op.register_fake
-def _(q, k, v, mask, scale, layout):
+def _(q, k, v, mask, scale, layout, softcap=None):
     b, x1, x2, _ = q.shape
     hq, sq = (x1, x2) if layout == "bhsd" else (x2, x1)
     return q.new_empty(q.shape[:3] + (v.shape[-1],)), q.new_empty((b, hq, sq), dtype=torch.float32)
@@ -38,19 +40,20 @@ def _(q, k, v, mask, scale, layout):
 def _fmha_fwd_varlen_op(q: Tensor, k: Tensor, v: Tensor, seqstart_q: Tensor, seqstart_k: Tensor | None = None,
                         seqlen_k: Tensor | None = None, seqstart_padded_q: Tensor | None = None,
                         seqstart_padded_k: Tensor | None = None, block_table: Tensor | None = None,
-                        mask: str = "0", scale: float | None = None) -> tuple[Tensor, Tensor]:
+                        mask: str = "0", scale: float | None = None,
+                        softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """Group mode (:func:`fmha_iree.fmha_fwd_varlen`): ``out [Tq, Hq, Dv]`` and float32
     ``lse [Hq, seqstart_q[-1]]``. The LSE's length is the *value* of ``seqstart_q[-1]``: under
     ``torch.compile`` / ``torch.export`` it is an unbacked (data-dependent) size."""
     out, lse = _fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
                                 seqstart_padded_k=seqstart_padded_k, block_table=block_table, mask=mask, scale=scale,
-                                return_lse=True)
+                                return_lse=True, softcap=softcap)
     return out, lse
 
 
 @_fmha_fwd_varlen_op.register_fake
 def _(q, k, v, seqstart_q, seqstart_k=None, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
-      block_table=None, mask="0", scale=None):
+      block_table=None, mask="0", scale=None, softcap=None):
     if q.ndim != 3 or v.ndim not in (3, 4):
         raise ValueError(f"fmha_fwd_varlen takes q [Tq, Hq, Dq] and v [Tk, Hk, Dv] (paged: [pages, page_size, Hk, "
                          f"Dv]), got q {list(q.shape)} and v {list(v.shape)}")
@@ -59,28 +62,35 @@ def _(q, k, v, seqstart_q, seqstart_k=None, seqlen_k=None, seqstart_padded_q=Non
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None = None, layout: str = "bhsd",
-              return_lse: bool = False):
+              return_lse: bool = False, softcap: float | None = None, sinks: Tensor | None = None):
     """Batch-mode attention with CK's semantics for torch models: :func:`fmha_iree.fmha_fwd`
     through ``torch.ops.fmha_iree.fmha_fwd``. Eager calls run fmha_iree's modules; in a model
     exported with ``fmha_iree.integrations.model_export.export_model`` each call becomes fmha_iree's
     kernel inside the model. ``mask``: None, a CK mask string or a :class:`fmha_iree.Mask` (fixed
     per call site: the lengths are runtime values); ``out``, or ``(out, lse)`` with lse float32
-    ``[B, Hq, Sq]``."""
+    ``[B, Hq, Sq]``. ``softcap`` and ``sinks`` as in :func:`fmha_iree.fmha_fwd` (the sinks are
+    torch ops on the op's results, so an exported model computes them in its own graph)."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    out, lse = torch.ops.fmha_iree.fmha_fwd(q, k, v, _mask_str(mask), None if scale is None else float(scale), layout)
+    softcap = check_softcap(softcap) or None
+    s = None if sinks is None else check_sinks(sinks, q.shape[1 if layout == "bhsd" else 2] if q.ndim == 4 else None)
+    out, lse = torch.ops.fmha_iree.fmha_fwd(q, k, v, _mask_str(mask), None if scale is None else float(scale), layout,
+                                            softcap)
+    if s is not None:
+        out, lse = apply_sinks(out, lse, s, layout)
     return (out, lse) if return_lse else out
 
 
 def fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
-                    block_table=None, mask=None, scale=None, return_lse=False):
+                    block_table=None, mask=None, scale=None, return_lse=False, softcap=None, sinks=None):
     """:func:`fmha_iree.fmha_fwd_varlen` through ``torch.ops.fmha_iree.fmha_fwd_varlen`` (torch tensors; the
     int32 start / length arrays as tensors too): ``out [Tq, Hq, Dv]``, or ``(out, lse)`` with lse float32
-    ``[Hq, seqstart_q[-1]]``. ``mask``: None, a CK mask string or a :class:`fmha_iree.Mask`."""
+    ``[Hq, seqstart_q[-1]]``. ``mask``: None, a CK mask string or a :class:`fmha_iree.Mask`; ``softcap``,
+    ``sinks`` as in :func:`attention`."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     ints = dict(seqstart_q=seqstart_q, seqstart_k=seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
@@ -88,8 +98,12 @@ def fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_
     for name, x in ints.items():
         if x is not None and not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (int32) or None, got {type(x).__name__}")
+    softcap = check_softcap(softcap) or None
+    s = None if sinks is None else check_sinks(sinks, q.shape[1] if q.ndim == 3 else None)
     out, lse = torch.ops.fmha_iree.fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q,
-                                                   seqstart_padded_k, block_table, _mask_str(mask), scale)
+                                                   seqstart_padded_k, block_table, _mask_str(mask), scale, softcap)
+    if s is not None:
+        out, lse = apply_sinks(out, lse, s, "thd", varlen_rows(seqstart_q, seqstart_padded_q))
     return (out, lse) if return_lse else out
 
 
