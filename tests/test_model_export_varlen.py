@@ -185,3 +185,41 @@ def test_refusals_before_iree_compile():
         export_model(BadPaged(), (q, kc, vc, sq, sq, bt), target="host")
     with pytest.raises(ValueError, match=r"q \[Tq, Hq, Dq\]"):
         export_model(Group(), (q[None], *GROUP_ARGS[1:]), target="host")
+
+
+class Variants(torch.nn.Module):
+    """The soft-cap (a constant of the merged kernel) and sinks (a parameter of the model, applied
+    by torch ops in its graph) at a batch-mode and a group-mode call site."""
+
+    def __init__(self):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.tensor([1.5, -0.5, 3.0, 0.0]), requires_grad=False)
+
+    def forward(self, q, k, v, sq, sk, qb, kb, vb):
+        from fmha_iree.integrations.torch_ops import attention
+
+        g = fmha_fwd_varlen(q, k, v, sq, sk, mask="b", return_lse=True, softcap=3.0, sinks=self.sinks)
+        b = attention(qb, kb, vb, mask="t", layout="bshd", return_lse=True, softcap=3.0, sinks=self.sinks)
+        return (*g, *b)
+
+
+def test_softcap_and_sinks_inside_a_model(tmp_path):
+    from reference import attention_ref
+
+    qb, kb, vb = (x[None] for x in _packed(1, 12, 12))
+    args = (*_packed(0, 10, 12), _starts([4, 6]), _starts([5, 7]), qb, kb, vb)
+    dyn = {**GROUP_DYN, "qb": [1], "kb": [1], "vb": [1]}
+    run = _module(Variants(), args, dyn, tmp_path)
+    sinks = Variants().sinks.detach()
+    lq, lk = [5, 0, 3, 9], [9, 4, 0, 30]
+    q, k, v = (3 * x for x in _packed(3, sum(lq), sum(lk)))
+    qb, kb, vb = (3 * x[None] for x in _packed(4, 20, 33))
+    qb, kb, vb = qb[:, :20], kb[:, :33], vb[:, :33]
+    sq, sk = _starts(lq), _starts(lk)
+    out, lse, bo, bl = run(q, k, v, sq, sk, qb, kb, vb)
+    ref_out, ref_lse = varlen_ref(q, k, v, sq, sk, mask="b", softcap=3.0, sinks=sinks)
+    assert_close(out, ref_out, torch.float32, what="group")
+    assert_close(lse, ref_lse, torch.float32, kind="lse", what="group")
+    ref_out, ref_lse = attention_ref(qb, kb, vb, mask="t", layout="bshd", softcap=3.0, sinks=sinks)
+    assert_close(bo, ref_out, torch.float32, what="batch")
+    assert_close(bl, ref_lse, torch.float32, kind="lse", what="batch")

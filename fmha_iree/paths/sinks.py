@@ -65,8 +65,9 @@ def varlen_rows(seqstart_q, seqstart_padded_q) -> tuple[np.ndarray, np.ndarray] 
 def apply_sinks(out, lse, sinks, layout: str, rows=None):
     """``(out', lse')`` of a path's results with ``sinks`` (``check_sinks``'s). ``layout``: ``bhsd``
     (out ``[B, H, S, D]``, lse ``[B, H, S]``), ``bshd`` (out ``[B, S, H, D]``) or ``thd`` (group
-    mode: out ``[T, H, D]``, lse ``[H, T']``; ``rows`` from ``varlen_rows``)."""
-    if _is_torch(out):
+    mode: out ``[T, H, D]``, lse ``[H, T']``; ``rows`` from ``varlen_rows``). Anything but a numpy
+    ``out`` is a torch tensor (an isinstance test ``torch.export`` traces through)."""
+    if not isinstance(out, np.ndarray):
         return _torch(out, lse, sinks, layout, rows)
     s = np.asarray(sinks, np.float32)
     lse = np.asarray(lse, np.float32)
@@ -86,11 +87,20 @@ def _scale_rows(o, factor, layout: str, rows):
     elif layout == "bshd":
         o *= factor.transpose(0, 2, 1)[..., None] if isinstance(factor, np.ndarray) else factor.transpose(1, 2)[..., None]
     elif rows is None:  # group mode: token t of the LSE is out's row t; rows past the LSE are 0
-        n = factor.shape[1]
-        o[:n] *= factor.T[..., None]
+        o *= _padded(factor, o.shape[0]).T[..., None]
     else:
         r, c = rows
         o[r] *= factor[:, c].T[..., None]
+
+
+def _padded(factor, n: int):
+    """``factor`` ``[H, T']`` padded with ones to ``[H, n]`` (a pad, not a slice of the output: an
+    exported model's LSE length is data-dependent, and a slice of it would be a min of sizes)."""
+    if isinstance(factor, np.ndarray):
+        return np.pad(factor, ((0, 0), (0, n - factor.shape[1])), constant_values=1.0)
+    import torch
+
+    return torch.nn.functional.pad(factor, (0, n - factor.shape[1]), value=1.0)
 
 
 def _torch(out, lse, sinks, layout: str, rows):
