@@ -16,7 +16,7 @@ from .codegen.source import dense_params
 from .problem.spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
 from .problem.targets import resolve_device
 from .runtime.torch_gpu import TorchCall, torch_gpu
-from .paths.sinks import apply_sinks, check_sinks, varlen_rows
+from .paths.sinks import varlen_rows, with_sinks as _with_sinks
 
 __all__ = ["fmha_fwd", "fmha_fwd_varlen", "route", "cache_stats", "clear_memory_caches", "to_device"]
 
@@ -284,21 +284,4 @@ def fmha_fwd_varlen(
     p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
                              seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale, softcap=softcap)
     return run_group(p, starts, return_lse, _compiled(p, tiles, device)[1], memo)
-
-
-def _with_sinks(run, q, sinks, head_axis: int, layout: str, return_lse, rows=None):
-    """``run()``'s ``(out, lse)`` with ``sinks`` (``paths.sinks``), checked before it runs; ``q``'s
-    axis ``head_axis`` holds the query heads."""
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if isinstance(q, DeviceTensor):
-        raise TypeError("sinks: calls on DeviceTensors take no sinks (they are applied to host or torch results); "
-                        "pass torch tensors or host arrays")
-    shape = getattr(q, "shape", None)
-    ndim = 3 if layout == "thd" else 4  # another rank: q's own check refuses it
-    hq = int(shape[head_axis]) if shape is not None and len(shape) == ndim else None
-    s = check_sinks(sinks, hq)
-    out, lse = run()
-    out, lse = apply_sinks(out, lse, s, layout, rows)
-    return (out, lse) if return_lse else out
 

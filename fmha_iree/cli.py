@@ -38,7 +38,7 @@ def _seqlens(text: str) -> tuple:
 def compile_main(args) -> int:
     from .toolchain.compile import build_artifact
     from .problem.mask import Mask
-    from .problem.spec import KernelSpec, check_head_dims, check_tiles
+    from .problem.spec import KernelSpec, check_head_dims, check_softcap, check_tiles
     from .problem.targets import Target
     from .problem.tiles import parse_tiles
 
@@ -56,7 +56,8 @@ def compile_main(args) -> int:
             pinned = (args.batch or 0, hk if args.heads_given else 0)
         elif args.batch:
             raise ValueError("--batch: only the CPU's compiled-in (--seqlens) entries are specialized on the batch")
-        spec = KernelSpec(args.dtype, args.layout, hq // hk, args.hdim, dv, tiles, target, tuple(args.seqlens), *pinned)
+        spec = KernelSpec(args.dtype, args.layout, hq // hk, args.hdim, dv, tiles, target, tuple(args.seqlens), *pinned,
+                          softcap=check_softcap(args.softcap))
         if spec.seqlens:
             from .codegen.source import dense_params
 
@@ -233,6 +234,8 @@ def main(argv=None) -> int:
                         "tree and fused out-only ops; CPU: row blocks, also fixed to --batch and --heads "
                         "when given); other shapes still run")
     c.add_argument("--batch", type=int, default=0, help="with --seqlens on the CPU: the batch size they take")
+    c.add_argument("--softcap", type=float, default=None,
+                   help="logits soft-cap compiled into every kernel (softcap * tanh(s / softcap); Gemma 2: 50)")
     c.add_argument("--iree-exp2", action="store_true",
                    help="CUDA: keep IREE's polynomial exp2 (default: ex2.approx, see fmha_iree/toolchain/ptx.py)")
     c.add_argument("--dump", help="also keep IREE's dumped executables (configured IR, ISA) here")

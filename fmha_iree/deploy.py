@@ -16,7 +16,8 @@ from .paths import (Capabilities, Loaded, Route, batch_route, group_route, paged
                     problem_route, run_batch, run_group, run_paged)
 from .runtime.prepared import PreparedCalls, varlen_call_key
 from .runtime.module import FmhaModule
-from .problem.spec import check_batch, check_varlen
+from .paths.sinks import varlen_rows, with_sinks
+from .problem.spec import check_batch, check_softcap, check_varlen
 from .problem.targets import resolve_device
 from .runtime.torch_gpu import TorchCall, torch_gpu
 
@@ -49,11 +50,30 @@ class DeployedFmha:
     def _get(self) -> Loaded:
         return self._loaded
 
-    def __call__(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None):
+    @property
+    def softcap(self) -> float | None:
+        """The logits soft-cap compiled into the module (``fmha-iree compile --softcap``), or None."""
+        return (self.manifest.get("variants") or {}).get("softcap")
+
+    def _softcap(self, softcap):
+        """Refuse a call's ``softcap`` other than the module's."""
+        if softcap is not None and check_softcap(softcap) != (self.softcap or 0.0):
+            raise ValueError(f"softcap={softcap}: the module was compiled with softcap={self.softcap} "
+                             "(a constant of its kernels: fmha-iree compile --softcap)")
+
+    def __call__(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None,
+                 softcap=None, sinks=None):
         """Batch mode, as :func:`fmha_iree.fmha_fwd`. A repeated call on DeviceTensors of the
         same shapes (and cu_seqlen values) replays its checked and routed form
         (``prepared.PreparedCalls``). torch GPU tensors on the module's GPU are shared with it
-        both ways (``torch_gpu``)."""
+        both ways (``torch_gpu``). ``softcap``: the module's own, or None; ``sinks``: as
+        :func:`fmha_iree.fmha_fwd`'s."""
+        self._softcap(softcap)
+        if sinks is not None:
+            layout = self.manifest["problem"]["layout"]
+            return with_sinks(lambda: self(q, k, v, mask=mask, scale=scale, return_lse=True, cu_seqlen_q=cu_seqlen_q,
+                                           cu_seqlen_k=cu_seqlen_k), q, sinks, 2 if layout == "bshd" else 1, layout,
+                              return_lse)
         gpu = torch_gpu({"q": q, "k": k, "v": v}, self.device_uri)
         if gpu is not None:
             call = TorchCall(gpu)
@@ -103,13 +123,20 @@ class DeployedFmha:
         return pr.get("mask") if mask is None else mask
 
     def varlen(self, q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
-               seqstart_padded_k=None, block_table=None, mask=None, scale=None, return_lse=False):
+               seqstart_padded_k=None, block_table=None, mask=None, scale=None, return_lse=False, softcap=None,
+               sinks=None):
         """Group mode, as :func:`fmha_iree.fmha_fwd_varlen` (``q`` ``[Tq, Hq, Dq]`` ...; a paged
         cache with ``block_table``): needs a module compiled with ``--layout bshd`` (packed tokens
         are bshd rows of one sequence). A call on DeviceTensors whose shapes and metadata values
         (starts, lengths, block table) repeat an earlier one's replays its plan
-        (``prepared.varlen_call_key``)."""
+        (``prepared.varlen_call_key``). ``softcap``, ``sinks``: as :meth:`__call__`'s."""
         mask = self._group_mask(mask)
+        self._softcap(softcap)
+        if sinks is not None:
+            return with_sinks(lambda: self.varlen(
+                q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
+                seqstart_padded_k=seqstart_padded_k, block_table=block_table, mask=mask, scale=scale,
+                return_lse=True), q, sinks, 1, "thd", return_lse, varlen_rows(seqstart_q, seqstart_padded_q))
         gpu = torch_gpu({"q": q, "k": k, "v": v}, self.device_uri)
         if gpu is not None:
             call = TorchCall(gpu)

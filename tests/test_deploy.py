@@ -585,3 +585,34 @@ def test_manifest_flags_leave_out_a_temporary_dump(tmp_path, monkeypatch):
     assert not any("dump-executable" in f for f in man["flags"] + man["command"]), man["flags"]
     man = C.build_artifact(spec, tmp_path / "b.vmfb", dump_dir=tmp_path / "dumps")
     assert f"--iree-hal-dump-executable-files-to={tmp_path / 'dumps'}" in man["flags"]
+
+
+def test_deployed_module_with_softcap_and_sinks(tmp_path):
+    """`fmha-iree compile --softcap`: the manifest records the cap, calls get it (another value is
+    refused before running), and sinks apply to the deployed module's batch and group calls."""
+    from fmha_iree import load
+    from reference import varlen_ref
+
+    vmfb = tmp_path / "capped.vmfb"
+    subprocess.run([sys.executable, "-m", "fmha_iree.cli", "compile", "--target", "host", "--dtype", "f32",
+                    "--hdim", "64", "--heads", "4:2", "--layout", "bshd", "--mask", "b", "--softcap", "3",
+                    "-o", str(vmfb)], check=True, capture_output=True)
+    f = load(vmfb)
+    assert f.manifest["variants"] == {"softcap": 3.0, "sinks": True} and f.softcap == 3.0
+    rng = np.random.default_rng(5)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    q = 3 * rng.standard_normal((2, 9, 4, 64), dtype=np.float32)
+    k = rng.standard_normal((2, 6, 2, 64), dtype=np.float32)
+    v = rng.standard_normal((2, 6, 2, 64), dtype=np.float32)
+    out, lse = f(q, k, v, return_lse=True, sinks=sinks, softcap=3.0)
+    ref_out, ref_lse = attention_ref(q, k, v, mask="b", layout="bshd", softcap=3.0, sinks=sinks)
+    assert_close(out, ref_out, np.float32, what="deployed softcap + sinks")
+    assert_close(lse, ref_lse, np.float32, kind="lse", what="deployed softcap + sinks")
+    sq, sk = np.array([0, 3, 3, 10], np.int32), np.array([0, 8, 12, 12], np.int32)
+    qv, kv, vv = q.reshape(18, 4, 64)[:10], k.reshape(12, 2, 64), v.reshape(12, 2, 64)
+    out, lse = f.varlen(qv, kv, vv, sq, sk, return_lse=True, sinks=sinks)
+    ref_out, ref_lse = varlen_ref(qv, kv, vv, sq, sk, mask="b", softcap=3.0, sinks=sinks)
+    assert_close(out, ref_out, np.float32, what="deployed group")
+    assert_close(lse, ref_lse, np.float32, kind="lse", what="deployed group")
+    with pytest.raises(ValueError, match="compiled with softcap=3.0"):
+        f(q, k, v, softcap=50.0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["check_sinks", "apply_sinks", "varlen_rows"]
+__all__ = ["check_sinks", "apply_sinks", "varlen_rows", "with_sinks"]
 
 
 def _is_torch(x) -> bool:
@@ -115,3 +115,23 @@ def _torch(out, lse, sinks, layout: str, rows):
         rows = tuple(torch.as_tensor(x, device=out.device) for x in rows)
     _scale_rows(o, factor, layout, rows)
     return o.to(out.dtype), lse2
+
+
+def with_sinks(run, q, sinks, head_axis: int, layout: str, return_lse, rows=None):
+    """``run()``'s ``(out, lse)`` with ``sinks``, checked before it runs (the public calls'
+    ``sinks=``); ``q``'s axis ``head_axis`` holds the query heads."""
+    from ..runtime.device import DeviceTensor
+
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if isinstance(q, DeviceTensor):
+        raise TypeError("sinks: calls on DeviceTensors take no sinks (they are applied to host or torch results); "
+                        "pass torch tensors or host arrays")
+    shape = getattr(q, "shape", None)
+    ndim = 3 if layout == "thd" else 4  # another rank: q's own check refuses it
+    hq = int(shape[head_axis]) if shape is not None and len(shape) == ndim else None
+    s = check_sinks(sinks, hq)
+    out, lse = run()
+    out, lse = apply_sinks(out, lse, s, layout, rows)
+    return (out, lse) if return_lse else out
+
