@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fmha_iree
-from common import gpu_formulation, route, run_batch, run_group, run_paged
+from common import gpu_formulation, route, run_batch, run_group
 from fmha_iree.problem.paged import check_paged
 from fmha_iree.problem.spec import check_batch, check_varlen
 from reference import assert_close, attention_ref, make_qkv, seed_of, varlen_ref
