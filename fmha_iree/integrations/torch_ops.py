@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..api import fmha_fwd, fmha_fwd_varlen as _fmha_fwd_varlen
-from ..paths.sinks import apply_sinks, check_sinks, varlen_rows
+from ..paths.sinks import varlen_rows, with_sinks
 from ..problem.mask import Mask
 from ..problem.spec import check_softcap
 
@@ -76,12 +76,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    softcap = check_softcap(softcap) or None
-    s = _sinks(sinks, q.shape[1 if layout == "bhsd" else 2] if q.ndim == 4 else None)
-    out, lse = torch.ops.fmha_iree.fmha_fwd(q, k, v, _mask_str(mask), None if scale is None else float(scale), layout,
-                                            softcap)
-    if s is not None:
-        out, lse = apply_sinks(out, lse, s, layout)
+    args = (_mask_str(mask), None if scale is None else float(scale), layout, check_softcap(softcap) or None)
+
+    def run():
+        return torch.ops.fmha_iree.fmha_fwd(q, k, v, *args)
+
+    if sinks is not None:
+        return with_sinks(run, q, sinks, 1 if layout == "bhsd" else 2, layout, return_lse)
+    out, lse = run()
     return (out, lse) if return_lse else out
 
 
@@ -98,25 +100,16 @@ def fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_
     for name, x in ints.items():
         if x is not None and not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (int32) or None, got {type(x).__name__}")
-    softcap = check_softcap(softcap) or None
-    s = _sinks(sinks, q.shape[1] if q.ndim == 3 else None)
-    out, lse = torch.ops.fmha_iree.fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q,
-                                                   seqstart_padded_k, block_table, _mask_str(mask), scale, softcap)
-    if s is not None:
-        out, lse = apply_sinks(out, lse, s, "thd", varlen_rows(seqstart_q, seqstart_padded_q))
+    args = (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table, _mask_str(mask),
+            scale, check_softcap(softcap) or None)
+
+    def run():
+        return torch.ops.fmha_iree.fmha_fwd_varlen(q, k, v, *args)
+
+    if sinks is not None:
+        return with_sinks(run, q, sinks, 1, "thd", return_lse, varlen_rows(seqstart_q, seqstart_padded_q))
+    out, lse = run()
     return (out, lse) if return_lse else out
-
-
-def _sinks(sinks, hq):
-    """``sinks`` checked (``paths.sinks.check_sinks``); a tensor stays one, float32, with tests
-    ``torch.export`` traces through."""
-    if sinks is None or not isinstance(sinks, Tensor):
-        return None if sinks is None else check_sinks(sinks, hq)
-    if not sinks.dtype.is_floating_point:
-        raise TypeError(f"sinks must hold floats, got {sinks.dtype}")
-    if sinks.ndim != 1 or (hq is not None and sinks.shape[0] != hq):
-        raise ValueError(f"sinks must have shape [{hq}] (one per query head), got {list(sinks.shape)}")
-    return sinks.float()
 
 
 def _mask_str(mask) -> str:

@@ -20,14 +20,11 @@ import numpy as np
 __all__ = ["check_sinks", "apply_sinks", "varlen_rows", "with_sinks"]
 
 
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
-
-
 def check_sinks(sinks, hq: int | None):
     """``sinks`` as float32 ``[hq]`` (a torch tensor stays one, on its device; anything else becomes
-    a numpy array); ``hq`` None skips the length check (the inputs' own check will refuse them)."""
-    if _is_torch(sinks):
+    a numpy array); ``hq`` None skips the length check (the inputs' own check will refuse them).
+    Tensors are told by their ``detach`` (a test ``torch.export`` traces through)."""
+    if hasattr(sinks, "detach"):
         if not sinks.dtype.is_floating_point:
             raise TypeError(f"sinks must hold floats, got {sinks.dtype}")
         arr = sinks.detach().float()
@@ -52,14 +49,13 @@ def varlen_rows(seqstart_q, seqstart_padded_q) -> tuple[np.ndarray, np.ndarray] 
     the rows elsewhere than the LSE's unpadded columns; None where they coincide."""
     if seqstart_padded_q is None:
         return None
+    from ..problem.plan import runs
     from ..problem.spec import int_vector
 
     sq = int_vector(seqstart_q, "seqstart_q", None)
     pq = int_vector(seqstart_padded_q, "seqstart_padded_q", len(sq))
-    lens = np.diff(sq)
-    cols = np.concatenate([np.arange(s, s + n) for s, n in zip(sq[:-1], lens)] or [np.zeros(0, np.int64)])
-    rows = np.concatenate([np.arange(s, s + n) for s, n in zip(pq[:-1], lens)] or [np.zeros(0, np.int64)])
-    return rows.astype(np.int64), cols.astype(np.int64)
+    b, i = runs(np.diff(sq))
+    return pq[b] + i, sq[b] + i
 
 
 def apply_sinks(out, lse, sinks, layout: str, rows=None):
