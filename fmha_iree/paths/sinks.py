@@ -10,7 +10,7 @@ masked-out row, a padding row) gives out 0 and lse = the sink. The product round
 more (at most one unit in the last place of its dtype beyond the kernel's own rounding).
 
 Host results (numpy arrays, torch tensors on any device) are rescaled where they lie, with numpy
-or torch; a call on DeviceTensors is refused (``check_sinks``'s caller says so).
+or torch; a call on DeviceTensors is refused (``with_sinks``).
 """
 
 from __future__ import annotations
