@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import cuda_time, write_rows  # noqa: E402
+from _timing import device_time, torch_device_time, write_rows  # noqa: E402
 
 CAP = 50.0
 ROWS = {"prefill": dict(B=4, Hq=16, Hk=16, Sq=4096, Sk=4096, mask="b", g="g1"),
@@ -38,6 +38,34 @@ def _flex(q, k, v, causal: bool, softcap: bool):
     return lambda: fn(q, k, v, score_mod=cap if softcap else None, block_mask=block, enable_gqa=True)
 
 
+def _reference(q, k, v, causal: bool, softcap: bool, sinks):
+    """float32 attention of [B, S, H, D] tensors with the soft-cap and sinks as the issue states
+    them (one KV head at a time, so the score matrix stays [B, G, Sq, Sk])."""
+    import torch
+
+    B, Sq, Hq, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    out = torch.empty(B, Sq, Hq, v.shape[-1], device=q.device)
+    for h in range(Hk):
+        qh = q[:, :, h * G:(h + 1) * G].float().permute(0, 2, 1, 3)  # [B, G, Sq, D]
+        s = qh @ k[:, :, h].float().transpose(1, 2)[:, None] / D ** 0.5
+        if softcap:
+            s = CAP * torch.tanh(s / CAP)
+        if causal:
+            i = torch.arange(Sq, device=q.device)[:, None]
+            j = torch.arange(Sk, device=q.device)[None, :]
+            s = s.masked_fill(j > i + Sk - Sq, float("-inf"))
+        if sinks is not None:
+            sk = sinks[h * G:(h + 1) * G].float()[None, :, None, None].expand(B, G, Sq, 1)
+            p = torch.softmax(torch.cat([s, sk], -1), -1)[..., :-1]
+        else:
+            p = torch.softmax(s, -1)
+        out[:, :, h * G:(h + 1) * G] = (p @ v[:, :, h].float()[:, None]).permute(0, 2, 1, 3)
+        del s, p
+    return out
+
+
 def run_row(name: str, mods: dict, reps: int) -> list[dict]:
     import torch
 
@@ -53,7 +81,8 @@ def run_row(name: str, mods: dict, reps: int) -> list[dict]:
     capped = fmha_iree.load(mods[f"cap_{r['g']}"], device="cuda://0")
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     causal = r["mask"] == "b"
-    calls = {
+    qd, kd, vd = (fmha_iree.to_device(x.cpu().numpy(), "cuda://0") for x in (q, k, v))
+    calls = {  # torch tensors in and out (what a torch caller sees), then DeviceTensors (the kernels)
         "fmha_plain": lambda: plain(q, k, v, mask=r["mask"]),
         "fmha_softcap": lambda: capped(q, k, v, mask=r["mask"]),
         "fmha_sinks": lambda: plain(q, k, v, mask=r["mask"], sinks=sinks),
@@ -62,21 +91,28 @@ def run_row(name: str, mods: dict, reps: int) -> list[dict]:
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
                                                                          enable_gqa=True),
     }
-    times = {}
-    for key, fn in calls.items():
+    device_calls = {"fmha_plain_dev": lambda: plain(qd, kd, vd, mask=r["mask"]),
+                    "fmha_softcap_dev": lambda: capped(qd, kd, vd, mask=r["mask"])}
+    refs = {"fmha_plain": (False, None), "fmha_softcap": (True, None), "fmha_sinks": (False, sinks)}
+    times, errs = {}, {}
+    for key, fn in [*calls.items(), *device_calls.items()]:
         try:
-            times[key] = cuda_time(fn, reps)
+            times[key] = (device_time(fn, reps) if key.endswith("_dev") else torch_device_time(fn, reps))
+            if key in refs:
+                out = fn()
+                errs[key] = float((out.float() - _reference(q, k, v, causal, *refs[key])).abs().max())
         except Exception as e:  # noqa: BLE001 (a peer that does not take the shape: reported, not fatal)
             print(f"{name} {key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             times[key] = None
     flops = 4 * r["B"] * r["Hq"] * r["Sq"] * r["Sk"] * 128 / (2 if causal else 1)
     rows = []
     for key, t in times.items():
+        base = times["fmha_plain_dev" if key.endswith("_dev") else "fmha_plain"]
         row = dict(row=name, call=key, ms=None if t is None else t * 1e3,
                    tflops=None if t is None else flops / t / 1e12,
-                   vs_fmha_plain=None if t is None or not times["fmha_plain"] else t / times["fmha_plain"])
-        print(f"{name:8} {key:14} {row['ms'] if t else math.nan:9.4f} ms  x{row['vs_fmha_plain'] or math.nan:.3f}",
-              flush=True)
+                   vs_fmha_plain=None if t is None or not base else t / base, max_abs_err=errs.get(key))
+        print(f"{name:8} {key:17} {row['ms'] if t else math.nan:9.4f} ms  x{row['vs_fmha_plain'] or math.nan:.3f}"
+              f"  err {errs.get(key, math.nan):.2e}", flush=True)
         rows.append(row)
     return rows
 
