@@ -14,8 +14,10 @@ from .runtime.prepared import PreparedCalls, varlen_call_key
 from .runtime.module import FmhaModule
 from .codegen.source import dense_params
 from .problem.spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
+from .problem.mask import as_mask
 from .problem.targets import resolve_device
 from .runtime.torch_gpu import TorchCall, torch_gpu
+from .paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from .paths.sinks import varlen_rows, with_sinks as _with_sinks
 
 __all__ = ["fmha_fwd", "fmha_fwd_varlen", "route", "cache_stats", "clear_memory_caches", "to_device"]
@@ -163,6 +165,13 @@ def fmha_fwd(
     Which of the module's functions runs the call is the paths' choice (:func:`route` says which
     and why); all give the same results.
     """
+    if has_sink_tokens(mask):
+        return with_batch_sink_tokens(
+            lambda m: fmha_fwd(q, k, v, mask=m, scale=scale, return_lse=True, layout=layout, cu_seqlen_q=cu_seqlen_q,
+                               cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=device, specialize=specialize,
+                               softcap=softcap, sinks=sinks),
+            q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k,
+            softcap=softcap, return_lse=return_lse)
     if sinks is not None:
         return _with_sinks(lambda: fmha_fwd(q, k, v, mask=mask, scale=scale, return_lse=True, layout=layout,
                                             cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=device,
@@ -205,6 +214,7 @@ def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=No
     on first use compiles) the module, as the call would."""
     if not isinstance(return_lse, bool) or not isinstance(specialize, bool):
         raise TypeError("return_lse and specialize must be bools")
+    mask = as_mask(mask).window_only  # sink tokens are added to the path's results (paths.sink_tokens)
     if seqstart_q is None:
         for name, val in (("seqstart_k", seqstart_k), ("seqlen_k", seqlen_k), ("seqstart_padded_q", seqstart_padded_q),
                           ("seqstart_padded_k", seqstart_padded_k), ("block_table", block_table)):
@@ -252,6 +262,13 @@ def fmha_fwd_varlen(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if has_sink_tokens(mask):
+        ints = dict(seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
+                    block_table=block_table)
+        return with_varlen_sink_tokens(
+            lambda m: fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, **ints, mask=m, scale=scale, return_lse=True,
+                                      tiles=tiles, device=device, softcap=softcap, sinks=sinks),
+            q, k, v, seqstart_q, seqstart_k, **ints, mask=mask, scale=scale, softcap=softcap, return_lse=return_lse)
     if sinks is not None:
         rows = varlen_rows(seqstart_q, seqstart_padded_q)
         return _with_sinks(lambda: fmha_fwd_varlen(

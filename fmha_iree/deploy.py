@@ -16,6 +16,7 @@ from .paths import (Capabilities, Loaded, Route, batch_route, group_route, paged
                     problem_route, run_batch, run_group, run_paged)
 from .runtime.prepared import PreparedCalls, varlen_call_key
 from .runtime.module import FmhaModule
+from .paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from .paths.sinks import varlen_rows, with_sinks
 from .problem.spec import check_batch, check_softcap, check_varlen
 from .problem.targets import resolve_device
@@ -69,6 +70,13 @@ class DeployedFmha:
         both ways (``torch_gpu``). ``softcap``: the module's own, or None; ``sinks``: as
         :func:`fmha_iree.fmha_fwd`'s."""
         self._softcap(softcap)
+        pr = self.manifest["problem"]
+        if has_sink_tokens(pr.get("mask") if mask is None else mask):
+            return with_batch_sink_tokens(
+                lambda m: self(q, k, v, mask=m, scale=scale, return_lse=True, cu_seqlen_q=cu_seqlen_q,
+                               cu_seqlen_k=cu_seqlen_k, sinks=sinks),
+                q, k, v, mask=pr.get("mask") if mask is None else mask, scale=scale, layout=pr["layout"],
+                cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, softcap=self.softcap, return_lse=return_lse)
         if sinks is not None:
             layout = self.manifest["problem"]["layout"]
             return with_sinks(lambda: self(q, k, v, mask=mask, scale=scale, return_lse=True, cu_seqlen_q=cu_seqlen_q,
@@ -132,6 +140,14 @@ class DeployedFmha:
         (``prepared.varlen_call_key``). ``softcap``, ``sinks``: as :meth:`__call__`'s."""
         mask = self._group_mask(mask)
         self._softcap(softcap)
+        if has_sink_tokens(mask):
+            ints = dict(seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
+                        block_table=block_table)
+            return with_varlen_sink_tokens(
+                lambda m: self.varlen(q, k, v, seqstart_q, seqstart_k, **ints, mask=m, scale=scale, return_lse=True,
+                                      sinks=sinks),
+                q, k, v, seqstart_q, seqstart_k, **ints, mask=mask, scale=scale, softcap=self.softcap,
+                return_lse=return_lse)
         if sinks is not None:
             return with_sinks(lambda: self.varlen(
                 q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,

@@ -4,7 +4,9 @@ Written from /work/shared/docs/ck-fmha-reference.md:
 
 * mask window rules: top-left window ``i-l <= j <= i+r``; bottom-right is the same window
   shifted by ``Sk-Sq``; a negative side is unlimited;
-* CK mask strings ``0, t, 1, b, 2, t:l,r, b:l,r, xt:w, xb:w``;
+* CK mask strings ``0, t, 1, b, 2, t:l,r, b:l,r, xt:w, xb:w``; ``t:l,r,s`` / ``b:l,r,s`` add ``s``
+  sink tokens (issue 58, StreamingLLM): keys ``j < s`` are also visible to every row, within its
+  right side (``j <= i + shift + r`` when ``r >= 0``);
 * LSE is the natural log of the softmax denominator over the visible keys (float32 in the
   package; float64 here); rows that see no key give out 0 and lse -inf;
 * GQA/MQA: query head ``h`` reads kv head ``h // (Hq // Hk)``;
@@ -53,7 +55,7 @@ def torch_dtype(dtype) -> torch.dtype:
 # --------------------------------------------------------------------------------------------
 # Masks
 # --------------------------------------------------------------------------------------------
-_LR_RE = re.compile(r"^([tb]):(-?\d+),(-?\d+)$")
+_LR_RE = re.compile(r"^([tb]):(-?\d+),(-?\d+)(?:,(\d+))?$")
 _X_RE = re.compile(r"^(xt|xb):(-?\d+)$")
 
 
@@ -101,12 +103,17 @@ def visible(mask, sq: int, sk: int) -> np.ndarray:
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
     shift = 0 if top_left else sk - sq  # bottom-right: window shifted by Sk-Sq
-    vis = np.ones((sq, sk), dtype=bool)
+    right_ok = np.ones((sq, sk), dtype=bool) if right < 0 else (j <= i + shift + right)
+    vis = right_ok.copy()
     if left >= 0:
         vis &= j >= i + shift - left
-    if right >= 0:
-        vis &= j <= i + shift + right
-    return vis
+    return vis | (right_ok & (j < sink_tokens(mask)))
+
+
+def sink_tokens(mask) -> int:
+    """The sink-token count of a ``t:l,r,s`` / ``b:l,r,s`` mask string (0 otherwise)."""
+    m = _LR_RE.match(mask.strip()) if isinstance(mask, str) else None
+    return int(m.group(4) or 0) if m else 0
 
 
 def visible_ck_coords(mask, sq: int, sk: int) -> np.ndarray:

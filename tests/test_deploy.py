@@ -616,3 +616,11 @@ def test_deployed_module_with_softcap_and_sinks(tmp_path):
     assert_close(lse, ref_lse, np.float32, kind="lse", what="deployed group")
     with pytest.raises(ValueError, match="compiled with softcap=3.0"):
         f(q, k, v, softcap=50.0)
+    # sink tokens beside a window (paths.sink_tokens) on the deployed module's batch and group calls
+    out = f(q, k, v, mask="b:2,0,2", sinks=sinks)
+    assert_close(out, attention_ref(q, k, v, mask="b:2,0,2", layout="bshd", softcap=3.0, sinks=sinks)[0], np.float32,
+                 what="deployed sink tokens")
+    out, lse = f.varlen(qv, kv, vv, sq, sk, mask="b:1,0,2", return_lse=True)
+    ref_out, ref_lse = varlen_ref(qv, kv, vv, sq, sk, mask="b:1,0,2", softcap=3.0)
+    assert_close(out, ref_out, np.float32, what="deployed group sink tokens")
+    assert_close(lse, ref_lse, np.float32, kind="lse", what="deployed group sink tokens")

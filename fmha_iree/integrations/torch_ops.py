@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..api import fmha_fwd, fmha_fwd_varlen as _fmha_fwd_varlen
+from ..paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from ..paths.sinks import varlen_rows, with_sinks
 from ..problem.mask import Mask
 from ..problem.spec import check_softcap
@@ -76,13 +77,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    args = (_mask_str(mask), None if scale is None else float(scale), layout, check_softcap(softcap) or None)
+    args = (None if scale is None else float(scale), layout, check_softcap(softcap) or None)
 
-    def run():
-        return torch.ops.fmha_iree.fmha_fwd(q, k, v, *args)
+    def run(m=mask):
+        def op():
+            return torch.ops.fmha_iree.fmha_fwd(q, k, v, _mask_str(m), *args)
+        return op() if sinks is None else with_sinks(op, q, sinks, 1 if layout == "bhsd" else 2, layout, True)
 
-    if sinks is not None:
-        return with_sinks(run, q, sinks, 1 if layout == "bhsd" else 2, layout, return_lse)
+    if has_sink_tokens(mask):
+        return with_batch_sink_tokens(run, q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=None,
+                                      cu_seqlen_k=None, softcap=softcap, return_lse=return_lse)
     out, lse = run()
     return (out, lse) if return_lse else out
 
@@ -100,14 +104,20 @@ def fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_
     for name, x in ints.items():
         if x is not None and not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (int32) or None, got {type(x).__name__}")
-    args = (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table, _mask_str(mask),
-            scale, check_softcap(softcap) or None)
+    args = (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table)
+    rest = (scale, check_softcap(softcap) or None)
 
-    def run():
-        return torch.ops.fmha_iree.fmha_fwd_varlen(q, k, v, *args)
+    def run(m=mask):
+        def op():
+            return torch.ops.fmha_iree.fmha_fwd_varlen(q, k, v, *args, _mask_str(m), *rest)
+        return op() if sinks is None else with_sinks(op, q, sinks, 1, "thd", True,
+                                                     varlen_rows(seqstart_q, seqstart_padded_q))
 
-    if sinks is not None:
-        return with_sinks(run, q, sinks, 1, "thd", return_lse, varlen_rows(seqstart_q, seqstart_padded_q))
+    if has_sink_tokens(mask):
+        return with_varlen_sink_tokens(run, q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k,
+                                       seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
+                                       block_table=block_table, mask=mask, scale=scale, softcap=softcap,
+                                       return_lse=return_lse)
     out, lse = run()
     return (out, lse) if return_lse else out
 

@@ -13,6 +13,11 @@ rows and ``Sk`` keys, CK builds (y, x)::
 and row ``i`` may see key ``j`` iff ``i - y + 1 <= j < min(i + x, Sk)`` and ``j >= 0``.
 A row that may see no key yields O = 0 and LSE = -inf.
 
+``sink`` (StreamingLLM's sink tokens, CK's mask option): the first ``sink`` keys also stay
+visible to every row whose window does not reach them, as far as its right side allows: row ``i``
+also sees key ``j < min(sink, min(i + x, Sk))``. The kernels see only the window
+(``Mask.window_only``); ``paths.sink_tokens`` adds the sink keys to their results.
+
 This module needs only numpy, so deployed modules can use it without torch.
 """
 
@@ -35,8 +40,14 @@ class Mask:
     left: int = -1
     right: int = -1
     top_left: bool = True
+    sink: int = 0
 
     def __post_init__(self):
+        if isinstance(self.sink, bool) or not isinstance(self.sink, (int, np.integer)):
+            raise TypeError(f"mask sink must be an int, got {type(self.sink).__name__}")
+        if not 0 <= self.sink < _NO_LIMIT:
+            raise ValueError(f"mask sink (sink tokens) must be in [0, {_NO_LIMIT}), got {self.sink}")
+        object.__setattr__(self, "sink", int(self.sink))
         for name in ("left", "right"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
@@ -62,15 +73,16 @@ class Mask:
         return cls(-1, 0, top_left)
 
     @classmethod
-    def window(cls, left: int, right: int, top_left: bool = False) -> "Mask":
-        """Sliding window: ``i - left <= j <= i + right``, shifted by ``Sk - Sq`` unless top-left."""
-        return cls(left, right, top_left)
+    def window(cls, left: int, right: int, top_left: bool = False, sink: int = 0) -> "Mask":
+        """Sliding window: ``i - left <= j <= i + right``, shifted by ``Sk - Sq`` unless top-left;
+        ``sink``: the first keys seen beside it (module docstring)."""
+        return cls(left, right, top_left, sink)
 
     @classmethod
     def from_str(cls, text: str) -> "Mask":
         """Parse CK's example mask strings: ``0``, ``t``/``1``, ``b``/``2``, ``t:l,r``, ``b:l,r``,
         ``xt:w``, ``xb:w`` (xformers window: ``w <= 0`` is causal, as in CK's ``mask.hpp``, else
-        ``l = w // 2``, ``r = w - 1 - l``)."""
+        ``l = w // 2``, ``r = w - 1 - l``); ``t:l,r,s`` / ``b:l,r,s`` add ``s`` sink tokens."""
         if not isinstance(text, str):
             raise TypeError(f"mask string must be a str, got {type(text).__name__}")
         s = text.strip()
@@ -82,12 +94,12 @@ class Mask:
             return cls.causal(top_left=False)
         if len(s) > 64:  # int() of a longer number is slow, or refused by Python's digit limit
             raise ValueError(f"mask string of {len(s)} characters: a CK mask string is at most 64")
-        m = re.fullmatch(r"([tb]):(-?\d+),(-?\d+)", s)
+        m = re.fullmatch(r"([tb]):(-?\d+),(-?\d+)(?:,(\d+))?", s)
         if m:
             left, right = int(m.group(2)), int(m.group(3))
             if left < -1 or right < -1:
                 raise ValueError(f"mask {text!r}: window sides must be >= -1")
-            return cls(left, right, m.group(1) == "t")
+            return cls(left, right, m.group(1) == "t", int(m.group(4) or 0))
         m = re.fullmatch(r"x([tb]):(-?\d+)", s)
         if m:
             top_left, w = m.group(1) == "t", int(m.group(2))
@@ -96,7 +108,7 @@ class Mask:
             left = w // 2
             return cls(left, w - 1 - left, top_left)
         raise ValueError(
-            f"mask {text!r} is not a CK mask string (expected 0, t, b, 1, 2, t:l,r, b:l,r, xt:w or xb:w)"
+            f"mask {text!r} is not a CK mask string (expected 0, t, b, 1, 2, t:l,r, b:l,r, t:l,r,s, b:l,r,s, xt:w or xb:w)"
         )
 
     # -- properties -----------------------------------------------------------------------------
@@ -114,9 +126,14 @@ class Mask:
         return "window"
 
     def __str__(self) -> str:
-        if self.is_none:
+        if self.is_none and not self.sink:
             return "0"
-        return f"{'t' if self.top_left else 'b'}:{self.left},{self.right}"
+        return f"{'t' if self.top_left else 'b'}:{self.left},{self.right}" + (f",{self.sink}" if self.sink else "")
+
+    @property
+    def window_only(self) -> "Mask":
+        """This mask without its sink tokens (what the kernels apply)."""
+        return dataclasses.replace(self, sink=0) if self.sink else self
 
     # -- semantics ------------------------------------------------------------------------------
     def coords(self, sq: int, sk: int) -> tuple[int, int]:
@@ -161,7 +178,8 @@ class Mask:
         y, x = self.coords(sq, sk)
         i = np.arange(sq)[:, None]
         j = np.arange(sk)[None, :]
-        return (j >= i - y + 1) & (j < np.minimum(i + x, sk))
+        hi = np.minimum(i + x, sk)
+        return ((j >= i - y + 1) | (j < self.sink)) & (j < hi)
 
 
 def as_mask(mask) -> Mask:

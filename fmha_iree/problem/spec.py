@@ -244,12 +244,22 @@ class BatchProblem:
                           softcap=self.softcap)
 
 
+def window_mask(mask) -> Mask:
+    """``as_mask(mask)`` for the paths, which apply windows only: sink tokens are added to their
+    results by the public calls (``paths.sink_tokens``), and refused here."""
+    mask = as_mask(mask)
+    if mask.sink:
+        raise ValueError(f"mask {mask}: sink tokens are added by fmha_fwd, fmha_fwd_varlen, DeployedFmha and the "
+                         "torch ops' attention wrappers; this call takes a window without them")
+    return mask
+
+
 def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k, softcap=None) -> BatchProblem:
     """Validate a batch-mode ``fmha_fwd`` call (see :func:`fmha_iree.fmha_fwd`)."""
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     layout = str(layout)  # a str subclass (numpy.str_) would reach the torch graph as a numpy value
-    mask = as_mask(mask)
+    mask = window_mask(mask)
     qo, ko, vo = _operands(q, k, v, 4, f"4-D ({layout})")
 
     def bhsd(a):
@@ -319,7 +329,7 @@ def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q
                  softcap=None):
     """Validate a group-mode call; returns the problem (as a B=1 ``bshd`` batch over the packed
     token axis) and the per-sequence starts and lengths."""
-    mask = as_mask(mask)
+    mask = window_mask(mask)
     qo, ko, vo = _operands(q, k, v, 3, "3-D [tokens, heads, head_dim]")
     Tq, Hq, Dq = qo.array.shape
     Tk, Hk, Dk = ko.array.shape

@@ -1,0 +1,210 @@
+"""Sink tokens (StreamingLLM; CK's mask option ``Mask.sink``): the first ``n`` keys of each
+sequence stay visible beside a sliding window. Every path applies the window only; this module adds
+the keys a row sees through the sink and not through its window, ``j < min(n, lo(i), hi(i))``
+(``lo``/``hi`` the row's window ``[max(i - y + 1, 0), min(i + x, Sk))``: a key the window reaches is
+counted once, a key right of the row's window is never seen), as a second attention over those at
+most ``n`` keys merged with the path's ``(out, lse)`` the split-KV way:
+
+    lse' = logaddexp(lse, lse_s),   out' = out exp(lse - lse') + out_s exp(lse_s - lse').
+
+Its cost is ``n`` keys per row (the scores ``[rows, Hq, n]``), whatever the path; the sink keys are
+gathered per row (group mode, paged caches) by indices made on the host from the call's lengths.
+Computed in float32 with numpy for host results and torch on the tensors' device; the soft-cap
+applies to the sink keys' scores as to the window's. Calls on DeviceTensors are refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..problem.mask import Mask, as_mask
+from ..problem.plan import runs
+
+__all__ = ["has_sink_tokens", "batch_sink_tokens", "varlen_sink_tokens", "with_batch_sink_tokens",
+           "with_varlen_sink_tokens"]
+
+
+def has_sink_tokens(mask) -> bool:
+    """Whether ``mask`` (None, a CK string or a Mask) carries sink tokens; a string is parsed
+    only when it could (a third number), so the common call pays nothing."""
+    if isinstance(mask, Mask):
+        return mask.sink > 0
+    return isinstance(mask, str) and mask.count(",") == 2 and as_mask(mask).sink > 0
+
+
+def _is_numpy(x) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def _f32(x):
+    return x.astype(np.float32) if _is_numpy(x) else x.float()
+
+
+def _like(a: np.ndarray, x):
+    """The host int/bool array ``a`` as ``x``'s kind (torch on ``x``'s device)."""
+    if _is_numpy(x):
+        return a
+    import torch
+
+    return torch.as_tensor(a, device=x.device)
+
+
+def _attend(q, keys, values, count, scale: float, softcap: float):
+    """``(out, lse)`` of the float32 rows ``q`` ``[..., D]`` over ``keys[j]`` / ``values[j]``
+    (``[..., D]`` / ``[..., Dv]``, broadcast against ``q``) where key ``j`` is seen iff ``j < count``
+    (broadcast to ``q[..., 0]``); a row that sees none gives out 0 and lse -inf. Key by key, with
+    elementwise products and sums over the head dim only, so that a row's result does not depend
+    on how many rows are computed with it (a batched matmul's blocking would)."""
+    s = [(q * kj).sum(-1) * scale for kj in keys]
+    if softcap:
+        s = [softcap * (np.tanh(x / softcap) if _is_numpy(x) else x.div(softcap).tanh()) for x in s]
+    neg = float("-inf")
+    s = [np.where(j < count, x, neg) if _is_numpy(x) else x.masked_fill(count <= j, neg) for j, x in enumerate(s)]
+    m = s[0]
+    for x in s[1:]:
+        m = np.maximum(m, x) if _is_numpy(m) else m.maximum(x)
+    m = np.where(np.isfinite(m), m, 0.0) if _is_numpy(m) else m.nan_to_num(0.0, 0.0, 0.0)
+    e = [np.exp(x - m) if _is_numpy(x) else (x - m).exp() for x in s]
+    tot, out = e[0], e[0][..., None] * values[0]
+    for ej, vj in zip(e[1:], values[1:]):
+        tot, out = tot + ej, out + ej[..., None] * vj
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = (np.log(tot) if _is_numpy(tot) else tot.log()) + m
+        out = out / (np.where(tot > 0, tot, 1.0) if _is_numpy(tot) else tot.clamp_min(1e-38))[..., None]
+    return out, lse
+
+
+def _merge(out, lse, out_s, lse_s):
+    """The merged ``(out, lse)`` (float32; ``lse`` broadcast like ``out[..., 0]``)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        if _is_numpy(out):
+            new = np.logaddexp(lse, lse_s)
+            f1 = np.nan_to_num(np.exp(lse - new), nan=0.0)
+            f2 = np.nan_to_num(np.exp(lse_s - new), nan=0.0)
+        else:
+            new = lse.logaddexp(lse_s)
+            f1, f2 = (lse - new).exp().nan_to_num(0.0), (lse_s - new).exp().nan_to_num(0.0)
+    return out * f1[..., None] + out_s * f2[..., None], new
+
+
+def _counts(mask: Mask, i, q_len, k_len, seq):
+    """Sink keys each row sees outside its window, ``min(n, lo, hi)`` clipped at 0: row ``i``
+    (host int array) of sequence ``seq`` (its index into the per-sequence ``q_len``/``k_len``,
+    broadcast with ``i``); rows past their sequence's length see none."""
+    yx = [mask.window_only.coords(int(a), int(b)) for a, b in zip(q_len, k_len)]
+    y, x = (np.asarray([c[t] for c in yx], np.int64).reshape(-1) for t in (0, 1))
+    ql, kl, y, x = q_len[seq], k_len[seq], y[seq], x[seq]
+    lo, hi = np.maximum(i - y + 1, 0), np.minimum(i + x, kl)
+    return np.where(i < ql, np.maximum(np.minimum(np.minimum(lo, hi), mask.sink), 0), 0)
+
+
+def _check_host_or_torch(q):
+    from ..runtime.device import DeviceTensor
+
+    if isinstance(q, DeviceTensor):
+        raise TypeError("mask: sink tokens are added to host or torch results; calls on DeviceTensors take none "
+                        "(pass torch tensors or host arrays)")
+
+
+def batch_sink_tokens(run, q, k, v, *, mask: Mask, scale: float, softcap: float, layout: str, q_lens, k_lens,
+                      return_lse: bool):
+    """``run(window_mask)``'s batch-mode ``(out, lse)`` with ``mask``'s sink tokens added
+    (``q_lens``/``k_lens``: each batch's lengths, from the validated problem)."""
+    _check_host_or_torch(q)
+    out, lse = run(mask.window_only)
+    tr = (lambda a: a.transpose(0, 2, 1, 3)) if _is_numpy(q) else (lambda a: a.transpose(1, 2))
+    qb, kb, vb = (a if layout == "bhsd" else tr(a) for a in (q, k, v))  # [B, H, S, D]
+    B, Hq, Sq, D = qb.shape
+    Hk, n = kb.shape[1], min(mask.sink, kb.shape[2])
+    q_lens, k_lens = np.asarray(q_lens, np.int64), np.asarray(k_lens, np.int64)
+    count = _counts(mask, np.arange(Sq)[None, :], q_lens, k_lens, np.arange(B)[:, None])
+    qg = _f32(qb).reshape(B, Hk, Hq // Hk, Sq, D)
+    keys = [_f32(kb[:, :, None, j:j + 1]) for j in range(n)]  # [B, Hk, 1, 1, D]
+    values = [_f32(vb[:, :, None, j:j + 1]) for j in range(n)]
+    o_s, l_s = _attend(qg, keys, values, _like(count.reshape(B, 1, 1, Sq), qg), scale, softcap)
+    o_s, l_s = o_s.reshape(B, Hq, Sq, -1), l_s.reshape(B, Hq, Sq)
+    o, lse2 = _merge(_f32(out if layout == "bhsd" else tr(out)), lse, o_s, l_s)
+    o = o if layout == "bhsd" else tr(o)
+    o = o.astype(out.dtype) if _is_numpy(o) else o.to(out.dtype)
+    return (o, lse2) if return_lse else o
+
+
+def varlen_sink_tokens(run, q, k, v, *, mask: Mask, scale: float, softcap: float, starts, page_rows=None,
+                       return_lse: bool):
+    """``run(window_mask)``'s group-mode ``(out, lse)`` with ``mask``'s sink tokens added.
+    ``starts``: the validated ``(q_start, q_len, k_start, k_len, lse_start)`` (physical starts,
+    lengths, each sequence's first LSE column); ``page_rows(b, j)``: a paged cache's flat row of
+    sequence ``b``'s key ``j`` (``k``/``v`` then ``[pages * page_size, Hk, D]`` views)."""
+    _check_host_or_torch(q)
+    out, lse = run(mask.window_only)
+    q_start, q_len, k_start, k_len, lse_start = (np.asarray(a, np.int64) for a in starts)
+    b, i = runs(q_len)
+    cnt = _counts(mask, i, q_len, k_len, b)
+    keep = cnt > 0
+    b, i, cnt = b[keep], i[keep], cnt[keep]
+    n = int(cnt.max()) if cnt.size else 0
+    if n == 0:
+        return (out, lse) if return_lse else out
+    j = np.minimum(np.arange(n)[None, :], np.maximum(k_len[b, None] - 1, 0))
+    key_rows = k_start[b, None] + j if page_rows is None else page_rows(b[:, None], j)
+    rows, cols = q_start[b] + i, lse_start[b] + i
+    qr = _f32(q[_like(rows, q)])  # [R, Hq, D]
+    kr, vr = _f32(k[_like(key_rows, k)]), _f32(v[_like(key_rows, v)])  # [R, n, Hk, D]
+    R, Hq, D = qr.shape
+    Hk = kr.shape[2]
+    qg = qr.reshape(R, Hk, Hq // Hk, D)
+    keys = [kr[:, j, :, None] for j in range(n)]  # [R, Hk, 1, D]
+    values = [vr[:, j, :, None] for j in range(n)]
+    o_s, l_s = _attend(qg, keys, values, _like(cnt.reshape(R, 1, 1), qg), scale, softcap)  # [R, Hk, G, Dv]
+    rows_t, cols_t = _like(rows, out), _like(cols, lse)
+    lse_r = lse[:, cols_t].T  # [R, Hq]
+    o, l2 = _merge(_f32(out[rows_t]), lse_r, o_s.reshape(R, Hq, -1), l_s.reshape(R, Hq))
+    out2, lse2 = (out.copy(), lse.copy()) if _is_numpy(out) else (out.clone(), lse.clone())
+    out2[rows_t] = o.astype(out.dtype) if _is_numpy(o) else o.to(out.dtype)
+    lse2[:, cols_t] = l2.T
+    return (out2, lse2) if return_lse else out2
+
+
+def _page_rows(table: np.ndarray, page: int):
+    """A paged cache's flat row of sequence ``b``'s key ``j`` (int arrays, broadcast)."""
+    return lambda b, j: table[b, j // page] * page + j % page
+
+
+def with_batch_sink_tokens(run, q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k, softcap, return_lse):
+    """The public batch-mode calls' sink tokens: the call checked (with the window only), then
+    ``run(window_mask)`` (the call itself with ``return_lse=True``) and the sink keys added."""
+    from ..problem.spec import check_batch
+
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    mask = as_mask(mask)
+    p = check_batch(q, k, v, mask=mask.window_only, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q,
+                    cu_seqlen_k=cu_seqlen_k, softcap=softcap)
+    return batch_sink_tokens(run, q, k, v, mask=mask, scale=p.scale, softcap=p.softcap, layout=p.layout,
+                             q_lens=p.q_lens, k_lens=p.k_lens, return_lse=return_lse)
+
+
+def with_varlen_sink_tokens(run, q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q, seqstart_padded_k,
+                            block_table, mask, scale, softcap, return_lse):
+    """As :func:`with_batch_sink_tokens` for group mode (a paged cache with ``block_table``)."""
+    from ..problem.paged import check_paged
+    from ..problem.spec import check_varlen
+
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    mask = as_mask(mask)
+    page_rows, kr, vr = None, k, v
+    if block_table is not None:
+        cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
+        n, page = int(k.shape[0]), int(k.shape[1])
+        kr, vr = k.reshape(n * page, *k.shape[2:]), v.reshape(n * page, *v.shape[2:])
+        page_rows = _page_rows(cache.block_table.astype(np.int64), page)
+        seqstart_k, seqlen_k, seqstart_padded_k = np.zeros(len(cache.lens) + 1, np.int64), None, None
+    p, starts = check_varlen(q, kr, vr, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
+                             seqstart_padded_k=seqstart_padded_k, mask=mask.window_only, scale=scale, softcap=softcap)
+    q_start, q_len, k_start, k_len, lse_start, _ = starts
+    if block_table is not None:
+        k_len = np.asarray(cache.lens, np.int64)
+    return varlen_sink_tokens(run, q, kr, vr, mask=mask, scale=p.scale, softcap=p.softcap,
+                              starts=(q_start, q_len, k_start, k_len, lse_start), page_rows=page_rows,
+                              return_lse=return_lse)
