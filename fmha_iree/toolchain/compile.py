@@ -317,9 +317,9 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
         "module": spec.module_name,
         "problem": {"dtype": spec.dtype, "layout": spec.layout, "group": spec.group, "hdim": spec.dq,
                     "hdim_v": spec.dv, **(problem or {})},
-        # the score variants: the cap is the module's constant (None: no cap); sinks apply to any
-        # module's results (paths.sinks)
-        "variants": {"softcap": spec.softcap or None, "sinks": True},
+        # the score variants: the cap is the module's constant (None: no cap); sinks and sink
+        # tokens apply to any module's results (paths.sinks, paths.sink_tokens)
+        "variants": {"softcap": spec.softcap or None, "sinks": True, "sink_tokens": True},
         "target": {"name": spec.target.arch, "backend": spec.target.backend, "family": spec.target.family},
         "tiles": {"ck": {"kM0": t.m0, "kN0": t.n0, "kK0": t.k0, "kN1": t.n1, "kK1": t.k1}, "kv_chunk": t.kv_chunk,
                   "iree": _iree_tiles(spec)},
