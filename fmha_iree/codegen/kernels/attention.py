@@ -21,7 +21,7 @@ import dataclasses
 from typing import Sequence
 
 from ..mlir_templates.lowering import lowering_for_runtime_sizes, scores_scale
-from ..mlir_templates.scores import score_region
+from ..mlir_templates.scores import cap_exp2, score_region
 from .ir import Fn
 
 __all__ = ["Operand", "online_attention", "lowering_attrs"]
@@ -71,10 +71,10 @@ def online_attention(fn: Fn, *, q: Operand, k: Operand, v: Operand, scale: str, 
     ``k2o``: keys in two dims, ``k2o`` (outer, one per step) and ``k2``. ``softcap``: the
     module's logits soft-cap (``scores``), 0 for none."""
     props, attrs = lowering_attrs(lowering, dv=dv, batch_dims=nb, k2o=k2o, masked=mask is not None)
-    body = score_region(softcap)
+    body = score_region(softcap, exp2=cap_exp2(lowering))
     if isinstance(lowering, dict) and lowering.get("scale_on_scores"):
         scale, pre = _score_scale(fn, scale, scale_type)
-        body = score_region(softcap, pre, "%scaled")
+        body = score_region(softcap, pre, "%scaled", exp2=cap_exp2(lowering))
     _m = lambda dims: _map(dims, nb, k2o)  # noqa: E731
     maps = [_m(q.dims), _m(k.dims), _m(v.dims), _m(())]
     ins = [q.name, k.name, v.name, scale]

@@ -24,6 +24,7 @@ the one-call entry points of a whole batch.
     qk_promote_operands  operands of Q@K^T staged in shared memory (default [1]: K; [0, 1] also
                      stages Q, read from there at every key step instead of held in registers)
     scale_on_scores  bf16: the softmax scale multiplies the f32 scores instead of Q (SCALE_ONE)
+    softcap_exp2     the soft-cap through exp2 instead of math.tanh (``scores.softcap_lines``; RDNA)
     promote_operands operands of the attention op staged in shared memory (default [1, 2]: K, V;
                      as IREE's gfx942 tuning spec. [0, 1, 2] also stages Q: M=128 d=128 then
                      needs 80 KB LDS and fails on gfx9's 64 KB)
@@ -66,7 +67,7 @@ import string
 from pathlib import Path
 from typing import Any, Mapping
 
-from .scores import score_region
+from .scores import cap_exp2, score_region
 
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "mlir"
 
@@ -96,12 +97,13 @@ def scale_operand(lowering, t: str, softcap: float = 0.0) -> tuple[list[str], st
     with ``softcap``). IREE's form casts the scale to ``t`` and takes the scores as they are; a
     lowering with ``scale_on_scores`` takes ``scores_scale``'s (``%scale_t`` = SCALE_ONE, the
     factor ``%scale_l`` on the scores)."""
+    exp2 = cap_exp2(dict(lowering) if isinstance(lowering, Mapping) else lowering)
     if isinstance(lowering, Mapping) and lowering.get("scale_on_scores"):
         defs, pre = scores_scale("%scale_f32", t, ("%scale_t", "%log2e_s", "%scale_l"))
-        return defs, score_region(softcap, pre, "%scaled")
+        return defs, score_region(softcap, pre, "%scaled", exp2=exp2)
     if t == "f32":
-        return ["%scale_t = arith.addf %scale_f32, %zero : f32"], score_region(softcap)
-    return [f"%scale_t = arith.truncf %scale_f32 : f32 to {t}"], score_region(softcap)
+        return ["%scale_t = arith.addf %scale_f32, %zero : f32"], score_region(softcap, exp2=exp2)
+    return [f"%scale_t = arith.truncf %scale_f32 : f32 to {t}"], score_region(softcap, exp2=exp2)
 
 
 _DTYPES = {"f16": "f16", "bf16": "bf16", "f32": "f32", "float16": "f16",

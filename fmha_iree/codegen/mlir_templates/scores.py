@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-__all__ = ["score_region", "softcap_lines", "f32_text"]
+__all__ = ["score_region", "softcap_lines", "f32_text", "cap_exp2"]
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -31,11 +31,27 @@ def f32_text(x: float) -> str:
     return f"{float(x):.9e}"
 
 
-def softcap_lines(value: str, softcap: float, out: str = "%capped") -> list[str]:
+def softcap_lines(value: str, softcap: float, out: str = "%capped", exp2: bool = False) -> list[str]:
     """Lines computing ``out`` = the soft-capped ``value`` (a log2-unit f32 score); none when
-    ``softcap`` is 0 (then ``out`` is not defined: use ``value``)."""
+    ``softcap`` is 0 (then ``out`` is not defined: use ``value``). ``exp2``: as ``C - 2C /
+    (exp2(2 t / cap) + 1)`` with ``C = cap log2 e`` (the same ``C tanh(t ln 2 / cap)``; large
+    scores give ``C``, very negative ones ``-C``), one exp2 and one division instead of
+    ``math.tanh``'s polynomial: fewer registers on RDNA (gfx1100 f16 d128 ``fwd``: 238 VGPRs
+    against 256 and 2 spilled), more on CDNA (gfx942: up to 65 more per op), so a lowering's
+    ``softcap_exp2`` chooses it (docs/BENCHMARKS.md, "Score variants")."""
     if not softcap:
         return []
+    if exp2:
+        c = softcap * LOG2E
+        return [f"    {out}_i = arith.constant {f32_text(2.0 / softcap)} : f32",
+                f"    {out}_c = arith.constant {f32_text(c)} : f32",
+                f"    {out}_c2 = arith.constant {f32_text(2.0 * c)} : f32",
+                f"    {out}_one = arith.constant 1.0 : f32",
+                f"    {out}_x = arith.mulf {value}, {out}_i : f32",
+                f"    {out}_e = math.exp2 {out}_x : f32",
+                f"    {out}_d = arith.addf {out}_e, {out}_one : f32",
+                f"    {out}_q = arith.divf {out}_c2, {out}_d : f32",
+                f"    {out} = arith.subf {out}_c, {out}_q : f32"]
     return [f"    {out}_i = arith.constant {f32_text(LN2 / softcap)} : f32",
             f"    {out}_o = arith.constant {f32_text(softcap * LOG2E)} : f32",
             f"    {out}_x = arith.mulf {value}, {out}_i : f32",
@@ -43,9 +59,14 @@ def softcap_lines(value: str, softcap: float, out: str = "%capped") -> list[str]
             f"    {out} = arith.mulf {out}_t, {out}_o : f32"]
 
 
-def score_region(softcap: float = 0.0, pre: Sequence[str] = (), value: str = "%score") -> str:
+def score_region(softcap: float = 0.0, pre: Sequence[str] = (), value: str = "%score", exp2: bool = False) -> str:
     """The body of the op's score region (after ``^bb0(%score: f32):``): ``pre`` (lines computing
-    ``value`` from ``%score``), the soft-cap, the yield."""
-    capped = softcap_lines(value, softcap)
+    ``value`` from ``%score``), the soft-cap (``exp2``: ``softcap_lines``' form), the yield."""
+    capped = softcap_lines(value, softcap, exp2=exp2)
     result = "%capped" if capped else value
     return "\n".join([*pre, *capped, f"    iree_linalg_ext.yield {result} : f32"])
+
+
+def cap_exp2(lowering) -> bool:
+    """Whether a lowering (a dict, ``"cpu"`` or None) asks for ``softcap_lines``' exp2 form."""
+    return isinstance(lowering, dict) and bool(lowering.get("softcap_exp2"))
