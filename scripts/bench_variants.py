@@ -1,6 +1,7 @@
 """What the score variants cost on a GPU: the plain kernel, the soft-cap (a module compiled with
 ``--softcap``) and sinks (``sinks=``, applied to the results) at issue 58's two rows, with
-FlexAttention (the same ``score_mod``) and SDPA measured in the same run.
+FlexAttention (the same ``score_mod``) and SDPA measured in the same run; and sink tokens
+(``b:1024,0,4``) against the same window without them.
 
 Modules (sm_80, f16, d128, bshd), compiled beforehand with ``fmha-iree compile`` into ``--modules``:
 ``plain_g1.vmfb`` / ``cap_g1.vmfb`` (``--heads 16:16``, ``--softcap 50`` for the cap) for prefill
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import device_time, torch_device_time, write_rows  # noqa: E402
 
 CAP = 50.0
+WINDOW = "b:1024,0"  # a sliding window (Mistral's 4096 at a quarter of the prefill row's length)
 ROWS = {"prefill": dict(B=4, Hq=16, Hk=16, Sq=4096, Sk=4096, mask="b", g="g1"),
         "decode": dict(B=16, Hq=32, Hk=8, Sq=1, Sk=8192, mask="0", g="g4")}
 
@@ -38,9 +40,10 @@ def _flex(q, k, v, causal: bool, softcap: bool):
     return lambda: fn(q, k, v, score_mod=cap if softcap else None, block_mask=block, enable_gqa=True)
 
 
-def _reference(q, k, v, causal: bool, softcap: bool, sinks):
-    """float32 attention of [B, S, H, D] tensors with the soft-cap and sinks as the issue states
-    them (one KV head at a time, so the score matrix stays [B, G, Sq, Sk])."""
+def _reference(q, k, v, causal: bool, softcap: bool, sinks, window: int = -1, sink_tokens: int = 0):
+    """float32 attention of [B, S, H, D] tensors with the soft-cap, sinks and sink tokens as the
+    issue states them (one KV head at a time, so the score matrix stays [B, G, Sq, Sk]); ``window``
+    keys to the left of the bottom-right diagonal (-1: all)."""
     import torch
 
     B, Sq, Hq, D = q.shape
@@ -53,9 +56,10 @@ def _reference(q, k, v, causal: bool, softcap: bool, sinks):
         if softcap:
             s = CAP * torch.tanh(s / CAP)
         if causal:
-            i = torch.arange(Sq, device=q.device)[:, None]
+            i = torch.arange(Sq, device=q.device)[:, None] + Sk - Sq
             j = torch.arange(Sk, device=q.device)[None, :]
-            s = s.masked_fill(j > i + Sk - Sq, float("-inf"))
+            seen = (j <= i) & ((j >= i - window) | (j < sink_tokens) if window >= 0 else True)
+            s = s.masked_fill(~seen, float("-inf"))
         if sinks is not None:
             sk = sinks[h * G:(h + 1) * G].float()[None, :, None, None].expand(B, G, Sq, 1)
             p = torch.softmax(torch.cat([s, sk], -1), -1)[..., :-1]
@@ -91,16 +95,20 @@ def run_row(name: str, mods: dict, reps: int) -> list[dict]:
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
                                                                          enable_gqa=True),
     }
+    calls.update({"fmha_window": lambda: plain(q, k, v, mask=WINDOW),  # the baseline of the sink tokens' row
+                  "fmha_window_sink4": lambda: plain(q, k, v, mask=WINDOW + ",4")})
     device_calls = {"fmha_plain_dev": lambda: plain(qd, kd, vd, mask=r["mask"]),
                     "fmha_softcap_dev": lambda: capped(qd, kd, vd, mask=r["mask"])}
-    refs = {"fmha_plain": (False, None), "fmha_softcap": (True, None), "fmha_sinks": (False, sinks)}
+    win = int(WINDOW.split(":")[1].split(",")[0])
+    refs = {"fmha_plain": (causal, False, None), "fmha_softcap": (causal, True, None), "fmha_sinks": (causal, False, sinks),
+            "fmha_window": (True, False, None, win), "fmha_window_sink4": (True, False, None, win, 4)}
     times, errs = {}, {}
     for key, fn in [*calls.items(), *device_calls.items()]:
         try:
             times[key] = (device_time(fn, reps) if key.endswith("_dev") else torch_device_time(fn, reps))
             if key in refs:
                 out = fn()
-                errs[key] = float((out.float() - _reference(q, k, v, causal, *refs[key])).abs().max())
+                errs[key] = float((out.float() - _reference(q, k, v, *refs[key])).abs().max())
         except Exception as e:  # noqa: BLE001 (a peer that does not take the shape: reported, not fatal)
             print(f"{name} {key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             times[key] = None

@@ -30,13 +30,24 @@ def scale_on_scores(spec: KernelSpec) -> bool:
     return spec.target.backend == "rocm" and spec.dtype == "bf16"
 
 
+# The soft-cap's form per target (``mlir_templates.scores.softcap_lines``; a lowering's
+# ``softcap_exp2``), chosen by the registers of the f16 / bf16 d128 32:8 bshd ``--softcap 50``
+# builds (iree-compile 3.13, docs/BENCHMARKS.md "Score variants"): gfx1100 spilled with math.tanh
+# (f16 2, bf16 24 VGPRs) and with the exact division (bf16 70), not with the approximate one;
+# gfx1201 f16 spilled 14 with the approximate division, none with the exact one; CDNA spills with
+# none of them but takes up to 65 more VGPRs per op with exp2, so keeps tanh. CUDA: tanh's
+# polynomial cost the H100's B4 H16 S4096 causal prefill 35% (ex2.approx and an approximate
+# division instead). The GPU formulation built for llvm-cpu takes the exp2 form, so that its
+# tests check it (the CPU's own templates check tanh).
+_SOFTCAP_FORM = {"gfx1100": "fast", "gfx1201": True, "cuda": "fast", "host": True}
+
+
 def _scale_form(spec: KernelSpec, low: dict) -> dict:
-    """``low`` with ``scale_on_scores`` set where :func:`scale_on_scores` asks for it, and
-    ``softcap_exp2`` for a soft-capped module on RDNA (and the GPU formulation built for llvm-cpu,
-    whose tests then check that form): ``math.tanh`` spilled gfx1100 f16 d128's ``fwd`` op, the exp2
-    form did not; on gfx942 it took more registers (``mlir_templates.scores.softcap_lines``)."""
-    if spec.softcap and spec.target.family in ("rdna", "cpu"):
-        low = {**low, "softcap_exp2": True}
+    """``low`` with ``scale_on_scores`` set where :func:`scale_on_scores` asks for it, and the
+    soft-cap's form where ``_SOFTCAP_FORM`` gives one."""
+    form = _SOFTCAP_FORM.get(spec.target.family if spec.target.family == "cuda" else spec.target.arch)
+    if spec.softcap and form:
+        low = {**low, "softcap_exp2": form}
     return {**low, "scale_on_scores": True} if scale_on_scores(spec) else low
 
 

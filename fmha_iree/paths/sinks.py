@@ -4,10 +4,12 @@ every row's softmax denominator and carries no value,
     out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)),   lse' = log(exp(lse) + exp(sink)),
 
 applied to the ``(out, lse)`` any path returns: ``out' = out * sigmoid(lse - sink)`` (exactly the
-formula above, since ``out = sum_j exp(s_j) v_j / exp(lse)``), computed in float32. So every path
-of every mode takes sinks without a kernel of its own; a row that sees no key (lse ``-inf``: a
-masked-out row, a padding row) gives out 0 and lse = the sink. The product rounds ``out`` once
-more (at most one unit in the last place of its dtype beyond the kernel's own rounding).
+formula above, since ``out = sum_j exp(s_j) v_j / exp(lse)``). So every path of every mode
+takes sinks without a kernel of its own; a row that sees no key (lse ``-inf``: a masked-out row,
+a padding row) gives out 0 and lse = the sink. Host results are rescaled in float32 (``out``
+rounded once more); torch tensors in ``out``'s dtype, the factor rounded to it first (one pass
+over ``out``: in float32 the three passes cost the H100 prefill 18%), so within about 1.5 units
+in the last place beyond the kernel's own rounding.
 
 Host results (numpy arrays, torch tensors on any device) are rescaled where they lie, with numpy
 or torch; a call on DeviceTensors is refused (``with_sinks``).
@@ -106,11 +108,17 @@ def _torch(out, lse, sinks, layout: str, rows):
     sink = s[None, :, None] if layout != "thd" else s[:, None]
     factor = torch.sigmoid(lse - sink)
     lse2 = torch.logaddexp(lse, sink.expand_as(lse))
-    o = out.float()
+    f = factor.to(out.dtype)  # one pass over out in its own dtype (the factor rounded once more)
     if rows is not None:
-        rows = tuple(torch.as_tensor(x, device=out.device) for x in rows)
-    _scale_rows(o, factor, layout, rows)
-    return o.to(out.dtype), lse2
+        r, c = (torch.as_tensor(x, device=out.device) for x in rows)
+        o = out.clone()
+        o[r] = out[r] * f[:, c].T[..., None]
+        return o, lse2
+    if layout == "bhsd":
+        return out * f[..., None], lse2
+    if layout == "bshd":
+        return out * f.transpose(1, 2)[..., None], lse2
+    return out * _padded(f, out.shape[0]).T[..., None], lse2
 
 
 def with_sinks(run, q, sinks, head_axis: int, layout: str, return_lse, rows=None):
