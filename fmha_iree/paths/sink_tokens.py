@@ -50,28 +50,40 @@ def _like(a: np.ndarray, x):
 
 
 def _attend(q, keys, values, count, scale: float, softcap: float):
-    """``(out, lse)`` of the float32 rows ``q`` ``[..., D]`` over ``keys[j]`` / ``values[j]``
-    (``[..., D]`` / ``[..., Dv]``, broadcast against ``q``) where key ``j`` is seen iff ``j < count``
-    (broadcast to ``q[..., 0]``); a row that sees none gives out 0 and lse -inf. Key by key, with
-    elementwise products and sums over the head dim only, so that a row's result does not depend
-    on how many rows are computed with it (a batched matmul's blocking would)."""
-    s = [(q * kj).sum(-1) * scale for kj in keys]
+    """``(out, lse)`` of the float32 rows ``q`` ``[..., D]`` over the ``n`` keys ``keys`` /
+    ``values`` (``[..., n, D]`` / ``[..., n, Dv]``, broadcast against ``q[..., None, :]``) where key
+    ``j`` is seen iff ``j < count`` (broadcast to ``q[..., 0]``); a row that sees none gives out 0
+    and lse -inf. Elementwise products and sums over the head dim and the ``n`` keys only, so that a
+    row's result does not depend on how many rows are computed with it (a batched matmul's blocking
+    would: one sequence differed by 3e-5 alone and in a batch)."""
+    if _is_numpy(q):
+        return _attend_np(q, keys, values, count, scale, softcap)
+    s = (q[..., None, :] * keys).sum(-1) * scale  # [..., n]: one launch per step, not per key
     if softcap:
-        s = [softcap * (np.tanh(x / softcap) if _is_numpy(x) else x.div(softcap).tanh()) for x in s]
-    neg = float("-inf")
-    s = [np.where(j < count, x, neg) if _is_numpy(x) else x.masked_fill(count <= j, neg) for j, x in enumerate(s)]
-    m = s[0]
-    for x in s[1:]:
-        m = np.maximum(m, x) if _is_numpy(m) else m.maximum(x)
-    m = np.where(np.isfinite(m), m, 0.0) if _is_numpy(m) else m.nan_to_num(0.0, 0.0, 0.0)
-    e = [np.exp(x - m) if _is_numpy(x) else (x - m).exp() for x in s]
-    tot, out = e[0], e[0][..., None] * values[0]
-    for ej, vj in zip(e[1:], values[1:]):
-        tot, out = tot + ej, out + ej[..., None] * vj
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lse = (np.log(tot) if _is_numpy(tot) else tot.log()) + m
-        out = out / (np.where(tot > 0, tot, 1.0) if _is_numpy(tot) else tot.clamp_min(1e-38))[..., None]
-    return out, lse
+        s = s.div(softcap).tanh() * softcap
+    n = s.shape[-1]
+    s = s.masked_fill(count[..., None] <= _like(np.arange(n), s), float("-inf"))
+    m = s.amax(dim=-1, keepdim=True).nan_to_num(0.0, 0.0, 0.0)
+    e = (s - m).exp()
+    tot = e.sum(-1)
+    out = (e[..., None] * values).sum(-2) / tot.clamp_min(1e-38)[..., None]
+    return out, tot.log() + m[..., 0]
+
+
+def _attend_np(q, keys, values, count, scale: float, softcap: float):
+    """:func:`_attend` in numpy, key by key (no ``[..., n, D]`` product held)."""
+    n = keys.shape[-2]
+    s = np.stack([(q * keys[..., j, :]).sum(-1) for j in range(n)], -1) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    s = np.where(np.arange(n) < count[..., None], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    tot = e.sum(-1)
+    out = sum(e[..., j, None] * values[..., j, :] for j in range(n))
+    with np.errstate(divide="ignore"):
+        return out / np.where(tot > 0, tot, 1.0)[..., None], np.log(tot) + m[..., 0]
 
 
 def _merge(out, lse, out_s, lse_s):
@@ -119,8 +131,7 @@ def batch_sink_tokens(run, q, k, v, *, mask: Mask, scale: float, softcap: float,
     q_lens, k_lens = np.asarray(q_lens, np.int64), np.asarray(k_lens, np.int64)
     count = _counts(mask, np.arange(Sq)[None, :], q_lens, k_lens, np.arange(B)[:, None])
     qg = _f32(qb).reshape(B, Hk, Hq // Hk, Sq, D)
-    keys = [_f32(kb[:, :, None, j:j + 1]) for j in range(n)]  # [B, Hk, 1, 1, D]
-    values = [_f32(vb[:, :, None, j:j + 1]) for j in range(n)]
+    keys, values = (_f32(x[:, :, None, None, :n]) for x in (kb, vb))  # [B, Hk, 1, 1, n, D]
     o_s, l_s = _attend(qg, keys, values, _like(count.reshape(B, 1, 1, Sq), qg), scale, softcap)
     o_s, l_s = o_s.reshape(B, Hq, Sq, -1), l_s.reshape(B, Hq, Sq)
     o, lse2 = _merge(_f32(out if layout == "bhsd" else tr(out)), lse, o_s, l_s)
@@ -153,8 +164,8 @@ def varlen_sink_tokens(run, q, k, v, *, mask: Mask, scale: float, softcap: float
     R, Hq, D = qr.shape
     Hk = kr.shape[2]
     qg = qr.reshape(R, Hk, Hq // Hk, D)
-    keys = [kr[:, j, :, None] for j in range(n)]  # [R, Hk, 1, D]
-    values = [vr[:, j, :, None] for j in range(n)]
+    tr = (lambda x: x.transpose(0, 2, 1, 3)) if _is_numpy(kr) else (lambda x: x.transpose(1, 2))
+    keys, values = (tr(x)[:, :, None] for x in (kr, vr))  # [R, Hk, 1, n, D]
     o_s, l_s = _attend(qg, keys, values, _like(cnt.reshape(R, 1, 1), qg), scale, softcap)  # [R, Hk, G, Dv]
     rows_t, cols_t = _like(rows, out), _like(cols, lse)
     lse_r = lse[:, cols_t].T  # [R, Hq]
