@@ -71,14 +71,14 @@ class DeployedFmha:
         :func:`fmha_iree.fmha_fwd`'s."""
         self._softcap(softcap)
         pr = self.manifest["problem"]
-        if has_sink_tokens(pr.get("mask") if mask is None else mask):
+        layout, given = pr["layout"], pr.get("mask") if mask is None else mask  # the module's default mask
+        if has_sink_tokens(given):
             return with_batch_sink_tokens(
                 lambda m: self(q, k, v, mask=m, scale=scale, return_lse=True, cu_seqlen_q=cu_seqlen_q,
                                cu_seqlen_k=cu_seqlen_k, sinks=sinks),
-                q, k, v, mask=pr.get("mask") if mask is None else mask, scale=scale, layout=pr["layout"],
-                cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, softcap=self.softcap, return_lse=return_lse)
+                q, k, v, mask=given, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k,
+                softcap=self.softcap, return_lse=return_lse)
         if sinks is not None:
-            layout = self.manifest["problem"]["layout"]
             return with_sinks(lambda: self(q, k, v, mask=mask, scale=scale, return_lse=True, cu_seqlen_q=cu_seqlen_q,
                                            cu_seqlen_k=cu_seqlen_k), q, sinks, 2 if layout == "bshd" else 1, layout,
                               return_lse)

@@ -101,7 +101,7 @@ def test_sink_tokens_gpu_formulation(capped_gpu):
     p = check_batch(q, k, v, mask=mask.window_only, scale=None, layout="bshd", cu_seqlen_q=cq, cu_seqlen_k=ck,
                     softcap=CAP)
     assert route(capped_gpu, p).path == "tiles"
-    out, lse = batch_sink_tokens(lambda m: run_batch(capped_gpu, p), q, k, v, mask=mask, scale=p.scale, softcap=CAP,
+    out, lse = batch_sink_tokens(*run_batch(capped_gpu, p), q, k, v, mask=mask, scale=p.scale, softcap=CAP,
                                  layout="bshd", q_lens=p.q_lens, k_lens=p.k_lens, return_lse=True)
     ref_out, ref_lse = attention_ref(q, k, v, mask=str(mask), layout="bshd", cu_seqlen_q=cq, cu_seqlen_k=ck,
                                      softcap=CAP)
@@ -112,7 +112,7 @@ def test_sink_tokens_gpu_formulation(capped_gpu):
                           for x in _group_inputs([12, 12], [12, 400], torch.float32))
     p, starts = check_varlen(qg, kg, vg, sq, sk, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
                              mask=mask.window_only, scale=None, softcap=CAP)
-    out, lse = varlen_sink_tokens(lambda m: run_group(capped_gpu, p, starts), qg, kg, vg, mask=mask, scale=p.scale,
+    out, lse = varlen_sink_tokens(*run_group(capped_gpu, p, starts), qg, kg, vg, mask=mask, scale=p.scale,
                                   softcap=CAP, starts=(*starts[:4], starts[4]), return_lse=True)
     ref_out, ref_lse = varlen_ref(qg, kg, vg, sq, sk, mask=str(mask), softcap=CAP)
     assert_close(out, ref_out, torch.float32, what="sink tokens gpu group")

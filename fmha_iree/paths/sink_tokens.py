@@ -118,12 +118,10 @@ def _check_host_or_torch(q):
                         "(pass torch tensors or host arrays)")
 
 
-def batch_sink_tokens(run, q, k, v, *, mask: Mask, scale: float, softcap: float, layout: str, q_lens, k_lens,
+def batch_sink_tokens(out, lse, q, k, v, *, mask: Mask, scale: float, softcap: float, layout: str, q_lens, k_lens,
                       return_lse: bool):
-    """``run(window_mask)``'s batch-mode ``(out, lse)`` with ``mask``'s sink tokens added
-    (``q_lens``/``k_lens``: each batch's lengths, from the validated problem)."""
-    _check_host_or_torch(q)
-    out, lse = run(mask.window_only)
+    """A batch-mode path's ``(out, lse)`` for ``mask.window_only`` with ``mask``'s sink tokens
+    added (``q_lens``/``k_lens``: each batch's lengths; host or torch results)."""
     tr = (lambda a: a.transpose(0, 2, 1, 3)) if _is_numpy(q) else (lambda a: a.transpose(1, 2))
     qb, kb, vb = (a if layout == "bhsd" else tr(a) for a in (q, k, v))  # [B, H, S, D]
     B, Hq, Sq, D = qb.shape
@@ -140,14 +138,12 @@ def batch_sink_tokens(run, q, k, v, *, mask: Mask, scale: float, softcap: float,
     return (o, lse2) if return_lse else o
 
 
-def varlen_sink_tokens(run, q, k, v, *, mask: Mask, scale: float, softcap: float, starts, page_rows=None,
+def varlen_sink_tokens(out, lse, q, k, v, *, mask: Mask, scale: float, softcap: float, starts, page_rows=None,
                        return_lse: bool):
-    """``run(window_mask)``'s group-mode ``(out, lse)`` with ``mask``'s sink tokens added.
+    """A group-mode path's ``(out, lse)`` for ``mask.window_only`` with ``mask``'s sink tokens added.
     ``starts``: the validated ``(q_start, q_len, k_start, k_len, lse_start)`` (physical starts,
     lengths, each sequence's first LSE column); ``page_rows(b, j)``: a paged cache's flat row of
     sequence ``b``'s key ``j`` (``k``/``v`` then ``[pages * page_size, Hk, D]`` views)."""
-    _check_host_or_torch(q)
-    out, lse = run(mask.window_only)
     q_start, q_len, k_start, k_len, lse_start = (np.asarray(a, np.int64) for a in starts)
     b, i = runs(q_len)
     cnt = _counts(mask, i, q_len, k_len, b)
@@ -197,7 +193,7 @@ def with_batch_sink_tokens(run, q, k, v, *, mask, scale, layout, cu_seqlen_q, cu
     b = q.shape[0]
     q_lens = np.full(b, sq, np.int64) if cu_seqlen_q is None else check_seqlens(cu_seqlen_q, "cu_seqlen_q", b, sq)
     k_lens = np.full(b, sk, np.int64) if cu_seqlen_k is None else check_seqlens(cu_seqlen_k, "cu_seqlen_k", b, sk)
-    return batch_sink_tokens(lambda m: (out, lse), q, k, v, mask=mask, scale=check_scale(scale, q.shape[-1]),
+    return batch_sink_tokens(out, lse, q, k, v, mask=mask, scale=check_scale(scale, q.shape[-1]),
                              softcap=check_softcap(softcap), layout=layout, q_lens=q_lens, k_lens=k_lens,
                              return_lse=return_lse)
 
@@ -225,6 +221,6 @@ def with_varlen_sink_tokens(run, q, k, v, seqstart_q, seqstart_k, *, seqlen_k, s
         sk = int_vector(seqstart_k, "seqstart_k", None)
         k_len = np.diff(sk) if seqlen_k is None else int_vector(seqlen_k, "seqlen_k", None)
         k_start = sk[:-1] if seqstart_padded_k is None else int_vector(seqstart_padded_k, "seqstart_padded_k", None)[:-1]
-    return varlen_sink_tokens(lambda m: (out, lse), q, kr, vr, mask=mask, scale=check_scale(scale, q.shape[-1]),
+    return varlen_sink_tokens(out, lse, q, kr, vr, mask=mask, scale=check_scale(scale, q.shape[-1]),
                               softcap=check_softcap(softcap), starts=(q_start, q_len, k_start, k_len, sq[:-1]),
                               page_rows=page_rows, return_lse=return_lse)

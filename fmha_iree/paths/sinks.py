@@ -73,22 +73,21 @@ def apply_sinks(out, lse, sinks, layout: str, rows=None):
     with np.errstate(over="ignore", invalid="ignore"):
         factor = 1.0 / (1.0 + np.exp(sink - lse))  # sigmoid(lse - sink): 0 at lse -inf
         lse2 = np.logaddexp(lse, sink).astype(np.float32)
-    o = out.astype(np.float32)
-    _scale_rows(o, factor, layout, rows)
-    return o.astype(out.dtype), lse2
+    return _scaled(out.astype(np.float32), factor, layout, rows).astype(out.dtype), lse2
 
 
-def _scale_rows(o, factor, layout: str, rows):
-    """``o *= factor`` broadcast to ``o``'s rows (in place; numpy or torch)."""
-    if layout == "bhsd":
-        o *= factor[..., None]
-    elif layout == "bshd":
-        o *= factor.transpose(0, 2, 1)[..., None] if isinstance(factor, np.ndarray) else factor.transpose(1, 2)[..., None]
-    elif rows is None:  # group mode: token t of the LSE is out's row t; rows past the LSE are 0
-        o *= _padded(factor, o.shape[0]).T[..., None]
-    else:
+def _scaled(o, f, layout: str, rows):
+    """``o`` times ``f`` broadcast to its rows (numpy or torch; ``o`` itself is not written)."""
+    if rows is not None:  # group mode with padded starts: out row r[t] is the LSE's column c[t]
         r, c = rows
-        o[r] *= factor[:, c].T[..., None]
+        o = o.copy() if isinstance(o, np.ndarray) else o.clone()
+        o[r] = o[r] * f[:, c].T[..., None]
+        return o
+    if layout == "bhsd":
+        return o * f[..., None]
+    if layout == "bshd":
+        return o * f.swapaxes(1, 2)[..., None]
+    return o * _padded(f, o.shape[0]).T[..., None]  # group mode: token t of the LSE is out's row t; rows past it are 0
 
 
 def _padded(factor, n: int):
@@ -110,15 +109,8 @@ def _torch(out, lse, sinks, layout: str, rows):
     lse2 = torch.logaddexp(lse, sink.expand_as(lse))
     f = factor.to(out.dtype)  # one pass over out in its own dtype (the factor rounded once more)
     if rows is not None:
-        r, c = (torch.as_tensor(x, device=out.device) for x in rows)
-        o = out.clone()
-        o[r] = out[r] * f[:, c].T[..., None]
-        return o, lse2
-    if layout == "bhsd":
-        return out * f[..., None], lse2
-    if layout == "bshd":
-        return out * f.transpose(1, 2)[..., None], lse2
-    return out * _padded(f, out.shape[0]).T[..., None], lse2
+        rows = tuple(torch.as_tensor(x, device=out.device) for x in rows)
+    return _scaled(out, f, layout, rows), lse2
 
 
 def with_sinks(run, q, sinks, head_axis: int, layout: str, return_lse, rows=None):
