@@ -24,7 +24,8 @@ the one-call entry points of a whole batch.
     qk_promote_operands  operands of Q@K^T staged in shared memory (default [1]: K; [0, 1] also
                      stages Q, read from there at every key step instead of held in registers)
     scale_on_scores  bf16: the softmax scale multiplies the f32 scores instead of Q (SCALE_ONE)
-    softcap_exp2     the soft-cap through exp2 instead of math.tanh (``scores.softcap_lines``; RDNA)
+    softcap_exp2     the soft-cap through exp2 instead of math.tanh: True, or "fast" with an approximate
+                     division (``scores.softcap_lines``; per target: ``source._SOFTCAP_FORM``)
     promote_operands operands of the attention op staged in shared memory (default [1, 2]: K, V;
                      as IREE's gfx942 tuning spec. [0, 1, 2] also stages Q: M=128 d=128 then
                      needs 80 KB LDS and fails on gfx9's 64 KB)
@@ -97,7 +98,7 @@ def scale_operand(lowering, t: str, softcap: float = 0.0) -> tuple[list[str], st
     with ``softcap``). IREE's form casts the scale to ``t`` and takes the scores as they are; a
     lowering with ``scale_on_scores`` takes ``scores_scale``'s (``%scale_t`` = SCALE_ONE, the
     factor ``%scale_l`` on the scores)."""
-    exp2 = cap_exp2(dict(lowering) if isinstance(lowering, Mapping) else lowering)
+    exp2 = cap_exp2(lowering)
     if isinstance(lowering, Mapping) and lowering.get("scale_on_scores"):
         defs, pre = scores_scale("%scale_f32", t, ("%scale_t", "%log2e_s", "%scale_l"))
         return defs, score_region(softcap, pre, "%scaled", exp2=exp2)

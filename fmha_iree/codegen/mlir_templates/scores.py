@@ -18,7 +18,7 @@ so a module without it carries no instruction for it, and one with it folds the 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 __all__ = ["score_region", "softcap_lines", "f32_text", "cap_exp2"]
 
@@ -72,4 +72,4 @@ def score_region(softcap: float = 0.0, pre: Sequence[str] = (), value: str = "%s
 
 def cap_exp2(lowering) -> bool | str:
     """A lowering's (a dict, ``"cpu"`` or None) ``softcap_exp2``: ``softcap_lines``' form."""
-    return lowering.get("softcap_exp2", False) if isinstance(lowering, dict) else False
+    return lowering.get("softcap_exp2", False) if isinstance(lowering, Mapping) else False
