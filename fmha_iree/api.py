@@ -12,13 +12,14 @@ from .paths import (Capabilities, Loaded, Route, batch_route, group_route, paged
                     problem_route, run_batch, run_group, run_paged)
 from .runtime.prepared import PreparedCalls, varlen_call_key
 from .runtime.module import FmhaModule
-from .codegen.source import dense_params
+from .codegen.source import dense_params, is_fused
 from .problem.spec import BatchProblem, KernelSpec, check_batch, check_tiles, check_varlen
 from .problem.mask import as_mask
 from .problem.targets import resolve_device
 from .runtime.torch_gpu import TorchCall, torch_gpu
 from .paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from .paths.sinks import varlen_rows, with_sinks as _with_sinks
+from .problem.alibi import refuse_sink_tokens
 
 __all__ = ["fmha_fwd", "fmha_fwd_varlen", "route", "cache_stats", "clear_memory_caches", "to_device"]
 
@@ -40,7 +41,7 @@ class LoadedModules:
             mod = self._modules.get(key)
         if mod is None:
             vmfb = _compile.get_vmfb(spec)
-            module = FmhaModule(vmfb, device_uri, spec.module_name, typed_bf16=spec.target.backend != "llvm-cpu")
+            module = FmhaModule(vmfb, device_uri, spec.module_name, typed_bf16=is_fused(spec))
             try:
                 caps = Capabilities.from_record(capabilities(spec), module.functions)
             except ValueError as e:  # the cache checked the bytes and their spec: this would be a build fault
@@ -122,6 +123,7 @@ def to_device(x, device=None) -> DeviceTensor:
 def fmha_fwd(
     q, k, v, *, mask=None, scale=None, return_lse=False, layout="bhsd",
     cu_seqlen_q=None, cu_seqlen_k=None, tiles=None, device=None, specialize=False, softcap=None, sinks=None,
+    alibi_slopes=None,
 ):
     """CK's FMHA forward (batch mode): ``softmax(scale * q @ k^T, masked) @ v``.
 
@@ -158,6 +160,13 @@ def fmha_fwd(
             softmax denominator (``paths.sinks``): out ``sum_j exp(s_j) v_j / (sum_j exp(s_j) +
             exp(sinks[h]))``, the LSE includes it, a row that sees no key gives 0 and lse
             ``sinks[h]``. Host arrays and torch tensors (not DeviceTensors).
+        alibi_slopes: ALiBi (BLOOM, MPT; CK's convention): float ``[Hq]`` or ``[B, Hq]``; head
+            ``h`` adds ``-slope * |p - j|`` to its score of key ``j``, ``p`` the row's position in
+            the mask's frame (``i`` top-left, ``i + Sk - Sq`` bottom-right and without a mask),
+            after the soft-cap, before the mask (``fmha_iree.problem.alibi``). Runs on a module
+            of its own (``fwd_tiles`` with the slopes as an argument; compiled once, then
+            cached); ``Hq == Hk``; masks whose rows see keys only at or left of their position
+            (causal, windows without a right side) and decode.
 
     Rows that see no key give 0 and lse ``-inf``. Returns ``out`` (the input's type, dtype and
     layout, ``Dv`` wide) or ``(out, lse)``.
@@ -166,31 +175,32 @@ def fmha_fwd(
     and why); all give the same results.
     """
     if has_sink_tokens(mask):
+        refuse_sink_tokens(alibi_slopes)
         return with_batch_sink_tokens(
             lambda m: fmha_fwd(q, k, v, mask=m, scale=scale, return_lse=True, layout=layout, cu_seqlen_q=cu_seqlen_q,
                                cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=device, specialize=specialize,
-                               softcap=softcap, sinks=sinks),
+                               softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes),
             q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k,
             softcap=softcap, return_lse=return_lse)
     if sinks is not None:
         return _with_sinks(lambda: fmha_fwd(q, k, v, mask=mask, scale=scale, return_lse=True, layout=layout,
                                             cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=device,
-                                            specialize=specialize, softcap=softcap),
+                                            specialize=specialize, softcap=softcap, alibi_slopes=alibi_slopes),
                            q, sinks, 2 if layout == "bshd" else 1, layout, return_lse)
     gpu = torch_gpu({"q": q, "k": k, "v": v}, device)
     if gpu is not None:  # torch GPU tensors: shared with IREE both ways (torch_gpu)
         call = TorchCall(gpu)
         out = fmha_fwd(*call.inputs((q, k, v)), mask=mask, scale=scale, return_lse=return_lse, layout=layout,
                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=gpu.uri,
-                       specialize=specialize, softcap=softcap)
+                       specialize=specialize, softcap=softcap, alibi_slopes=alibi_slopes)
         return call.outputs(out)
-    key = varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k), mask, scale, return_lse, layout, tiles, device,
-                          specialize, softcap)
+    key = None if alibi_slopes is not None else varlen_call_key(
+        q, k, v, (cu_seqlen_q, cu_seqlen_k), mask, scale, return_lse, layout, tiles, device, specialize, softcap)
     run = PREPARED.get(key)
     if run is not None:
         return run(q, k, v)
     p = check_batch(q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k,
-                    softcap=softcap)
+                    softcap=softcap, alibi_slopes=alibi_slopes)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if not isinstance(specialize, bool):
@@ -206,7 +216,7 @@ def fmha_fwd(
 
 def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None, seqstart_q=None,
           seqstart_k=None, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None, block_table=None,
-          tiles=None, device=None, specialize=False, softcap=None) -> Route:
+          tiles=None, device=None, specialize=False, softcap=None, alibi_slopes=None) -> Route:
     """The path a call with these arguments takes, without running it: :func:`fmha_fwd`'s (batch
     mode) or, given ``seqstart_q``, :func:`fmha_fwd_varlen`'s (group mode; a paged cache with
     ``block_table``). The :class:`paths.Route` names the path, the module function it calls and
@@ -221,21 +231,23 @@ def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=No
             if val is not None:
                 raise ValueError(f"{name} is group mode's: give seqstart_q too")
         p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k,
-                        softcap=softcap)
+                        softcap=softcap, alibi_slopes=alibi_slopes)
         return batch_route(p, return_lse, _compiled(p, tiles, device, specialize)[1])
     if block_table is not None:
         cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
         prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=None, with_lse=return_lse,
-                             softcap=softcap)
+                             softcap=softcap, alibi_slopes=alibi_slopes)
         return problem_route(prob, _compiled(prob.p, tiles, device)[1])
     p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
-                             seqstart_padded_k=seqstart_padded_k, mask=mask, scale=None, softcap=softcap)
+                             seqstart_padded_k=seqstart_padded_k, mask=mask, scale=None, softcap=softcap,
+                             alibi_slopes=alibi_slopes)
     return group_route(p, starts, return_lse, _compiled(p, tiles, device)[1])
 
 
 def fmha_fwd_varlen(
     q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
     block_table=None, mask=None, scale=None, return_lse=False, tiles=None, device=None, softcap=None, sinks=None,
+    alibi_slopes=None,
 ):
     """CK's FMHA forward in group mode: sequences packed along the token axis ("thd").
 
@@ -254,7 +266,7 @@ def fmha_fwd_varlen(
             host arrays only).
         mask: as in :func:`fmha_fwd`, applied per sequence with that sequence's own lengths
             (bottom-right aligns each sequence's last query with its last key).
-        softcap, sinks: as in :func:`fmha_fwd`.
+        softcap, sinks: as in :func:`fmha_fwd`; ``alibi_slopes`` too, ``[B, Hq]`` one row per sequence.
 
     Returns ``out [Tq, Hq, Dv]`` (rows owned by no sequence are 0) or ``(out, lse)`` with lse
     float32 ``[Hq, seqstart_q[-1]]`` indexed by the unpadded starts. One compiled module serves any
@@ -263,28 +275,31 @@ def fmha_fwd_varlen(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if has_sink_tokens(mask):
+        refuse_sink_tokens(alibi_slopes)
         ints = dict(seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                     block_table=block_table)
         return with_varlen_sink_tokens(
             lambda m: fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, **ints, mask=m, scale=scale, return_lse=True,
-                                      tiles=tiles, device=device, softcap=softcap, sinks=sinks),
+                                      tiles=tiles, device=device, softcap=softcap, sinks=sinks,
+                                      alibi_slopes=alibi_slopes),
             q, k, v, seqstart_q, seqstart_k, **ints, mask=mask, scale=scale, softcap=softcap, return_lse=return_lse)
     if sinks is not None:
         rows = varlen_rows(seqstart_q, seqstart_padded_q)
         return _with_sinks(lambda: fmha_fwd_varlen(
             q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
             seqstart_padded_k=seqstart_padded_k, block_table=block_table, mask=mask, scale=scale, return_lse=True,
-            tiles=tiles, device=device, softcap=softcap), q, sinks, 1, "thd", return_lse, rows)
+            tiles=tiles, device=device, softcap=softcap, alibi_slopes=alibi_slopes), q, sinks, 1, "thd", return_lse, rows)
     gpu = torch_gpu({"q": q, "k": k, "v": v}, device)
     if gpu is not None:  # torch GPU tensors: shared with IREE both ways (torch_gpu)
         call = TorchCall(gpu)
         out = fmha_fwd_varlen(*call.inputs((q, k, v)), seqstart_q, seqstart_k, seqlen_k=seqlen_k,
                               seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                               block_table=block_table, mask=mask, scale=scale, return_lse=return_lse, tiles=tiles,
-                              device=gpu.uri, softcap=softcap)
+                              device=gpu.uri, softcap=softcap, alibi_slopes=alibi_slopes)
         return call.outputs(out)
-    key = varlen_call_key(q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table),
-                          "varlen", mask, scale, return_lse, tiles, device, softcap)
+    key = None if alibi_slopes is not None else varlen_call_key(
+        q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table), "varlen", mask,
+        scale, return_lse, tiles, device, softcap)
     run = PREPARED.get(key)
     if run is not None:
         return run(q, k, v)
@@ -292,13 +307,14 @@ def fmha_fwd_varlen(
     if block_table is not None:
         cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
         prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, with_lse=return_lse,
-                             softcap=softcap)
+                             softcap=softcap, alibi_slopes=alibi_slopes)
         family, get = _compiled(prob.p, tiles, device)
-        if cache.on_device and family == "cpu":  # CPU modules read a paged cache on the host: refused before compiling
+        if cache.on_device and family == "cpu" and alibi_slopes is None:  # CPU modules read a paged cache on the host
             raise TypeError("k_cache: CPU modules read a paged cache from host arrays (torch CPU tensors or numpy); "
                             "got a DeviceTensor")
         return run_paged(prob, get, memo)
     p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
-                             seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale, softcap=softcap)
+                             seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale, softcap=softcap,
+                             alibi_slopes=alibi_slopes)
     return run_group(p, starts, return_lse, _compiled(p, tiles, device)[1], memo)
 

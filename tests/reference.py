@@ -159,14 +159,26 @@ def _cu_lengths(cu, b: int, full: int, name: str) -> np.ndarray:
     return lens
 
 
+def alibi_bias(mask, sq: int, sk: int, slope: float) -> np.ndarray:
+    """float64 [sq, sk]: ALiBi (issue 58, CK's convention): ``-slope * |i + shift - j|``, the row's
+    position in the mask's frame: shift 0 for a top-left mask, ``Sk - Sq`` for a bottom-right one
+    and for no mask (CK's FROM_BOTTOM_RIGHT)."""
+    spec = parse_mask(mask)
+    shift = 0 if spec is not None and spec[2] and not (spec[0] < 0 and spec[1] < 0) else sk - sq
+    i = np.arange(sq)[:, None]
+    j = np.arange(sk)[None, :]
+    return -slope * np.abs(i + shift - j).astype(np.float64)
+
+
 def attention_ref(q, k, v, *, mask=None, scale=None, layout="bhsd", cu_seqlen_q=None,
-                  cu_seqlen_k=None, softcap=None, sinks=None):
+                  cu_seqlen_k=None, softcap=None, sinks=None, alibi_slopes=None):
     """float64 reference. Returns (out, lse): out in the input layout, lse [B, Hq, Sq].
 
     ``softcap``: each score ``s = scale * q.k`` becomes ``softcap * tanh(s / softcap)`` before the
     mask. ``sinks`` ([Hq]): head h's sink logit joins every row's softmax denominator
     (``sum_j exp(s_j) + exp(sink)``, no value); LSE includes it, and a row that sees no key (a
-    padding row too) gives out 0 and lse = the sink."""
+    padding row too) gives out 0 and lse = the sink. ``alibi_slopes`` ([Hq] or [B, Hq]): ``alibi_bias``
+    added after the soft-cap, before the mask."""
     q, k, v = to_f64(q), to_f64(k), to_f64(v)
     if layout == "bshd":
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
@@ -199,6 +211,9 @@ def attention_ref(q, k, v, *, mask=None, scale=None, layout="bhsd", cu_seqlen_q=
             s = scale * (q[b, h, :sq] @ k[b, kh, :sk].T)  # [sq, sk]
             if softcap:
                 s = softcap * np.tanh(s / softcap)
+            if alibi_slopes is not None:
+                sl = to_f64(alibi_slopes).reshape(-1, Hq)
+                s = s + alibi_bias(mask, sq, sk, float(sl[b if len(sl) > 1 else 0, h]))
             s = np.where(vis, s, -np.inf)
             if sinks is not None:
                 out[b, h, :sq], lse[b, h, :sq] = _with_sink(s, vis, v[b, kh, :sk], float(to_f64(sinks)[h]))
@@ -307,7 +322,7 @@ def ints(x) -> np.ndarray | None:
 
 
 def varlen_ref(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
-               seqstart_padded_k=None, mask=None, scale=None, softcap=None, sinks=None):
+               seqstart_padded_k=None, mask=None, scale=None, softcap=None, sinks=None, alibi_slopes=None):
     """float64 group-mode reference built on ``attention_ref``: each sequence sliced out of the
     packed tensors and run as a B=1 bshd batch with its own lengths.
 
@@ -338,7 +353,10 @@ def varlen_ref(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padde
         qs = q64[oq:oq + nq][None]  # [1, nq, Hq, Dq] (bshd)
         ks = k64[ok:ok + nk][None]
         vs = v64[ok:ok + nk][None]
-        o, l = attention_ref(qs, ks, vs, mask=mask, scale=scale, layout="bshd", softcap=softcap, sinks=sinks)
+        sl = None if alibi_slopes is None else to_f64(alibi_slopes).reshape(-1, Hq)
+        sl = None if sl is None else sl[b if len(sl) > 1 else 0]
+        o, l = attention_ref(qs, ks, vs, mask=mask, scale=scale, layout="bshd", softcap=softcap, sinks=sinks,
+                             alibi_slopes=sl)
         out[oq:oq + nq] = o[0]
         lse[:, int(sq_[b]):int(sq_[b]) + nq] = l[0]
     return out, lse

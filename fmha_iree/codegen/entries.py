@@ -11,7 +11,7 @@ import dataclasses
 
 from ..problem.abi import (PACKED_SCALARS, PLAN_DESC_COLUMNS, PREFIX_SCALARS, RAGGED_SCALARS, ROWS_DESC_COLUMNS,
                   ROWS_PACKED_DESC_COLUMNS, TILE_COLUMNS, TILE_STEP, UNIT_TILE_COLUMNS)
-from .source import dense_params, dense_record, fwd_plan, has_plan, step_compute, tiles_record
+from .source import dense_params, dense_record, fwd_plan, has_plan, is_fused, step_compute, tiles_record
 from ..problem.spec import KernelSpec
 from ..problem.tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS, varlen_rows
 
@@ -22,13 +22,13 @@ def capabilities(spec: KernelSpec, *, fused_step: bool | None = None) -> dict:
     """The manifest's ``capabilities`` record (``paths.capabilities.Capabilities.from_record``):
     what the paths need to know of the module, and nothing they would have to probe it for.
     ``fused_step=True`` on the CPU: the GPU formulation built for llvm-cpu (tests)."""
-    gpu = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    gpu = is_fused(spec, fused_step)
     t = spec.tiles
     return {"module": spec.module_name, "formulation": "gpu" if gpu else "cpu",
             "family": spec.target.family, "layout": spec.layout, "dtype": spec.dtype, "group": spec.group,
             "dq": spec.dq, "dv": spec.dv,
             "tiles": {"kM0": t.m0, "kN0": t.n0, "kK0": t.k0, "kN1": t.n1, "kK1": t.k1, "kv_chunk": t.kv_chunk},
-            "entries": sorted(entry_points(spec, fused_step=fused_step)),
+            "entries": sorted(entry_points(spec, fused_step=fused_step)), **({"alibi": True} if spec.alibi else {}),
             "unit_rows": 0 if gpu else varlen_rows(t),
             "dense": dense_record(spec, fused_step=fused_step),
             "key_tiles": tiles_record(spec, fused_step=fused_step)}
@@ -70,11 +70,13 @@ class _Io:
 def entry_points(spec: KernelSpec, *, fused_step: bool | None = None) -> dict:
     """The module's functions and argument shapes/dtypes; ``?`` marks a runtime (dynamic) size."""
     io = _Io(spec)
+    if spec.alibi:  # fwd_tiles alone (codegen.source._alibi_module)
+        return _tiles_entry_point(spec, fwd_plan(spec, fused_step=True), io.t, io.seq, io.hq)
     out = _plan_entry_points(io) if has_plan(spec, fused_step=fused_step) else {}
     plan = fwd_plan(spec, fused_step=fused_step)
     if plan is not None:
         out.update(_one_call_entry_points(io, plan))
-    gpu = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    gpu = is_fused(spec, fused_step)
     if not gpu:
         out.update(_cpu_entry_points(io, out["step"]))
     out.update(_dense_entry_points(spec, io.t, io.seq, io.hq, fused_step))
@@ -206,10 +208,11 @@ def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str) -> dict:
     scratch = ["edge mask", "edge K", "edge V", "acc", "max", "sum", "tiles' out", "tiles' LSE"]
     out = {"fwd_tiles": {
         "args": {"q": [seq("?", spec.dq), t], "k": [seq("?", spec.dq), t], "v": [seq("?", spec.dv), t],
-                 "idx": [["L"], "i32"], "scale": [[], "f32 scalar"], "N": [[], "i64 scalar"],
+                 "idx": [["L"], "i32"], **({"slopes": [["SR*Hq"], "f32"]} if spec.alibi else {}),
+                 "scale": [[], "f32 scalar"], "N": [[], "i64 scalar"],
                  "NL": [[], "i64 scalar"], "RL": [[], "i64 scalar"], "E": [[], "i64 scalar"]},
         "results": {"out": [seq(hq, spec.dv), t], "lse": [["NL", hq, "RL"], "f32"],
-                    "scratch": [scratch + (["tiles' Q"] if spec.group > 1 else []), "dropped by the caller"]},
+                    "scratch": [scratch + (["tiles' Q"] if spec.group > 1 or spec.alibi else []), "dropped by the caller"]},
         "rows": shape.rows, "edge_keys": shape.ew, "edge_parts": shape.parts, "key_step": TILE_STEP,
         "table_columns": list(TILE_COLUMNS),
         "note": (f"tiles of {shape.rows} query rows (G heads of a KV head as rows), each over its own keys: "
@@ -217,10 +220,15 @@ def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str) -> dict:
                  "row's (NL * RL), -1 for rows no sequence owns (fmha_iree.key_tiles.tile_table); a tile's "
                  "rows all see keys [0, nk) of its sequence, some see [nk, nk + ne)"),
     }}
+    if spec.alibi:
+        out["fwd_tiles"]["args"]["AL"] = [[], "i64 scalar"]
+        out["fwd_tiles"]["alibi"] = ("slopes: ALiBi slopes, row sr of the table's per tile; AL: the length of the "
+                                     "interior's bias ramps (codegen.kernels.tile_io.alibi_ramps)")
     if spec.layout == "bshd":
         e = out["fwd_tiles"]
+        args = {k: v for k, v in e["args"].items() if k != "AL"}
         out["fwd_tiles_paged"] = {
-            **e, "args": {**e["args"], "TK": [[], "i64 scalar"]},
+            **e, "args": {**args, "TK": [[], "i64 scalar"], **({"AL": [[], "i64 scalar"]} if spec.alibi else {})},
             "results": {**e["results"], "scratch": [e["results"]["scratch"][0] + ["gathered K", "gathered V"],
                                                     "dropped by the caller"]},
             "note": ("fwd_tiles over a paged cache: k / v the cache's rows [1, pages * page, Hk, D], the table "

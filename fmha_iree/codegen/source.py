@@ -16,8 +16,16 @@ import functools
 
 from ..problem.spec import KernelSpec
 
-__all__ = ["source_mlir", "has_plan", "gpu_lowering", "step_compute", "dense_params", "dense_record", "tiles_record",
+__all__ = ["source_mlir", "has_plan", "is_fused", "gpu_lowering", "step_compute", "dense_params", "dense_record", "tiles_record",
            "fwd_plan", "native_exp2_default", "CAUSAL_MASKED_MAX"]
+
+
+def is_fused(spec: KernelSpec, fused_step: bool | None = None) -> bool:
+    """Whether ``spec`` builds the GPU formulation: GPU targets, llvm-cpu when asked (tests), and
+    ALiBi modules on every target (their one path, ``fwd_tiles``, is the GPU formulation's)."""
+    if spec.alibi:
+        return True
+    return spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
 
 
 def scale_on_scores(spec: KernelSpec) -> bool:
@@ -104,7 +112,9 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     were no faster (docs/BENCHMARKS.md, "Paths with a contract: before and after")."""
     import math
 
-    fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    fused = is_fused(spec, fused_step)
+    if spec.alibi:
+        return None
     if not fused:
         if not spec.seqlens:
             return None
@@ -173,7 +183,9 @@ def has_plan(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: bool
     module (its paths fall back on it: DeviceTensors in group mode, padding past ``rows``), and GPU
     modules without both ``fwd`` and ``fwd_ragged``, which take every batch and group problem
     between them (the plan would never be called: ``paths.select``)."""
-    fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    fused = is_fused(spec, fused_step)
+    if spec.alibi:
+        return False
     return not fused or not (with_fwd and with_ragged) or fwd_plan(spec, fused_step=fused) is None
 
 
@@ -191,7 +203,9 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     mask, ``fwd_plan``; RDNA ones below Dv 256);
     ``with_fwd=False`` leaves it out (tests of the other entry points, which it would only slow
     to compile), ``with_ragged=False`` leaves out ``fwd_ragged`` (``kernels.ragged``) beside it."""
-    fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    fused = is_fused(spec, fused_step)
+    if spec.alibi:
+        return _alibi_module(spec)
     plan_too = has_plan(spec, fused_step=fused, with_fwd=with_fwd, with_ragged=with_ragged)
     if plan_too:
         text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused,
@@ -241,6 +255,20 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
                 funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed_paged", "gathered"))
                 funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed_pages", "pages"))
     return _with_funcs(text, funcs)
+
+
+def _alibi_module(spec: KernelSpec) -> str:
+    """An ALiBi module: ``fwd_tiles`` (and in bshd ``fwd_tiles_paged``) with the slopes as an
+    argument, which take every mode (batch, group, paged, decode); ``kernels.tiles`` says how."""
+    from .kernels.tiles import render_tiles
+
+    plan = fwd_plan(spec, fused_step=True)
+    funcs = [f for f in (render_tiles(plan, "fwd_tiles"), render_tiles(plan, "fwd_tiles_paged", paged=True))
+             if f is not None] if plan is not None else []
+    if not funcs:
+        raise ValueError(f"alibi_slopes: no ALiBi kernel for {spec.module_name} (one query head per KV head, "
+                         "head dims the target's tiles take without padding)")
+    return _with_funcs(f"module @{spec.module_name} {{\n}}\n", funcs)
 
 
 def step_compute(spec: KernelSpec) -> tuple[tuple[int, int], dict | None]:
@@ -309,7 +337,7 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
     groups to keep their compile short."""
     from .kernels.general import Plan, Tier
 
-    fused = spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
+    fused = is_fused(spec, fused_step)
     if not fused:
         return None
     cpu = spec.target.backend == "llvm-cpu"
@@ -333,7 +361,7 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
                 cols=cols, rows=max(512, wm), fill_wgs=fill, max_groups=4 if cpu else 16,
                 dq_arg=arg_dims[0], dv_arg=arg_dims[1], mask_blocks=spec.target.backend == "cuda",
                 banded=spec.target.backend != "rocm", tiles=spec.target.backend != "rocm" or _rocm_tiles(spec, wm),
-                softcap=spec.softcap)
+                softcap=spec.softcap, alibi=spec.alibi)
 
 
 def _rocm_tiles(spec: KernelSpec, rows: int) -> bool:

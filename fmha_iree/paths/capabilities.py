@@ -68,6 +68,7 @@ class Capabilities:
     unit_rows: int = 0
     dense: DenseCaps | None = None
     key_tiles: TilesCaps | None = None
+    alibi: bool = False  # the ALiBi slopes are an argument of its paths (and a call must give them)
 
     def has(self, *names: str) -> bool:
         """Whether the module exports every one of ``names``."""
@@ -102,4 +103,4 @@ class Capabilities:
         tiles = TileConfig(ck["kM0"], ck["kN0"], ck["kK0"], ck["kN1"], ck["kK1"], kv_chunk=ck["kv_chunk"])
         return cls(str(record["module"]), str(record["formulation"]), str(record["family"]), str(record["layout"]),
                    str(record["dtype"]), int(record["group"]), int(record["dq"]), int(record["dv"]), tiles, entries,
-                   int(record.get("unit_rows", 0)), dense, key_tiles)
+                   int(record.get("unit_rows", 0)), dense, key_tiles, bool(record.get("alibi", False)))

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..problem.abi import PREFIX_STEPS
 from ..problem.plan import runs
-from ..runtime.module import Staged
+from ..runtime.module import Const, Staged
 from .base import Call, shaped, Problem
 
 __all__ = ["Frame", "TableCall", "frame_keys", "descriptors", "ragged_coords", "frame_rows", "batch_frame",
@@ -199,9 +199,11 @@ class TableCall(Call):
     dtype: str
     shapes: tuple  # (out, lse) of the problem
     note: str = ""
+    slopes: np.ndarray | None = None  # ALiBi slopes, flat float32 (an ALiBi module's fwd_tiles)
 
     def run(self, module, q, k, v, *, keep: bool):
         d = self.dtype
-        out, lse = module.call(self.entry, [(q, d), (k, d), (v, d), Staged(self.idx)], scalars=self.scalars,
+        extra = [] if self.slopes is None else [Const(self.slopes, "f32")]
+        out, lse = module.call(self.entry, [(q, d), (k, d), (v, d), Staged(self.idx), *extra], scalars=self.scalars,
                                results=[d, "f32"], keep_on_device=keep)
         return shaped(out, self.shapes[0]), shaped(lse, self.shapes[1])

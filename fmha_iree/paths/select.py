@@ -75,6 +75,9 @@ def select(prob: Problem, caps: Capabilities | None) -> Route:
     if prob.empty or caps is None:
         call = EmptyCall(prob)
         return Route(prob.mode, "empty", None, call.note, (), call)
+    if caps.alibi != (prob.p.alibi is not None):
+        raise NoPath(f"alibi_slopes: module {caps.module} was built " + (
+            "with ALiBi: give alibi_slopes" if caps.alibi else "without ALiBi (build one with --alibi)"))
     rejected = []
     for path in ORDER[prob.mode]:
         ans = path.plan(prob, caps)

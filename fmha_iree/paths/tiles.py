@@ -10,38 +10,42 @@ from __future__ import annotations
 import numpy as np
 
 from ..problem.abi import EDGE_PARTS, PIECE_ROWS, TILE_COLUMNS
+from ..problem.alibi import frame_offset
 from .base import Problem, Refused
 from .capabilities import Capabilities, TilesCaps
 from .frame import TableCall, descriptors, paged_bases
 from .policy import SQUARE_CAUSAL_MIN
 
-__all__ = ["TILES", "MAX_TILES", "tile_table", "reasons", "batch_starts"]
+__all__ = ["TILES", "MAX_TILES", "tile_table", "reasons", "batch_starts", "alibi_extent"]
 
 # tiles run along the grid's y dim (heads along x, so the longest tiles of every head start first),
 # at most 65535 workgroups on CUDA and HIP; the edge launches EDGE_PARTS workgroups a tile
 MAX_TILES = 65535 // EDGE_PARTS
 
 
-def reasons(info: TilesCaps, q_len: np.ndarray, tq: int, tk: int) -> list[str]:
+def reasons(info: TilesCaps, q_len: np.ndarray, tq: int, tk: int, alibi: bool = False) -> list[str]:
     """Why ``fwd_tiles`` cannot take sequences of ``q_len`` query rows over packed Q and K of
-    ``tq`` / ``tk`` rows (none where it can)."""
+    ``tq`` / ``tk`` rows (none where it can). ``alibi``: an ALiBi module's, the only path there
+    (its tiles copy Q, so any rows)."""
     out = []
-    if tq < info.positions:
+    if tq < info.positions and not alibi:
         out.append(f"fewer query rows ({tq}) than a tile's {info.positions} (the tiles read whole tiles of Q in place)")
     if tk < 1 or not (q_len > 0).any():
         out.append("no query rows or no keys")
-    elif int(q_len.max()) * info.group <= PIECE_ROWS:
+    elif int(q_len.max()) * info.group <= PIECE_ROWS and not alibi:
         out.append("decode-shaped (a few query rows per sequence): split-KV pieces (packed) serve it")
     if int((-(-q_len // info.positions)).sum()) > MAX_TILES:
         out.append(f"more than {MAX_TILES} tiles (the grid's second dim on CUDA and HIP, two workgroups a tile's edge)")
     return out
 
 
-def tile_table(info: TilesCaps, mask, starts, tq: int, entry=None) -> tuple[np.ndarray, int, int]:
+def tile_table(info: TilesCaps, mask, starts, tq: int, entry=None, slope_row=None) -> tuple[np.ndarray, int, int]:
     """(the index table: tiles ``[N, TILE_COLUMNS]``, the out rows' map ``[B * tq]``, the LSE
     rows' map ``[total]``; N; the widest edge's keys, at least one step) for a problem the path
     takes (:func:`reasons`); ``entry``: each sequence's batch entry (its starts count within it;
-    default: all in entry 0, group mode). Tiles longest first."""
+    default: all in entry 0, group mode). Tiles longest first. ``slope_row``: each sequence's row
+    of the ALiBi slopes, whose tiles copy Q (a tile's rows then start at its first position, never
+    shifted back to stay inside Q)."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     q_start, q_len = np.asarray(q_start, np.int64), np.asarray(q_len, np.int64)
     k_start, k_len = np.asarray(k_start, np.int64), np.asarray(k_len, np.int64)
@@ -58,13 +62,15 @@ def tile_table(info: TilesCaps, mask, starts, tq: int, entry=None) -> tuple[np.n
     last = np.minimum(p0 + pos, q_len[b]) - 1
     lo, nk, nl, ne = _key_spans(p0, last, y[b], x[b], k_len[b], step)
     assert (ne <= ew).all(), "an edge wider than the module's bound"
-    q0 = np.minimum(q_start[b] + p0, tq - pos)
+    q0 = q_start[b] + p0 if slope_row is not None else np.minimum(q_start[b] + p0, tq - pos)
     pos0 = q0 - q_start[b]
+    a0 = pos0 + frame_offset(mask, q_len, k_len)[b]  # ALiBi's zero point of the tile's first row
+    sr = np.zeros_like(b) if slope_row is None else np.asarray(slope_row, np.int64)[b]
     # the edge keys of the tile's first pos // 2 positions (pos0 on; the keys a row sees after the
     # interior grow with its position): the left slope, then those after the interior in whole steps
     nh = np.minimum(_edge_keys(_hi(np.minimum(pos0 + pos // 2 - 1, last), x[b], k_len[b]), lo, nk, nl, step), ne)
     cols = {"q0": q0, "k0": k_start[b], "nk": nk, "ne": ne, "pos0": pos0, "kl": k_len[b], "x": x[b], "entry": entry[b],
-            "y": y[b], "lo": lo, "nl": nl, "nh": nh}
+            "y": y[b], "lo": lo, "nl": nl, "nh": nh, "a0": a0, "sr": sr}
     table = np.stack([cols[name] for name in TILE_COLUMNS], axis=1)
     order = np.argsort(-(nk + ne), kind="stable")
     table, b, p0, last, pos0 = table[order], b[order], p0[order], last[order], pos0[order]
@@ -79,6 +85,20 @@ def tile_table(info: TilesCaps, mask, starts, tq: int, entry=None) -> tuple[np.n
     lse_map[lse_start[b][tile] + p] = src
     idx = np.concatenate([table.ravel(), out_map, lse_map]).astype(np.int32)
     return idx, n, max(int(ne.max(initial=0)), step)
+
+
+def alibi_extent(idx: np.ndarray, n: int) -> tuple[int, str | None]:
+    """(``AL``: the interiors' bias ramps reach from every interior's first key, a reason where
+    some interior holds keys right of its first row's position): the interior adds ``slope * (key
+    - a0)`` (``kernels.tile_io._alibi_edges``), ALiBi only for keys at or left of every row's."""
+    t = idx[: n * len(TILE_COLUMNS)].reshape(n, len(TILE_COLUMNS)).astype(np.int64)
+    col = {name: t[:, i] for i, name in enumerate(TILE_COLUMNS)}
+    inner = col["nk"] > 0
+    if (col["lo"] + col["nk"] - 1 > col["a0"])[inner].any():
+        return 0, ("alibi_slopes: rows that see keys right of their position in the mask's frame across a whole "
+                   "tile (no mask or a window's right side, beyond decode): not supported yet; causal masks, "
+                   "windows without a right side and decode are")
+    return int(max((col["a0"] - col["lo"])[inner].max(initial=0), 0)) + 1, None
 
 
 def _key_spans(p0, last, y, x, kl, step: int):
@@ -140,8 +160,9 @@ class _Tiles:
             return Refused((f"the module has no {entry} (a CPU module, padded head dims, or a gfx target and head "
                             "dim whose tiles spilled or failed to compile: source._rocm_tiles)",))
         p = prob.p
+        alibi = p.alibi is not None
         if prob.mode == "batch":
-            why = _batch_is_slower(prob)
+            why = None if alibi else _batch_is_slower(prob)
             starts, entries = batch_starts(p.q_lens, p.k_lens, p.sq)
             tk = p.sk
         else:
@@ -150,17 +171,26 @@ class _Tiles:
             starts = (*prob.starts[:2], np.concatenate([[0], np.cumsum(k_len)[:-1]]).astype(np.int64),
                       *prob.starts[3:]) if prob.mode == "paged" else prob.starts
             tk = int(k_len.sum()) if prob.mode == "paged" else p.sk
-        found = ([why] if why else []) + reasons(info, np.asarray(starts[1], np.int64), p.sq, tk)
+        found = ([why] if why else []) + reasons(info, np.asarray(starts[1], np.int64), p.sq, tk, alibi)
         if found:
             return Refused(tuple(found))
-        idx, n, e = tile_table(info, p.mask, starts, p.sq, entries)
+        rows = None
+        if alibi:  # [1, Hq]: every sequence row 0; [B, Hq]: batch entry or sequence b its row b
+            rows = np.zeros(len(starts[1]), np.int64) if len(p.alibi) == 1 else np.arange(len(starts[1]))
+        idx, n, e = tile_table(info, p.mask, starts, p.sq, entries, rows)
         scalars = (float(p.scale), n, p.batch, p.sq, e) if prob.mode == "batch" else \
             (float(p.scale), n, 1, int(starts[-1]), e)
         if prob.mode == "paged":
             idx = np.concatenate([idx, _paged_rows(prob, starts)])
             scalars += (tk,)
+        if alibi:
+            extent, bad = alibi_extent(idx, n)
+            if bad:
+                return Refused((bad,))
+            scalars += (extent,)
         return TableCall(entry, idx, scalars, p.q.dtype, (prob.out_shape, prob.lse_shape),
-                         note="each tile of query rows over its own keys")
+                         note="each tile of query rows over its own keys" + (", with ALiBi" if alibi else ""),
+                         slopes=p.alibi.ravel() if alibi else None)
 
 
 def _paged_rows(prob: Problem, packed) -> np.ndarray:

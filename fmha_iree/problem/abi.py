@@ -13,8 +13,8 @@ __all__ = ["ABI_VERSION", "MANIFEST_FORMAT", "PLAN_DESC_COLUMNS", "ROWS_DESC_COL
 
 # The torch graphs' ABI (``graph.py``) and the manifest's format: a manifest of another format was
 # written by an fmha_iree whose modules this one does not call (``deploy.load`` refuses it).
-ABI_VERSION = 2
-MANIFEST_FORMAT = "fmha_iree.module/2"
+ABI_VERSION = 3
+MANIFEST_FORMAT = "fmha_iree.module/3"
 
 # The tile plan's ``step`` descriptor, one row per unit (``plan.Plan``)
 PLAN_DESC_COLUMNS = ("tile", "b", "q0", "k0", "qrel0", "krel0", "qlen", "klen", "y", "x")
@@ -29,8 +29,9 @@ CPU_WAVE_ROWS = 64
 CPU_WAVE_KEYS = 64
 
 # ``fwd_tiles`` / ``fwd_tiles_paged``: one table row per tile (``paths.tiles.tile_table``); the
-# interior's key count is a multiple of ``TILE_STEP``; the edge runs ``EDGE_PARTS`` workgroups a tile
-TILE_COLUMNS = ("q0", "k0", "nk", "ne", "pos0", "kl", "x", "entry", "y", "lo", "nl", "nh")
+# interior's key count is a multiple of ``TILE_STEP``; the edge runs ``EDGE_PARTS`` workgroups a tile.
+# ``a0``: the tile's first row in the mask's frame (ALiBi's zero point), ``sr``: its row of the slopes
+TILE_COLUMNS = ("q0", "k0", "nk", "ne", "pos0", "kl", "x", "entry", "y", "lo", "nl", "nh", "a0", "sr")
 TILE_STEP = 64
 EDGE_PARTS = 2
 

@@ -54,6 +54,9 @@ class KernelSpec:
     batch: int = 0
     kv_heads: int = 0
     softcap: float = 0.0  # logits soft-cap ``cap * tanh(s / cap)`` in every score stage; 0: none
+    # ALiBi: the slopes an argument of ``fwd_tiles``, the module's only path (with its paged form),
+    # built in the GPU formulation on every target (``codegen.source.fused``)
+    alibi: bool = False
 
     @property
     def module_name(self) -> str:
@@ -62,6 +65,7 @@ class KernelSpec:
         s += f"_b{self.batch}" if self.batch else ""
         s += f"_h{self.kv_heads}" if self.kv_heads else ""
         s += f"_cap{self.softcap:.9g}".replace(".", "p") if self.softcap else ""
+        s += "_alibi" if self.alibi else ""
         return (
             f"fmha_{self.dtype}_{self.layout}_g{self.group}_d{self.dq}x{self.dv}"
             f"_t{t.ck_name}c{t.kv_chunk}_{self.target.arch}{s}"
@@ -73,6 +77,7 @@ class KernelSpec:
             "dv": self.dv, "tiles": self.tiles.as_dict(), "target": dataclasses.asdict(self.target),
             "seqlens": list(self.seqlens), "batch": self.batch, "kv_heads": self.kv_heads,
             **({"softcap": self.softcap} if self.softcap else {}),
+            **({"alibi": True} if self.alibi else {}),
         }
 
 
@@ -238,10 +243,11 @@ class BatchProblem:
     q_lens: np.ndarray  # effective rows per batch
     k_lens: np.ndarray  # effective keys per batch
     softcap: float = 0.0  # the logits soft-cap, 0 for none (a module's constant: KernelSpec.softcap)
+    alibi: np.ndarray | None = None  # ALiBi slopes float32 [1 or B, Hq] (problem.alibi), None for none
 
     def kernel(self, tiles: TileConfig, target: Target) -> KernelSpec:
         return KernelSpec(self.q.dtype, self.layout, self.hq // self.hk, self.dq, self.dv, tiles, target,
-                          softcap=self.softcap)
+                          softcap=self.softcap, alibi=self.alibi is not None)
 
 
 def window_mask(mask) -> Mask:
@@ -254,7 +260,20 @@ def window_mask(mask) -> Mask:
     return mask
 
 
-def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k, softcap=None) -> BatchProblem:
+def _alibi(slopes, rows: int, hq: int, hk: int):
+    """The checked ALiBi slopes (``problem.alibi``), None for none."""
+    if slopes is None:
+        return None
+    from .alibi import check_alibi
+
+    arr = check_alibi(slopes, rows, hq)
+    if hq != hk:
+        raise ValueError(f"alibi_slopes: ALiBi takes one query head per KV head here (Hq == Hk), got Hq {hq}, Hk {hk}")
+    return arr
+
+
+def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k, softcap=None,
+                alibi_slopes=None) -> BatchProblem:
     """Validate a batch-mode ``fmha_fwd`` call (see :func:`fmha_iree.fmha_fwd`)."""
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -275,7 +294,8 @@ def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k, softc
     scale, softcap = check_scale(scale, Dq), check_softcap(softcap)
     q_lens = np.full(B, Sq, np.int64) if cu_seqlen_q is None else check_seqlens(cu_seqlen_q, "cu_seqlen_q", B, Sq)
     k_lens = np.full(B, Sk, np.int64) if cu_seqlen_k is None else check_seqlens(cu_seqlen_k, "cu_seqlen_k", B, Sk)
-    return BatchProblem(qo, ko, vo, layout, B, Hq, Hk, Sq, Sk, Dq, Dv, mask, scale, q_lens, k_lens, softcap)
+    return BatchProblem(qo, ko, vo, layout, B, Hq, Hk, Sq, Sk, Dq, Dv, mask, scale, q_lens, k_lens, softcap,
+                        _alibi(alibi_slopes, B, Hq, Hk))
 
 
 def int_array(x, name: str, shape_doc: str = "") -> np.ndarray:
@@ -326,7 +346,7 @@ def _check_padded(p, name: str, lens: np.ndarray, total: int) -> np.ndarray:
 
 
 def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q, seqstart_padded_k, mask, scale,
-                 softcap=None):
+                 softcap=None, alibi_slopes=None):
     """Validate a group-mode call; returns the problem (as a B=1 ``bshd`` batch over the packed
     token axis) and the per-sequence starts and lengths."""
     mask = window_mask(mask)
@@ -357,5 +377,5 @@ def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q
         return Operand(o.array.reshape((1,) + o.array.shape), o.dtype, o.is_torch)
 
     problem = BatchProblem(packed(qo), packed(ko), packed(vo), "bshd", 1, Hq, Hk, Tq, Tk, Dq, Dv, mask, scale, q_len, k_len,
-                           softcap)
+                           softcap, _alibi(alibi_slopes, len(q_len), Hq, Hk))
     return problem, (q_start, q_len, k_start, k_len, sq[:-1], int(sq[-1]))

@@ -66,11 +66,13 @@ def _score_scale(fn: Fn, scale: str, scale_type: str) -> tuple[str, list[str]]:
 
 def online_attention(fn: Fn, *, q: Operand, k: Operand, v: Operand, scale: str, scale_type: str,
                      outs: Sequence[Operand], nb: int, lowering, dv: int, mask: Operand | None = None,
-                     k2o: bool = False, softcap: float = 0.0) -> list[str]:
+                     k2o: bool = False, softcap: float = 0.0, bias: Operand | None = None) -> list[str]:
     """Emit the op (``outs``: acc, max, sum as its initial state); returns its three results.
     ``k2o``: keys in two dims, ``k2o`` (outer, one per step) and ``k2``. ``softcap``: the
-    module's logits soft-cap (``scores``), 0 for none."""
+    module's logits soft-cap (``scores``), 0 for none. ``bias``: a float mask (natural-log units
+    added to the scores) in place of ``mask`` on an op that keeps the unmasked layout."""
     props, attrs = lowering_attrs(lowering, dv=dv, batch_dims=nb, k2o=k2o, masked=mask is not None)
+    mask = mask if bias is None else bias
     body = score_region(softcap, exp2=cap_exp2(lowering))
     if isinstance(lowering, dict) and lowering.get("scale_on_scores"):
         scale, pre = _score_scale(fn, scale, scale_type)

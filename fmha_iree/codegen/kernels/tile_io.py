@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 from .elementwise import as_words, block_attrs, copy_attrs, from_words, word_elems
-from .ir import Fn, tensor_type
+from .ir import Fn, parallel, tensor_type
 from .operands import Plan
 from .packed_common import generic, read_idx
 from .workgroups import Body, inner_size, load
 
 __all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "TilesFn", "tile_row", "gathered_keys", "edge_inputs",
-           "q_tiles", "gathered", "edge_key"]
+           "q_tiles", "gathered", "edge_key", "alibi_ramps", "copies_q"]
 
 # a tile's row of the table; ``nh``: the edge keys its first half of positions sees (a prefix of ``ne``)
 from ...problem.abi import TILE_COLUMNS, TILE_STEP as STEP
@@ -189,7 +189,8 @@ def edge_key(fn: Fn, tile: str, j: str) -> str:
 
 
 def edge_inputs(c: TilesFn) -> tuple[str, str, str]:
-    """(mask ``[N, R, EW]`` i1, K and V edge copies ``[N, Hk, EW, D]``)."""
+    """(mask ``[N, R, EW]`` i1 (with ALiBi ``[N, Hk, R, EW]`` f32: ``_alibi_edges``), K and V edge
+    copies ``[N, Hk, EW, D]``)."""
     fn, p, t = c.fn, c.p, c.t
     G = t.group
 
@@ -202,9 +203,12 @@ def edge_inputs(c: TilesFn) -> tuple[str, str, str]:
         above = fn.cmp("sge", key, fn.max(fn.sub(fn.add(pos, 1), y), 0))  # CK: i - y + 1 <= j, j >= 0
         return fn.andi(below, above)
 
-    # CUDA: a block of 16 rows x 64 keys per workgroup, 16 bytes a thread (as masks.py's generators)
-    attrs = block_attrs(p.main.lowering, rank=3, block=(16, STEP), vec=16) if p.mask_blocks else ""
-    mask = generic(fn, tensor_type(["?", t.rows, "?"], "i1"), [c.n, c.e], 3, mask_el, attrs)
+    if p.alibi:
+        mask = _alibi_edges(c, mask_el)
+    else:
+        # CUDA: a block of 16 rows x 64 keys per workgroup, 16 bytes a thread (as masks.py's generators)
+        attrs = block_attrs(p.main.lowering, rank=3, block=(16, STEP), vec=16) if p.mask_blocks else ""
+        mask = generic(fn, tensor_type(["?", t.rows, "?"], "i1"), [c.n, c.e], 3, mask_el, attrs)
 
     def kv(which: str, d: int) -> str:
         src = (c.k if which == "k" else c.v, ["?", "?", "?", d], c.sizes(c.tk, c.hk))
@@ -222,11 +226,85 @@ def edge_inputs(c: TilesFn) -> tuple[str, str, str]:
     return mask, kv("k", p.dq), kv("v", p.dv)
 
 
+def slope(fn: Fn, tile: str, head: str, hq: str) -> str:
+    """The f32 ALiBi slope of query head ``head`` for the tile's row of ``%slopes`` (``[rows * Hq]``)."""
+    at = fn.add(fn.mul(field(fn, tile, "sr"), hq), head)
+    return fn.let(f"tensor.extract %slopes[{at}] : {tensor_type(['?'], 'f32')}", "sl")
+
+
+def as_f32(fn: Fn, i: str) -> str:
+    """An index as f32 (exact below 2**24)."""
+    w = fn.let(f"arith.index_cast {i} : index to i64", "ai")
+    return fn.let(f"arith.sitofp {w} : i64 to f32", "af")
+
+
+def _alibi_edges(c: TilesFn, visible) -> str:
+    """The edges' float mask ``[N, Hk, R, EW]`` with ALiBi: ``-inf`` where ``visible`` (the i1
+    rule) is false, else the bias ``-slope * |a0 + r - key|`` (``a0 + r``: row ``r``'s position in
+    the mask's frame) plus ``slope * r``. The interior adds ``slope * (key - a0)``, equal to that for
+    every key left of the row's position (the host keeps the interior there): a row's every score
+    is its bias plus the same ``slope * r``, which ``gathered`` takes off the LSE. Two dispatches:
+    the head-free ``r - |a0 + r - key|`` (``[N, R, EW]``, as the i1 masks' generator), then times
+    each head's slope (G = 1 with ALiBi: row ``r`` is position ``r``)."""
+    fn, R = c.fn, c.t.rows
+
+    def el(ix):
+        tile, m, j = ix
+        d = fn.sub(fn.add(field(fn, tile, "a0"), m), edge_key(fn, tile, j))
+        val = as_f32(fn, fn.sub(m, fn.max(d, fn.sub(fn.c(0), d))))
+        ninf = fn.let("arith.constant 0xFF800000 : f32", "an")
+        return fn.let(f"arith.select {visible(ix)}, {val}, {ninf} : f32", "am")
+
+    base_ty, out_ty = tensor_type(["?", R, "?"], "f32"), tensor_type(["?", "?", R, "?"], "f32")
+    # CUDA: blocks of 16 rows x 64 keys, 16 bytes a thread (as the i1 masks' generator)
+    attrs = block_attrs(c.p.main.lowering, rank=3, block=(16, STEP), vec=4) if c.p.mask_blocks else ""
+    base = generic(fn, base_ty, [c.n, c.e], 3, el, attrs)
+
+    def region():
+        empty = fn.let(f"tensor.empty({c.n}, {c.hk}, {c.e}) : {out_ty}", "pe")
+        out = fn.fresh("pg")
+        fn.emit(f"{out} = linalg.generic {{indexing_maps = [affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>, "
+                f"affine_map<(d0, d1, d2, d3) -> (d0, d1, d2, d3)>], iterator_types = [{parallel(4)}]}} "
+                f"ins({base} : {base_ty}) outs({empty} : {out_ty}) {{")
+        with fn.region("^bb0(%ab_in: f32, %ab_o: f32):", f"}} -> {out_ty}"), fn.local():
+            tile, hk = (fn.let(f"linalg.index {i} : index", "px") for i in range(2))
+            scaled = fn.let(f"arith.mulf %ab_in, {slope(fn, tile, hk, c.hq)} : f32", "ab")
+            ninf = fn.let("arith.constant 0xFF800000 : f32", "an")
+            seen = fn.let(f"arith.cmpf ogt, %ab_in, {ninf} : f32", "ab")  # -inf stays (slope 0 would give NaN)
+            fn.emit(f"linalg.yield {fn.let(f'arith.select {seen}, {scaled}, {ninf} : f32', 'ab')} : f32")
+        return [out]
+
+    return fn.dispatch([(out_ty, [c.n, c.hk, c.e])], region)[0]
+
+
+def alibi_ramps(c: TilesFn) -> tuple[str, str, str]:
+    """(the ramps ``[rows * Hq, AL]`` f32, element ``(s, u)`` = ``%slopes[s] * (u - AL + 1)``, their
+    rows, ``AL``): the interior's bias ``slope * (key - a0)`` is the slice of its slope's ramp from
+    ``lo - a0 + AL - 1`` (the host makes ``AL`` reach every interior's first key)."""
+    fn = c.fn
+    al = fn.bounded(fn.arith("arith.index_cast %AL : i64 to index", "AL"))
+    ns = fn.bounded(fn.dim("%slopes", tensor_type(["?"], "f32"), 0))
+    last = fn.sub(al, 1)
+
+    def el(ix):
+        s, u = ix
+        sl = fn.let(f"tensor.extract %slopes[{s}] : {tensor_type(['?'], 'f32')}", "sl")
+        return fn.let(f"arith.mulf {sl}, {as_f32(fn, fn.sub(u, last))} : f32", "ar")
+
+    return generic(fn, tensor_type(["?", "?"], "f32"), [ns, al], 2, el), ns, al
+
+
+def copies_q(c: TilesFn) -> bool:
+    """Whether the tiles read Q from their own copy (``q_tiles``) rather than in place."""
+    return c.t.group > 1 or c.p.alibi
+
+
 def q_tiles(c: TilesFn) -> tuple[str, str, list[str]]:
     """(Q as the op reads it, its type, its sizes): ``%q`` itself where ``G == 1``, else each
-    tile's rows copied ``[N, Hk, R, Dq]``."""
+    tile's rows copied ``[N, Hk, R, Dq]`` (with ALiBi too: its tiles take fewer rows than a tile,
+    decode, rows past Q's end read as its last)."""
     fn, p, t = c.fn, c.p, c.t
-    if t.group == 1:
+    if not copies_q(c):
         return c.flat("q")
     G = t.group
 
@@ -266,6 +344,9 @@ def gathered(c: TilesFn, out_t: str, lse_t: str) -> tuple[str, str]:
         n, hq, row = ix
         ok, tile, hk, m = src(c.at_lse, fn.add(fn.mul(n, c.rl), row), hq)
         val = fn.let(f"tensor.extract {lse_t}[{tile}, {hk}, {m}] : {lt_ty}", "tv")
+        if p.alibi:  # every score of row r carried slope * r more than its bias (_alibi_edges)
+            off = fn.let(f"arith.mulf {slope(fn, tile, hq, c.hq)}, {as_f32(fn, fn.floordiv(m, G))} : f32", "tv")
+            val = fn.let(f"arith.subf {val}, {off} : f32", "tv")
         ninf = fn.let("arith.constant 0xFF800000 : f32", "tn")
         return fn.let(f"arith.select {ok}, {val}, {ninf} : f32", "tv")
 

@@ -41,8 +41,8 @@ import dataclasses
 from .attention import Operand, online_attention
 from .ir import Fn, tensor_type
 from .operands import Plan
-from .tile_io import (STEP, TILE_COLUMNS, TILE_FIELDS, TilesFn, TilesShape, edge_inputs, gathered, gathered_keys, q_tiles,
-                      tile_row)
+from .tile_io import (STEP, TILE_COLUMNS, TILE_FIELDS, TilesFn, TilesShape, alibi_ramps, copies_q, edge_inputs,
+                      gathered, gathered_keys, q_tiles, tile_row)
 from .workgroups import Body, load, store, workgroups
 
 __all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "tiles_shape", "render_tiles"]
@@ -65,7 +65,7 @@ def tiles_shape(p: Plan) -> TilesShape | None:
     head dims padded on the way, a GPU lowering IREE chooses itself, a group that does not divide
     the rows)."""
     lw = p.main.lowering
-    if not p.tiles or p.pads or not isinstance(lw, dict):
+    if not p.tiles or p.pads or not isinstance(lw, dict) or (p.alibi and p.group > 1):
         return None
     if lw.get("backend") == "cpu":
         rows, low = CPU_ROWS, {"backend": "cpu", "workgroup_m": CPU_ROWS, "vector_m": 2, "reduction_k2": CPU_K2}
@@ -116,7 +116,7 @@ def _q_tile(b: Body, c: TilesFn, q, row: dict[str, str], hk: str, tile: str, dim
     p, t = c.p, c.t
     r0, n = rows or (b.c(0), t.rows)
     ty = tensor_type([n, p.dq], p.dtype)
-    if t.group == 1:
+    if not copies_q(c):
         first = b.let(f"arith.addi {row['q0']}, {r0} : index")
         loaded = c.load_rows(b, q, row["entry"], first, hk, n, dims["tq"], dims["hq"], ty)
         return Operand(loaded, ty, ("m", "k1"))
@@ -170,13 +170,16 @@ def _scale(b: Body, c: TilesFn, scale: str) -> str:
     return scale if c.p.dtype == "f32" else b.let(f"arith.truncf {scale} : f32 to {c.p.dtype}")
 
 
-def _interior(c: TilesFn) -> list[str]:
-    """Dispatch 2: the f32 state ``[N, Hk, R(, Dv)]`` of each tile over its interior keys."""
+def _interior(c: TilesFn, ramps: tuple[str, str, str] | None = None) -> list[str]:
+    """Dispatch 2: the f32 state ``[N, Hk, R(, Dv)]`` of each tile over its interior keys;
+    ``ramps`` (``tile_io.alibi_ramps``, G = 1): each key's ALiBi bias as the op's float mask."""
     fn, p, t = c.fn, c.p, c.t
     grid = (c.hk, c.n)
     sizes = [c.n, c.hk]
     kf, vf = c.flat("k"), c.flat("v")
     ops = [c.q_src, kf, vf, (c.table, tensor_type(["?"], "i32"), [c.at_out]), ("%scale", "f32", []), *c.dim_ops()]
+    if ramps is not None:
+        ops += [(ramps[0], tensor_type(["?", "?"], "f32"), [ramps[1], ramps[2]]), (ramps[2], "index", [])]
 
     def body(b: Body, a, outs):
         hk = b.let("flow.dispatch.workgroup.id[0] : index")
@@ -191,8 +194,17 @@ def _interior(c: TilesFn) -> list[str]:
             ty = tensor_type(["?", d], p.dtype)
             kv.append(Operand(c.load_rows(b, a[view[0]], row["entry"], first, hk, nk, dims["tk"], dims["hk"], ty), ty,
                               ("k2", role)))
+        bias = None
+        if ramps is not None:  # the slope's ramp from lo - a0 + AL - 1: slope * (key - a0)
+            u0 = b.let(f"arith.subi {row['lo']}, {row['a0']} : index")
+            u0 = b.let(f"arith.addi {u0}, {a[ramps[2]]} : index")
+            u0 = b.let(f"arith.subi {u0}, {b.c(1)} : index")
+            sh = b.let(f"arith.muli {row['sr']}, {dims['hq']} : index")
+            sh = b.let(f"arith.addi {sh}, {hk} : index")
+            bty = tensor_type(["?"], "f32")
+            bias = Operand(load(b, a[ramps[0]], [sh, u0], [1, nk], bty), bty, ("k2",))
         res = online_attention(fn, q=q, k=kv[0], v=kv[1], scale=_scale(b, c, a["%scale"]), scale_type=p.dtype,
-                               outs=_fresh(b, c), nb=0, lowering=t.lowering, dv=p.dv, softcap=p.softcap)
+                               outs=_fresh(b, c), nb=0, lowering=t.lowering, dv=p.dv, softcap=p.softcap, bias=bias)
         for r, part, view in zip(res, _parts(c), outs):
             store(b, r, part.tile_type, view, *part.at(b, tile, hk))
 
@@ -209,7 +221,7 @@ def _edge(c: TilesFn, state: list[str], mask: str, ek: str, ev: str) -> list[str
     rh = R // parts
     ops = [c.q_src, *c.dim_ops(), (ek, tensor_type(["?", "?", "?", p.dq], p.dtype), [c.n, c.hk, c.e]),
            (ev, tensor_type(["?", "?", "?", p.dv], p.dtype), [c.n, c.hk, c.e]),
-           (mask, tensor_type(["?", R, "?"], "i1"), [c.n, c.e]),
+           (mask, _mask_type(c), [c.n, c.hk, c.e] if p.alibi else [c.n, c.e]),
            (c.table, tensor_type(["?"], "i32"), [c.at_out]), ("%scale", "f32", [])]
     ops += [(s, part.type, [c.n, c.hk]) for s, part in zip(state, _parts(c))]
     out_tys = [tensor_type(["?", "?", R, p.dv], p.dtype), tensor_type(["?", "?", R], "f32")]
@@ -234,8 +246,9 @@ def _edge(c: TilesFn, state: list[str], mask: str, ek: str, ev: str) -> list[str
         for name, d, role in ((ek, p.dq, "k1"), (ev, p.dv, "n")):
             ty = tensor_type(["?", d], p.dtype)
             kv.append(Operand(load(b, a[name], [tile, hk, b.c(0), b.c(0)], [1, 1, ne, d], ty), ty, ("k2", role)))
-        mty = tensor_type([rh, "?"], "i1")
-        m = Operand(load(b, a[mask], [tile, r0, b.c(0)], [1, rh, ne], mty), mty, ("m", "k2"))
+        mty = tensor_type([rh, "?"], "f32" if p.alibi else "i1")
+        at, sz = ([tile, hk, r0, b.c(0)], [1, 1, rh, ne]) if p.alibi else ([tile, r0, b.c(0)], [1, rh, ne])
+        m = Operand(load(b, a[mask], at, sz, mty), mty, ("m", "k2"))
         prev = [Operand(load(b, a[s], *part.at(b, tile, hk, rows), part.rows_type(rh)), part.rows_type(rh), part.dims)
                 for s, part in zip(state, _parts(c))]
         acc, mx, sm = online_attention(fn, q=q, k=kv[0], v=kv[1], scale=_scale(b, c, a["%scale"]), scale_type=p.dtype,
@@ -247,6 +260,12 @@ def _edge(c: TilesFn, state: list[str], mask: str, ek: str, ev: str) -> list[str
 
     return workgroups(fn, (c.hk, fn.mul(c.n, parts) if parts > 1 else c.n), ops,
                       [(ty, [c.n, c.hk]) for ty in out_tys], body)
+
+
+def _mask_type(c: TilesFn) -> str:
+    """The edges' mask: i1 ``[N, R, EW]``, with ALiBi f32 ``[N, Hk, R, EW]`` (``tile_io``)."""
+    R = c.t.rows
+    return tensor_type(["?", "?", R, "?"], "f32") if c.p.alibi else tensor_type(["?", R, "?"], "i1")
 
 
 def _normalized(b: Body, c: TilesFn, acc: str, mx: str, sm: str, R: int) -> tuple[str, str]:
@@ -309,18 +328,20 @@ def render_tiles(p: Plan, func_name: str = "fwd_tiles", paged: bool = False) -> 
     kv_rows = gathered_keys(c) if paged else []
     mask, ek, ev = edge_inputs(c)
     c.q_src = q_tiles(c)
-    state = _interior(c)
+    ramps = alibi_ramps(c) if p.alibi else None
+    state = _interior(c, ramps)
     out_t, lse_t = _edge(c, state, mask, ek, ev)
     out, lse = gathered(c, out_t, lse_t)
     R = t.rows
-    names = [out, lse, mask, ek, ev, *state, out_t, lse_t, *([c.q_src[0]] if t.group > 1 else []), *kv_rows]
+    names = [out, lse, mask, ek, ev, *state, out_t, lse_t, *([c.q_src[0]] if copies_q(c) else []), *kv_rows]
     types = [tensor_type(["?", "?", "?", p.dv], p.dtype), tensor_type(["?", "?", "?"], "f32"),
-             tensor_type(["?", R, "?"], "i1"), tensor_type(["?", "?", "?", p.dq], p.dtype),
+             _mask_type(c), tensor_type(["?", "?", "?", p.dq], p.dtype),
              tensor_type(["?", "?", "?", p.dv], p.dtype), *(part.type for part in _parts(c)),
              tensor_type(["?", "?", R, p.dv], p.dtype), tensor_type(["?", "?", R], "f32"),
-             *([c.q_src[1]] if t.group > 1 else []), *([c.q_ty, c.v_ty] if paged else [])]
-    args = (f"%q: {c.q_ty}, %k: {c.q_ty}, %v: {c.v_ty}, %idx: {tensor_type(['?'], 'i32')}, %scale: f32, "
-            "%N: i64, %NL: i64, %RL: i64, %E: i64" + (", %TK: i64" if paged else ""))
+             *([c.q_src[1]] if copies_q(c) else []), *([c.q_ty, c.v_ty] if paged else [])]
+    slopes = f"%slopes: {tensor_type(['?'], 'f32')}, " if p.alibi else ""
+    args = (f"%q: {c.q_ty}, %k: {c.q_ty}, %v: {c.v_ty}, %idx: {tensor_type(['?'], 'i32')}, {slopes}%scale: f32, "
+            "%N: i64, %NL: i64, %RL: i64, %E: i64" + (", %TK: i64" if paged else "") + (", %AL: i64" if p.alibi else ""))
     tys = ", ".join(types)
     return (f"util.func public @{func_name}({args}) -> ({tys}) {{\n" + fn.text()
             + f"\n  util.return {', '.join(names)} : {tys}\n}}\n")
