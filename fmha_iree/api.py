@@ -194,8 +194,8 @@ def fmha_fwd(
                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=gpu.uri,
                        specialize=specialize, softcap=softcap, alibi_slopes=alibi_slopes)
         return call.outputs(out)
-    key = None if alibi_slopes is not None else varlen_call_key(
-        q, k, v, (cu_seqlen_q, cu_seqlen_k), mask, scale, return_lse, layout, tiles, device, specialize, softcap)
+    key = varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k, alibi_slopes), mask, scale, return_lse, layout, tiles,
+                          device, specialize, softcap)
     run = PREPARED.get(key)
     if run is not None:
         return run(q, k, v)
@@ -297,9 +297,8 @@ def fmha_fwd_varlen(
                               block_table=block_table, mask=mask, scale=scale, return_lse=return_lse, tiles=tiles,
                               device=gpu.uri, softcap=softcap, alibi_slopes=alibi_slopes)
         return call.outputs(out)
-    key = None if alibi_slopes is not None else varlen_call_key(
-        q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table), "varlen", mask,
-        scale, return_lse, tiles, device, softcap)
+    key = varlen_call_key(q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table,
+                                    alibi_slopes), "varlen", mask, scale, return_lse, tiles, device, softcap)
     run = PREPARED.get(key)
     if run is not None:
         return run(q, k, v)

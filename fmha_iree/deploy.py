@@ -93,8 +93,7 @@ class DeployedFmha:
         return self._batch_call(q, k, v, mask, scale, return_lse, cu_seqlen_q, cu_seqlen_k, alibi_slopes)
 
     def _batch_call(self, q, k, v, mask, scale, return_lse, cu_seqlen_q, cu_seqlen_k, alibi=None):
-        key = None if alibi is not None else varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k), mask, scale,
-                                                             return_lse)
+        key = varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k, alibi), mask, scale, return_lse)
         run = self._prepared.get(key)
         if run is not None:
             return run(q, k, v)
@@ -168,9 +167,8 @@ class DeployedFmha:
                                             block_table=block_table, mask=mask, scale=scale,
                                             return_lse=return_lse, alibi_slopes=alibi_slopes))
 
-        key = None if alibi_slopes is not None else varlen_call_key(
-            q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table), "varlen",
-            mask, scale, return_lse)
+        key = varlen_call_key(q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k,
+                                        block_table, alibi_slopes), "varlen", mask, scale, return_lse)
         run = self._prepared.get(key)
         if run is not None:
             return run(q, k, v)

@@ -102,9 +102,13 @@ def test_alibi_with_softcap_and_sinks():
     assert_close(out, ref_out, torch.float32, what="alibi + cap + sinks")
     assert_close(lse, ref_lse, torch.float32, kind="lse", what="alibi + cap + sinks")
     dev = [fmha_iree.to_device(x) for x in (q, k, v)]
-    o_dev = fmha_iree.fmha_fwd(*dev, **kw).to_numpy()
     plain = fmha_iree.fmha_fwd(q, k, v, **kw)
-    np.testing.assert_array_equal(o_dev, plain.numpy())
+    for _ in range(2):  # the second call replays the first (prepared.PreparedCalls)
+        np.testing.assert_array_equal(fmha_iree.fmha_fwd(*dev, **kw).to_numpy(), plain.numpy())
+    other = sl * 3  # other slopes: another prepared call, not the first's replay
+    ref_other, _ = attention_ref(q, k, v, mask="t", layout="bshd", softcap=CAP, alibi_slopes=other)
+    assert_close(fmha_iree.fmha_fwd(*dev, **{**kw, "alibi_slopes": other}).to_numpy(), ref_other, torch.float32,
+                 what="alibi, other slopes on DeviceTensors")
 
 
 def test_alibi_refusals():

@@ -59,8 +59,8 @@ def _array_key(x):
 
 
 def varlen_call_key(q, k, v, arrays, *rest):
-    """``device_call_key`` of a group-mode call, with the values of its metadata ``arrays``
-    (seqstarts, seqlen_k, padded starts, block table: what its plan is made of); None where any
+    """``device_call_key`` of a call with the values of its metadata ``arrays`` (seqstarts,
+    seqlen_k, padded starts, block table, ALiBi slopes: what its plan is made of); None where any
     of them cannot be keyed (e.g. a device array)."""
     key = device_call_key(q, k, v, *rest)
     if key is None:
