@@ -42,7 +42,7 @@ def test_alibi_batch(case):
     cq, ck = (None if x is None else _cu(x) for x in (cu_q, cu_k))
     kw = dict(mask=mask, layout=layout, cu_seqlen_q=cq, cu_seqlen_k=ck)
     r = fmha_iree.route(q, k, v, return_lse=True, alibi_slopes=sl, **kw)
-    assert (r.path, r.entry) == ("tiles", "fwd_tiles")
+    assert (r.path, r.entry) == ("tiles", "fwd_tiles_short" if sq <= 16 else "fwd_tiles")  # decode: 16-row tiles
     out, lse = fmha_iree.fmha_fwd(q, k, v, return_lse=True, alibi_slopes=torch.from_numpy(sl), **kw)
     ref_out, ref_lse = attention_ref(q, k, v, alibi_slopes=sl, **{**kw, "mask": None if mask == "0" else mask})
     plain, _ = attention_ref(q, k, v, **{**kw, "mask": None if mask == "0" else mask})
@@ -144,12 +144,16 @@ def test_alibi_deployed(tmp_path):
                  "--mask", "b", "--alibi", "-o", str(path)]) == 0
     mod = fmha_iree.load(path)
     assert mod.manifest["variants"]["alibi"] is True
-    assert mod.capabilities.entries == {"fwd_tiles", "fwd_tiles_paged"}
+    assert mod.capabilities.entries == {"fwd_tiles", "fwd_tiles_paged", "fwd_tiles_short", "fwd_tiles_short_paged"}
     q, k, v = make_qkv(seed_of("alibi-deploy"), B=2, Hq=2, Sq=33, Sk=90, Dq=64, dtype=torch.float16, layout="bshd")
     sl = _slopes(2)
     out = mod(q, k, v, alibi_slopes=sl)
     ref, _ = attention_ref(q, k, v, mask="b", layout="bshd", alibi_slopes=sl)
     assert_close(out, ref, torch.float16, what="alibi deployed")
+    assert mod.route(q[:, :1], k, v, alibi_slopes=sl).entry == "fwd_tiles_short"
+    out = mod(q[:, :1], k, v, alibi_slopes=sl)  # decode
+    ref, _ = attention_ref(q[:, :1], k, v, mask="b", layout="bshd", alibi_slopes=sl)
+    assert_close(out, ref, torch.float16, what="alibi deployed decode")
     with pytest.raises(ValueError, match="alibi_slopes: module .* was built with ALiBi"):
         mod(q, k, v)
     assert main(["compile", "--target", "host", "--dtype", "f16", "--layout", "bshd", "--hdim", "64",

@@ -70,8 +70,11 @@ class _Io:
 def entry_points(spec: KernelSpec, *, fused_step: bool | None = None) -> dict:
     """The module's functions and argument shapes/dtypes; ``?`` marks a runtime (dynamic) size."""
     io = _Io(spec)
-    if spec.alibi:  # fwd_tiles alone (codegen.source._alibi_module)
-        return _tiles_entry_point(spec, fwd_plan(spec, fused_step=True), io.t, io.seq, io.hq)
+    if spec.alibi:  # fwd_tiles alone, also on short tiles (codegen.source._alibi_module)
+        plan = fwd_plan(spec, fused_step=True)
+        out = _tiles_entry_point(spec, plan, io.t, io.seq, io.hq)
+        short = _tiles_entry_point(spec, plan, io.t, io.seq, io.hq, short=True)
+        return {**out, **{f"{k.replace('fwd_tiles', 'fwd_tiles_short')}": e for k, e in short.items()}}
     out = _plan_entry_points(io) if has_plan(spec, fused_step=fused_step) else {}
     plan = fwd_plan(spec, fused_step=fused_step)
     if plan is not None:
@@ -198,11 +201,11 @@ def _cpu_entry_points(io: _Io, step: dict) -> dict:
     return out
 
 
-def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str) -> dict:
-    """``fwd_tiles`` where the module has it (``kernels.tiles``)."""
+def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str, short: bool = False) -> dict:
+    """``fwd_tiles`` where the module has it (``kernels.tiles``; ``short``: its short tiles)."""
     from .kernels.tiles import tiles_shape
 
-    shape = tiles_shape(plan)
+    shape = tiles_shape(plan, short)
     if shape is None:
         return {}
     scratch = ["edge mask", "edge K", "edge V", "acc", "max", "sum", "tiles' out", "tiles' LSE"]

@@ -156,7 +156,11 @@ def tiles_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
 
     plan = fwd_plan(spec, fused_step=fused_step)
     t = tiles_shape(plan) if plan is not None else None
-    return None if t is None else {"rows": t.rows, "group": t.group, "ew": t.ew, "step": STEP}
+    if t is None:
+        return None
+    short = tiles_shape(plan, short=True) if spec.alibi else None  # codegen.source._alibi_module's short tiles
+    return {"rows": t.rows, "group": t.group, "ew": t.ew, "step": STEP,
+            **({"short_rows": short.rows, "short_ew": short.ew} if short is not None else {})}
 
 
 # Causal without LSE at a compiled-in length S up to this: the whole problem as ONE fused
@@ -263,7 +267,10 @@ def _alibi_module(spec: KernelSpec) -> str:
     from .kernels.tiles import render_tiles
 
     plan = fwd_plan(spec, fused_step=True)
-    funcs = [f for f in (render_tiles(plan, "fwd_tiles"), render_tiles(plan, "fwd_tiles_paged", paged=True))
+    # decode on 16-row tiles: the 128-row ones computed 128 rows for one (docs/BENCHMARKS.md, "ALiBi")
+    kinds = [(f"fwd_tiles{sfx}{'_paged' if paged else ''}", paged, short)
+             for sfx, short in (("", False), ("_short", True)) for paged in (False, True)]
+    funcs = [f for f in (render_tiles(plan, n, paged=pg, short=sh) for n, pg, sh in kinds)
              if f is not None] if plan is not None else []
     if not funcs:
         raise ValueError(f"alibi_slopes: no ALiBi kernel for {spec.module_name} (one query head per KV head, "

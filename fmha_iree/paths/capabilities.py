@@ -41,6 +41,7 @@ class TilesCaps:
     group: int
     ew: int
     step: int
+    short: "TilesCaps | None" = None  # ``fwd_tiles_short*``'s (ALiBi modules: decode on 16-row tiles)
 
     @property
     def positions(self) -> int:
@@ -98,7 +99,9 @@ class Capabilities:
             int(d["align"]), tuple(int(s) for s in d["seqlens"]), tuple(int(s) for s in d["causal_o"]),
             bool(d["tiled"]), bool(d["dynamic"]),
             int(d.get("batch", 0)), int(d.get("kv_heads", 0)))
-        key_tiles = None if t is None else TilesCaps(int(t["rows"]), int(t["group"]), int(t["ew"]), int(t["step"]))
+        key_tiles = None if t is None else TilesCaps(
+            int(t["rows"]), int(t["group"]), int(t["ew"]), int(t["step"]),
+            TilesCaps(int(t["short_rows"]), int(t["group"]), int(t["short_ew"]), int(t["step"])) if "short_rows" in t else None)
         ck = record["tiles"]
         tiles = TileConfig(ck["kM0"], ck["kN0"], ck["kK0"], ck["kN1"], ck["kK1"], kv_chunk=ck["kv_chunk"])
         return cls(str(record["module"]), str(record["formulation"]), str(record["family"]), str(record["layout"]),

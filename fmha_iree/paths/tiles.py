@@ -156,6 +156,10 @@ class _Tiles:
     def plan(self, prob: Problem, caps: Capabilities):
         entry = "fwd_tiles_paged" if prob.mode == "paged" else "fwd_tiles"
         info = caps.key_tiles
+        if info is not None and info.short is not None and int(prob.q_len.max(initial=0)) <= info.short.positions:
+            # decode-shaped: a 16-row tile a sequence (the 128-row ones computed 128 rows for one;
+            # docs/BENCHMARKS.md, "ALiBi")
+            entry, info = entry.replace("fwd_tiles", "fwd_tiles_short"), info.short
         if info is None or not caps.has(entry):
             return Refused((f"the module has no {entry} (a CPU module, padded head dims, or a gfx target and head "
                             "dim whose tiles spilled or failed to compile: source._rocm_tiles)",))

@@ -53,6 +53,7 @@ __all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "tiles_shape", "
 # reached its form").
 GPU_ROWS, GPU_K2 = 128, 64
 CPU_ROWS, CPU_K2 = 64, 16  # llvm-cpu (tests): whole rows per workgroup, short vector steps
+SHORT_ROWS = 16  # the short tiles' rows (``tiles_shape(short=True)``; the short tier's on GPUs)
 # The edge's workgroups per tile, each over half the tile's rows and the keys those rows see (a
 # causal tile's first half needs one key step of the two): measured faster than one part on the
 # H100 (sm_80 f16 d128) for group-mode prefill and causal batches (docs/BENCHMARKS.md, "The
@@ -60,15 +61,17 @@ CPU_ROWS, CPU_K2 = 64, 16  # llvm-cpu (tests): whole rows per workgroup, short v
 from ...problem.abi import EDGE_PARTS
 
 
-def tiles_shape(p: Plan) -> TilesShape | None:
+def tiles_shape(p: Plan, short: bool = False) -> TilesShape | None:
     """The path's sizes for plan ``p``, or None where the module has no such path (off in the plan,
     head dims padded on the way, a GPU lowering IREE chooses itself, a group that does not divide
-    the rows)."""
+    the rows). ``short``: tiles of the short tier's 16 rows (decode; ALiBi modules, whose only path
+    this is)."""
     lw = p.main.lowering
     if not p.tiles or p.pads or not isinstance(lw, dict) or (p.alibi and p.group > 1):
         return None
     if lw.get("backend") == "cpu":
-        rows, low = CPU_ROWS, {"backend": "cpu", "workgroup_m": CPU_ROWS, "vector_m": 2, "reduction_k2": CPU_K2}
+        rows = SHORT_ROWS if short else CPU_ROWS
+        low = {"backend": "cpu", "workgroup_m": rows, "vector_m": 2, "reduction_k2": CPU_K2}
         if rows % p.group:
             return None
         parts = EDGE_PARTS if (rows // p.group) % EDGE_PARTS == 0 else 1
@@ -76,9 +79,9 @@ def tiles_shape(p: Plan) -> TilesShape | None:
     else:
         from .banded import band_tier
 
-        tier = band_tier(p.main, GPU_ROWS)
-        rows = tier.tile_rows
-        k2 = min(GPU_K2, STEP) if STEP % int(tier.lowering.get("reduction_k2", 32)) == 0 else 0
+        tier = p.short if short else band_tier(p.main, GPU_ROWS)
+        rows, red = tier.tile_rows, int(tier.lowering.get("reduction_k2", 32))
+        k2 = (red if short else min(GPU_K2, STEP)) if STEP % red == 0 else 0
         if not k2 or rows % p.group:
             return None
         low = {**{k: v for k, v in tier.lowering.items() if k != "masked"}, "reduction_k2": k2, "workgroup_m": rows}
@@ -307,7 +310,7 @@ def _normalized(b: Body, c: TilesFn, acc: str, mx: str, sm: str, R: int) -> tupl
     return o, lse
 
 
-def render_tiles(p: Plan, func_name: str = "fwd_tiles", paged: bool = False) -> str | None:
+def render_tiles(p: Plan, func_name: str = "fwd_tiles", paged: bool = False, short: bool = False) -> str | None:
     """``util.func public @func_name(q, k, v, idx, scale, N, NL, RL, E)`` (q / k / v in the plan's
     layout, ``B`` entries of ``Tq`` / ``Tk`` rows) -> (out in that layout, LSE ``[NL, Hq, RL]``,
     then the scratch: mask, edge K / V, state, the tiles' out and LSE, the tiles' Q where G > 1);
@@ -317,8 +320,8 @@ def render_tiles(p: Plan, func_name: str = "fwd_tiles", paged: bool = False) -> 
     shape's ``ew`` (the edge copies and mask hold that many keys per tile). ``paged``
     (``fwd_tiles_paged``, bshd): k / v are a paged cache's rows ``[1, pages * page, Hk, D]``, the
     table ends with the cache row of each of the ``TK`` keys in sequence order (a scalar more),
-    gathered first (``tile_io.gathered_keys``)."""
-    t = tiles_shape(p)
+    gathered first (``tile_io.gathered_keys``). ``short``: ``tiles_shape``'s short tiles."""
+    t = tiles_shape(p, short)
     if t is None:
         return None
     if paged and p.layout != "bshd":
