@@ -208,8 +208,10 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     ``with_fwd=False`` leaves it out (tests of the other entry points, which it would only slow
     to compile), ``with_ragged=False`` leaves out ``fwd_ragged`` (``kernels.ragged``) beside it."""
     fused = is_fused(spec, fused_step)
-    if spec.alibi:
-        return _alibi_module(spec)
+    if spec.alibi:  # fwd_tiles alone, the slopes an argument (kernels.tiles.alibi_module)
+        from .kernels.tiles import alibi_module
+
+        return alibi_module(fwd_plan(spec, fused_step=True), spec.module_name)
     plan_too = has_plan(spec, fused_step=fused, with_fwd=with_fwd, with_ragged=with_ragged)
     if plan_too:
         text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused,
@@ -259,23 +261,6 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
                 funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed_paged", "gathered"))
                 funcs.append(render_packed(dataclasses.replace(plan, ragged=True), "fwd_packed_pages", "pages"))
     return _with_funcs(text, funcs)
-
-
-def _alibi_module(spec: KernelSpec) -> str:
-    """An ALiBi module: ``fwd_tiles`` (and in bshd ``fwd_tiles_paged``) with the slopes as an
-    argument, which take every mode (batch, group, paged, decode); ``kernels.tiles`` says how."""
-    from .kernels.tiles import render_tiles
-
-    plan = fwd_plan(spec, fused_step=True)
-    # decode on 16-row tiles: the 128-row ones computed 128 rows for one (docs/BENCHMARKS.md, "ALiBi")
-    kinds = [(f"fwd_tiles{sfx}{'_paged' if paged else ''}", paged, short)
-             for sfx, short in (("", False), ("_short", True)) for paged in (False, True)]
-    funcs = [f for f in (render_tiles(plan, n, paged=pg, short=sh) for n, pg, sh in kinds)
-             if f is not None] if plan is not None else []
-    if not funcs:
-        raise ValueError(f"alibi_slopes: no ALiBi kernel for {spec.module_name} (one query head per KV head, "
-                         "head dims the target's tiles take without padding)")
-    return _with_funcs(f"module @{spec.module_name} {{\n}}\n", funcs)
 
 
 def step_compute(spec: KernelSpec) -> tuple[tuple[int, int], dict | None]:

@@ -45,7 +45,7 @@ from .tile_io import (STEP, TILE_COLUMNS, TILE_FIELDS, TilesFn, TilesShape, alib
                       gathered, gathered_keys, q_tiles, tile_row)
 from .workgroups import Body, load, store, workgroups
 
-__all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "tiles_shape", "render_tiles"]
+__all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "tiles_shape", "render_tiles", "alibi_module"]
 
 # Rows and key steps of the tiles' ops on GPUs: 128 rows with 64-key steps measured fastest on the
 # H200 (sm_80 f16 d128) for the 16-sequence causal prefill and causal batches, against 32-key
@@ -348,3 +348,17 @@ def render_tiles(p: Plan, func_name: str = "fwd_tiles", paged: bool = False, sho
     tys = ", ".join(types)
     return (f"util.func public @{func_name}({args}) -> ({tys}) {{\n" + fn.text()
             + f"\n  util.return {', '.join(names)} : {tys}\n}}\n")
+
+
+def alibi_module(p: Plan | None, name: str) -> str:
+    """An ALiBi module: ``fwd_tiles`` / ``fwd_tiles_paged`` with the slopes as an argument, and their
+    16-row forms (``fwd_tiles_short*``) for decode-shaped calls (the 128-row tiles computed 128 rows
+    for one: docs/BENCHMARKS.md, "ALiBi"); they take every mode (batch, group, paged, decode)."""
+    kinds = [(f"fwd_tiles{sfx}{'_paged' if paged else ''}", paged, short)
+             for sfx, short in (("", False), ("_short", True)) for paged in (False, True)]
+    funcs = [f for f in (render_tiles(p, n, paged=pg, short=sh) for n, pg, sh in kinds)
+             if f is not None] if p is not None else []
+    if not funcs:
+        raise ValueError(f"alibi_slopes: no ALiBi kernel for {name} (one query head per KV head, head dims the "
+                         "target's tiles take without padding)")
+    return f"module @{name} {{\n" + "\n".join(funcs) + "}\n"
