@@ -74,7 +74,8 @@ def clear_memory_caches():
 
 
 def _compiled(p: BatchProblem, tiles, device, specialize: bool = False):
-    """(target family, ``() -> paths.Loaded``) for a problem on ``device``, compiling on first use.
+    """(whether the module is the GPU formulation, ``() -> paths.Loaded``) for a problem on
+    ``device``, compiling on first use.
     ``specialize``: a module with entry points fixed to this problem's length (and, on the CPU,
     batch and KV heads), when the problem is one they take (``_specialized``)."""
     device_uri, target = resolve_device(device)
@@ -85,7 +86,7 @@ def _compiled(p: BatchProblem, tiles, device, specialize: bool = False):
     if specialize:
         spec = _specialized(p, spec)
     get_device(device_uri)  # opened before anything compiles: an unavailable device is a ValueError now
-    return target.family, lambda: LOADED.get(spec, device_uri)
+    return is_fused(spec), lambda: LOADED.get(spec, device_uri)
 
 
 def _specialized(p: BatchProblem, spec: KernelSpec) -> KernelSpec:
@@ -307,8 +308,8 @@ def fmha_fwd_varlen(
         cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
         prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, with_lse=return_lse,
                              softcap=softcap, alibi_slopes=alibi_slopes)
-        family, get = _compiled(prob.p, tiles, device)
-        if cache.on_device and family == "cpu" and alibi_slopes is None:  # CPU modules read a paged cache on the host
+        fused, get = _compiled(prob.p, tiles, device)
+        if cache.on_device and not fused:  # the CPU formulation reads a paged cache on the host: refused before compiling
             raise TypeError("k_cache: CPU modules read a paged cache from host arrays (torch CPU tensors or numpy); "
                             "got a DeviceTensor")
         return run_paged(prob, get, memo)

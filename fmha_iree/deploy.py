@@ -179,7 +179,7 @@ class DeployedFmha:
             prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, with_lse=return_lse,
                                  alibi_slopes=alibi_slopes)
             self._check(prob.p, return_lse)
-            if cache.on_device and self.capabilities.formulation == "cpu" and not self.capabilities.alibi:
+            if cache.on_device and self.capabilities.formulation == "cpu":
                 raise TypeError("k_cache: CPU modules read a paged cache from host arrays (torch CPU tensors or numpy); "
                                 "got a DeviceTensor")
             return run_paged(prob, self._get, memo)

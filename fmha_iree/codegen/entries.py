@@ -70,11 +70,11 @@ class _Io:
 def entry_points(spec: KernelSpec, *, fused_step: bool | None = None) -> dict:
     """The module's functions and argument shapes/dtypes; ``?`` marks a runtime (dynamic) size."""
     io = _Io(spec)
-    if spec.alibi:  # fwd_tiles alone, also on short tiles (codegen.source._alibi_module)
+    if spec.alibi:  # fwd_tiles alone, also on short tiles (kernels.tiles.alibi_module)
         plan = fwd_plan(spec, fused_step=True)
         out = _tiles_entry_point(spec, plan, io.t, io.seq, io.hq)
         short = _tiles_entry_point(spec, plan, io.t, io.seq, io.hq, short=True)
-        return {**out, **{f"{k.replace('fwd_tiles', 'fwd_tiles_short')}": e for k, e in short.items()}}
+        return {**out, **{k.replace("fwd_tiles", "fwd_tiles_short"): e for k, e in short.items()}}
     out = _plan_entry_points(io) if has_plan(spec, fused_step=fused_step) else {}
     plan = fwd_plan(spec, fused_step=fused_step)
     if plan is not None:

@@ -158,7 +158,7 @@ def tiles_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     t = tiles_shape(plan) if plan is not None else None
     if t is None:
         return None
-    short = tiles_shape(plan, short=True) if spec.alibi else None  # codegen.source._alibi_module's short tiles
+    short = tiles_shape(plan, short=True) if spec.alibi else None  # kernels.tiles.alibi_module's short tiles
     return {"rows": t.rows, "group": t.group, "ew": t.ew, "step": STEP,
             **({"short_rows": short.rows, "short_ew": short.ew} if short is not None else {})}
 

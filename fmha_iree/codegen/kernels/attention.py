@@ -71,6 +71,7 @@ def online_attention(fn: Fn, *, q: Operand, k: Operand, v: Operand, scale: str, 
     ``k2o``: keys in two dims, ``k2o`` (outer, one per step) and ``k2``. ``softcap``: the
     module's logits soft-cap (``scores``), 0 for none. ``bias``: a float mask (natural-log units
     added to the scores) in place of ``mask`` on an op that keeps the unmasked layout."""
+    assert mask is None or bias is None, "an op takes one mask operand"
     props, attrs = lowering_attrs(lowering, dv=dv, batch_dims=nb, k2o=k2o, masked=mask is not None)
     mask = mask if bias is None else bias
     body = score_region(softcap, exp2=cap_exp2(lowering))
