@@ -20,6 +20,7 @@ from .runtime.torch_gpu import TorchCall, torch_gpu
 from .paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from .paths.sinks import varlen_rows, with_sinks as _with_sinks
 from .problem.alibi import refuse_sink_tokens
+from .problem.bias import refuse_sink_tokens as refuse_bias_sink_tokens
 
 __all__ = ["fmha_fwd", "fmha_fwd_varlen", "route", "cache_stats", "clear_memory_caches", "to_device"]
 
@@ -124,7 +125,7 @@ def to_device(x, device=None) -> DeviceTensor:
 def fmha_fwd(
     q, k, v, *, mask=None, scale=None, return_lse=False, layout="bhsd",
     cu_seqlen_q=None, cu_seqlen_k=None, tiles=None, device=None, specialize=False, softcap=None, sinks=None,
-    alibi_slopes=None,
+    alibi_slopes=None, bias=None,
 ):
     """CK's FMHA forward (batch mode): ``softmax(scale * q @ k^T, masked) @ v``.
 
@@ -177,31 +178,32 @@ def fmha_fwd(
     """
     if has_sink_tokens(mask):
         refuse_sink_tokens(alibi_slopes)
+        refuse_bias_sink_tokens(bias)
         return with_batch_sink_tokens(
             lambda m: fmha_fwd(q, k, v, mask=m, scale=scale, return_lse=True, layout=layout, cu_seqlen_q=cu_seqlen_q,
                                cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=device, specialize=specialize,
-                               softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes),
+                               softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias),
             q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k,
             softcap=softcap, return_lse=return_lse)
     if sinks is not None:
         return _with_sinks(lambda: fmha_fwd(q, k, v, mask=mask, scale=scale, return_lse=True, layout=layout,
                                             cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=device,
-                                            specialize=specialize, softcap=softcap, alibi_slopes=alibi_slopes),
+                                            specialize=specialize, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias),
                            q, sinks, 2 if layout == "bshd" else 1, layout, return_lse)
     gpu = torch_gpu({"q": q, "k": k, "v": v}, device)
     if gpu is not None:  # torch GPU tensors: shared with IREE both ways (torch_gpu)
         call = TorchCall(gpu)
         out = fmha_fwd(*call.inputs((q, k, v)), mask=mask, scale=scale, return_lse=return_lse, layout=layout,
                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=gpu.uri,
-                       specialize=specialize, softcap=softcap, alibi_slopes=alibi_slopes)
+                       specialize=specialize, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias)
         return call.outputs(out)
-    key = varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k, alibi_slopes), mask, scale, return_lse, layout, tiles,
+    key = None if bias is not None else varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k, alibi_slopes), mask, scale, return_lse, layout, tiles,
                           device, specialize, softcap)
     run = PREPARED.get(key)
     if run is not None:
         return run(q, k, v)
     p = check_batch(q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k,
-                    softcap=softcap, alibi_slopes=alibi_slopes)
+                    softcap=softcap, alibi_slopes=alibi_slopes, bias=bias)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if not isinstance(specialize, bool):
@@ -217,7 +219,7 @@ def fmha_fwd(
 
 def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None, seqstart_q=None,
           seqstart_k=None, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None, block_table=None,
-          tiles=None, device=None, specialize=False, softcap=None, alibi_slopes=None) -> Route:
+          tiles=None, device=None, specialize=False, softcap=None, alibi_slopes=None, bias=None) -> Route:
     """The path a call with these arguments takes, without running it: :func:`fmha_fwd`'s (batch
     mode) or, given ``seqstart_q``, :func:`fmha_fwd_varlen`'s (group mode; a paged cache with
     ``block_table``). The :class:`paths.Route` names the path, the module function it calls and
@@ -232,23 +234,23 @@ def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=No
             if val is not None:
                 raise ValueError(f"{name} is group mode's: give seqstart_q too")
         p = check_batch(q, k, v, mask=mask, scale=None, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k,
-                        softcap=softcap, alibi_slopes=alibi_slopes)
+                        softcap=softcap, alibi_slopes=alibi_slopes, bias=bias)
         return batch_route(p, return_lse, _compiled(p, tiles, device, specialize)[1])
     if block_table is not None:
         cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
         prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=None, with_lse=return_lse,
-                             softcap=softcap, alibi_slopes=alibi_slopes)
+                             softcap=softcap, alibi_slopes=alibi_slopes, bias=bias)
         return problem_route(prob, _compiled(prob.p, tiles, device)[1])
     p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
                              seqstart_padded_k=seqstart_padded_k, mask=mask, scale=None, softcap=softcap,
-                             alibi_slopes=alibi_slopes)
+                             alibi_slopes=alibi_slopes, bias=bias)
     return group_route(p, starts, return_lse, _compiled(p, tiles, device)[1])
 
 
 def fmha_fwd_varlen(
     q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
     block_table=None, mask=None, scale=None, return_lse=False, tiles=None, device=None, softcap=None, sinks=None,
-    alibi_slopes=None,
+    alibi_slopes=None, bias=None,
 ):
     """CK's FMHA forward in group mode: sequences packed along the token axis ("thd").
 
@@ -277,28 +279,30 @@ def fmha_fwd_varlen(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if has_sink_tokens(mask):
         refuse_sink_tokens(alibi_slopes)
+        refuse_bias_sink_tokens(bias)
         ints = dict(seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                     block_table=block_table)
         return with_varlen_sink_tokens(
             lambda m: fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, **ints, mask=m, scale=scale, return_lse=True,
                                       tiles=tiles, device=device, softcap=softcap, sinks=sinks,
-                                      alibi_slopes=alibi_slopes),
+                                      alibi_slopes=alibi_slopes, bias=bias),
             q, k, v, seqstart_q, seqstart_k, **ints, mask=mask, scale=scale, softcap=softcap, return_lse=return_lse)
     if sinks is not None:
         rows = varlen_rows(seqstart_q, seqstart_padded_q)
         return _with_sinks(lambda: fmha_fwd_varlen(
             q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
             seqstart_padded_k=seqstart_padded_k, block_table=block_table, mask=mask, scale=scale, return_lse=True,
-            tiles=tiles, device=device, softcap=softcap, alibi_slopes=alibi_slopes), q, sinks, 1, "thd", return_lse, rows)
+            tiles=tiles, device=device, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias), q, sinks, 1, "thd", return_lse, rows)
     gpu = torch_gpu({"q": q, "k": k, "v": v}, device)
     if gpu is not None:  # torch GPU tensors: shared with IREE both ways (torch_gpu)
         call = TorchCall(gpu)
         out = fmha_fwd_varlen(*call.inputs((q, k, v)), seqstart_q, seqstart_k, seqlen_k=seqlen_k,
                               seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                               block_table=block_table, mask=mask, scale=scale, return_lse=return_lse, tiles=tiles,
-                              device=gpu.uri, softcap=softcap, alibi_slopes=alibi_slopes)
+                              device=gpu.uri, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias)
         return call.outputs(out)
-    key = varlen_call_key(q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table,
+    key = None if bias is not None else varlen_call_key(
+        q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table,
                                     alibi_slopes), "varlen", mask, scale, return_lse, tiles, device, softcap)
     run = PREPARED.get(key)
     if run is not None:
@@ -307,7 +311,7 @@ def fmha_fwd_varlen(
     if block_table is not None:
         cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
         prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, with_lse=return_lse,
-                             softcap=softcap, alibi_slopes=alibi_slopes)
+                             softcap=softcap, alibi_slopes=alibi_slopes, bias=bias)
         fused, get = _compiled(prob.p, tiles, device)
         if cache.on_device and not fused:  # the CPU formulation reads a paged cache on the host: refused before compiling
             raise TypeError("k_cache: CPU modules read a paged cache from host arrays (torch CPU tensors or numpy); "
@@ -315,6 +319,6 @@ def fmha_fwd_varlen(
         return run_paged(prob, get, memo)
     p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
                              seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale, softcap=softcap,
-                             alibi_slopes=alibi_slopes)
+                             alibi_slopes=alibi_slopes, bias=bias)
     return run_group(p, starts, return_lse, _compiled(p, tiles, device)[1], memo)
 

@@ -58,8 +58,10 @@ def compile_main(args) -> int:
             raise ValueError("--batch: only the CPU's compiled-in (--seqlens) entries are specialized on the batch")
         if args.alibi and (hq != hk or args.seqlens):
             raise ValueError("--alibi: one query head per KV head (--heads H:H) and no --seqlens (fwd_tiles alone)")
+        if args.bias and (args.alibi or args.seqlens):
+            raise ValueError("--bias: not with --alibi (one bias kind a module, as CK's) nor --seqlens (fwd_tiles alone)")
         spec = KernelSpec(args.dtype, args.layout, hq // hk, args.hdim, dv, tiles, target, tuple(args.seqlens), *pinned,
-                          softcap=check_softcap(args.softcap), alibi=args.alibi)
+                          softcap=check_softcap(args.softcap), alibi=args.alibi, bias=args.bias)
         if spec.seqlens:
             from .codegen.source import dense_params
 
@@ -240,6 +242,8 @@ def main(argv=None) -> int:
                    help="logits soft-cap compiled into every kernel (softcap * tanh(s / softcap); Gemma 2: 50)")
     c.add_argument("--alibi", action="store_true",
                    help="ALiBi: fwd_tiles alone, the slopes an argument of every call (BLOOM, MPT; Hq == Hk)")
+    c.add_argument("--bias", action="store_true",
+                   help="an elementwise bias [B, Hq, Sq, Sk] (broadcastable) an argument of every call: fwd_tiles alone")
     c.add_argument("--iree-exp2", action="store_true",
                    help="CUDA: keep IREE's polynomial exp2 (default: ex2.approx, see fmha_iree/toolchain/ptx.py)")
     c.add_argument("--dump", help="also keep IREE's dumped executables (configured IR, ISA) here")

@@ -19,6 +19,7 @@ from .runtime.module import FmhaModule
 from .paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from .paths.sinks import varlen_rows, with_sinks
 from .problem.alibi import refuse_sink_tokens
+from .problem.bias import refuse_sink_tokens as refuse_bias_sink_tokens
 from .problem.spec import check_batch, check_softcap, check_varlen
 from .problem.targets import resolve_device
 from .runtime.torch_gpu import TorchCall, torch_gpu
@@ -64,40 +65,43 @@ class DeployedFmha:
                              "(a constant of its kernels: fmha-iree compile --softcap)")
 
     def __call__(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None,
-                 softcap=None, sinks=None, alibi_slopes=None):
+                 softcap=None, sinks=None, alibi_slopes=None, bias=None):
         """Batch mode, as :func:`fmha_iree.fmha_fwd`. A repeated call on DeviceTensors of the
         same shapes (and cu_seqlen values) replays its checked and routed form
         (``prepared.PreparedCalls``). torch GPU tensors on the module's GPU are shared with it
         both ways (``torch_gpu``). ``softcap``: the module's own, or None; ``sinks``: as
         :func:`fmha_iree.fmha_fwd`'s; ``alibi_slopes`` too, on a module compiled with ``--alibi``
-        (which needs them)."""
+        (which needs them), and ``bias`` on one compiled with ``--bias``."""
         self._softcap(softcap)
         pr = self.manifest["problem"]
         layout, given = pr["layout"], pr.get("mask") if mask is None else mask  # the module's default mask
         if has_sink_tokens(given):
             refuse_sink_tokens(alibi_slopes)
+            refuse_bias_sink_tokens(bias)
             return with_batch_sink_tokens(
                 lambda m: self(q, k, v, mask=m, scale=scale, return_lse=True, cu_seqlen_q=cu_seqlen_q,
-                               cu_seqlen_k=cu_seqlen_k, sinks=sinks, alibi_slopes=alibi_slopes),
+                               cu_seqlen_k=cu_seqlen_k, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias),
                 q, k, v, mask=given, scale=scale, layout=layout, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k,
                 softcap=self.softcap, return_lse=return_lse)
         if sinks is not None:
             return with_sinks(lambda: self(q, k, v, mask=mask, scale=scale, return_lse=True, cu_seqlen_q=cu_seqlen_q,
-                                           cu_seqlen_k=cu_seqlen_k, alibi_slopes=alibi_slopes), q, sinks,
+                                           cu_seqlen_k=cu_seqlen_k, alibi_slopes=alibi_slopes, bias=bias), q, sinks,
                               2 if layout == "bshd" else 1, layout, return_lse)
         gpu = torch_gpu({"q": q, "k": k, "v": v}, self.device_uri)
         if gpu is not None:
             call = TorchCall(gpu)
             return call.outputs(self._batch_call(*call.inputs((q, k, v)), mask, scale, return_lse, cu_seqlen_q,
-                                                 cu_seqlen_k, alibi_slopes))
-        return self._batch_call(q, k, v, mask, scale, return_lse, cu_seqlen_q, cu_seqlen_k, alibi_slopes)
+                                                 cu_seqlen_k, (alibi_slopes, bias)))
+        return self._batch_call(q, k, v, mask, scale, return_lse, cu_seqlen_q, cu_seqlen_k, (alibi_slopes, bias))
 
-    def _batch_call(self, q, k, v, mask, scale, return_lse, cu_seqlen_q, cu_seqlen_k, alibi=None):
-        key = varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k, alibi), mask, scale, return_lse)
+    def _batch_call(self, q, k, v, mask, scale, return_lse, cu_seqlen_q, cu_seqlen_k, biases=(None, None)):
+        alibi, bias = biases
+        key = None if bias is not None else varlen_call_key(q, k, v, (cu_seqlen_q, cu_seqlen_k, alibi), mask, scale,
+                                                            return_lse)
         run = self._prepared.get(key)
         if run is not None:
             return run(q, k, v)
-        p = self._batch(q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse, alibi)
+        p = self._batch(q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse, biases)
         if key is not None:
             run = prepare_batch(p, return_lse, self._get)
             self._prepared.put(key, run)
@@ -107,22 +111,22 @@ class DeployedFmha:
 
     def route(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None,
               seqstart_q=None, seqstart_k=None, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
-              block_table=None, alibi_slopes=None) -> Route:
+              block_table=None, alibi_slopes=None, bias=None) -> Route:
         """The path a call with these arguments would take, without running it: a batch-mode
         call's or, given ``seqstart_q``, :meth:`varlen`'s (a paged cache with ``block_table``).
         ``str()`` of the :class:`paths.Route` lists each path tried before with its reasons."""
         if seqstart_q is None:
-            p = self._batch(q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse, alibi_slopes)
+            p = self._batch(q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse, (alibi_slopes, bias))
             return batch_route(p, return_lse, self._get)
         mask = self._group_mask(mask)
         if block_table is not None:
             cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
             prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, with_lse=return_lse,
-                                 alibi_slopes=alibi_slopes)
+                                 alibi_slopes=alibi_slopes, bias=bias)
             self._check(prob.p, return_lse)
             return problem_route(prob, self._get)
         p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
-                                 seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale, alibi_slopes=alibi_slopes)
+                                 seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale, alibi_slopes=alibi_slopes, bias=bias)
         self._check(p, return_lse)
         return group_route(p, starts, return_lse, self._get)
 
@@ -136,28 +140,30 @@ class DeployedFmha:
 
     def varlen(self, q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
                seqstart_padded_k=None, block_table=None, mask=None, scale=None, return_lse=False, softcap=None,
-               sinks=None, alibi_slopes=None):
+               sinks=None, alibi_slopes=None, bias=None):
         """Group mode, as :func:`fmha_iree.fmha_fwd_varlen` (``q`` ``[Tq, Hq, Dq]`` ...; a paged
         cache with ``block_table``): needs a module compiled with ``--layout bshd`` (packed tokens
         are bshd rows of one sequence). A call on DeviceTensors whose shapes and metadata values
         (starts, lengths, block table) repeat an earlier one's replays its plan
-        (``prepared.varlen_call_key``). ``softcap``, ``sinks``, ``alibi_slopes``: as :meth:`__call__`'s."""
+        (``prepared.varlen_call_key``). ``softcap``, ``sinks``, ``alibi_slopes``, ``bias``: as :meth:`__call__`'s
+        (``bias`` as :func:`fmha_iree.fmha_fwd_varlen`'s)."""
         mask = self._group_mask(mask)
         self._softcap(softcap)
         if has_sink_tokens(mask):
             refuse_sink_tokens(alibi_slopes)
+            refuse_bias_sink_tokens(bias)
             ints = dict(seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                         block_table=block_table)
             return with_varlen_sink_tokens(
                 lambda m: self.varlen(q, k, v, seqstart_q, seqstart_k, **ints, mask=m, scale=scale, return_lse=True,
-                                      sinks=sinks, alibi_slopes=alibi_slopes),
+                                      sinks=sinks, alibi_slopes=alibi_slopes, bias=bias),
                 q, k, v, seqstart_q, seqstart_k, **ints, mask=mask, scale=scale, softcap=self.softcap,
                 return_lse=return_lse)
         if sinks is not None:
             return with_sinks(lambda: self.varlen(
                 q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
                 seqstart_padded_k=seqstart_padded_k, block_table=block_table, mask=mask, scale=scale,
-                return_lse=True, alibi_slopes=alibi_slopes), q, sinks, 1, "thd", return_lse,
+                return_lse=True, alibi_slopes=alibi_slopes, bias=bias), q, sinks, 1, "thd", return_lse,
                 varlen_rows(seqstart_q, seqstart_padded_q))
         gpu = torch_gpu({"q": q, "k": k, "v": v}, self.device_uri)
         if gpu is not None:
@@ -165,10 +171,11 @@ class DeployedFmha:
             return call.outputs(self.varlen(*call.inputs((q, k, v)), seqstart_q, seqstart_k, seqlen_k=seqlen_k,
                                             seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                                             block_table=block_table, mask=mask, scale=scale,
-                                            return_lse=return_lse, alibi_slopes=alibi_slopes))
+                                            return_lse=return_lse, alibi_slopes=alibi_slopes, bias=bias))
 
-        key = varlen_call_key(q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k,
-                                        block_table, alibi_slopes), "varlen", mask, scale, return_lse)
+        key = None if bias is not None else varlen_call_key(
+            q, k, v, (seqstart_q, seqstart_k, seqlen_k, seqstart_padded_q, seqstart_padded_k, block_table, alibi_slopes),
+            "varlen", mask, scale, return_lse)
         run = self._prepared.get(key)
         if run is not None:
             return run(q, k, v)
@@ -177,22 +184,23 @@ class DeployedFmha:
         if block_table is not None:
             cache = check_paged(k, v, seqstart_q, seqstart_k, seqlen_k, seqstart_padded_k, block_table)
             prob = paged_problem(q, cache, seqstart_q, seqstart_padded_q, mask=mask, scale=scale, with_lse=return_lse,
-                                 alibi_slopes=alibi_slopes)
+                                 alibi_slopes=alibi_slopes, bias=bias)
             self._check(prob.p, return_lse)
             if cache.on_device and self.capabilities.formulation == "cpu":
                 raise TypeError("k_cache: CPU modules read a paged cache from host arrays (torch CPU tensors or numpy); "
                                 "got a DeviceTensor")
             return run_paged(prob, self._get, memo)
         p, starts = check_varlen(q, k, v, seqstart_q, seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
-                                 seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale, alibi_slopes=alibi_slopes)
+                                 seqstart_padded_k=seqstart_padded_k, mask=mask, scale=scale, alibi_slopes=alibi_slopes, bias=bias)
         self._check(p, return_lse)
         return run_group(p, starts, return_lse, self._get, memo)
 
-    def _batch(self, q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse, alibi=None):
-        """A batch-mode call checked against the arguments' rules and the manifest."""
+    def _batch(self, q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse, biases=(None, None)):
+        """A batch-mode call checked against the arguments' rules and the manifest; ``biases``:
+        (ALiBi slopes, elementwise bias)."""
         pr = self.manifest["problem"]
         p = check_batch(q, k, v, mask=pr.get("mask") if mask is None else mask, scale=scale, layout=pr["layout"],
-                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, alibi_slopes=alibi)
+                        cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k, alibi_slopes=biases[0], bias=biases[1])
         self._check(p, return_lse)
         return p
 

@@ -171,14 +171,16 @@ def alibi_bias(mask, sq: int, sk: int, slope: float) -> np.ndarray:
 
 
 def attention_ref(q, k, v, *, mask=None, scale=None, layout="bhsd", cu_seqlen_q=None,
-                  cu_seqlen_k=None, softcap=None, sinks=None, alibi_slopes=None):
+                  cu_seqlen_k=None, softcap=None, sinks=None, alibi_slopes=None, bias=None):
     """float64 reference. Returns (out, lse): out in the input layout, lse [B, Hq, Sq].
 
     ``softcap``: each score ``s = scale * q.k`` becomes ``softcap * tanh(s / softcap)`` before the
     mask. ``sinks`` ([Hq]): head h's sink logit joins every row's softmax denominator
     (``sum_j exp(s_j) + exp(sink)``, no value); LSE includes it, and a row that sees no key (a
     padding row too) gives out 0 and lse = the sink. ``alibi_slopes`` ([Hq] or [B, Hq]): ``alibi_bias``
-    added after the soft-cap, before the mask."""
+    added after the soft-cap, before the mask. ``bias``: broadcastable to ``[B, Hq, Sq, Sk]`` (numpy
+    rules; rows and keys may run past a sequence's: entry ``b`` reads ``bias[b, h, i, j]`` at its
+    own row ``i`` and key ``j``), added there too."""
     q, k, v = to_f64(q), to_f64(k), to_f64(v)
     if layout == "bshd":
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
@@ -214,6 +216,10 @@ def attention_ref(q, k, v, *, mask=None, scale=None, layout="bhsd", cu_seqlen_q=
             if alibi_slopes is not None:
                 sl = to_f64(alibi_slopes).reshape(-1, Hq)
                 s = s + alibi_bias(mask, sq, sk, float(sl[b if len(sl) > 1 else 0, h]))
+            if bias is not None:
+                bb = to_f64(bias)
+                s = s + np.broadcast_to(bb[b if bb.shape[0] > 1 else 0, h if bb.shape[1] > 1 else 0],
+                                        (max(sq, bb.shape[2]), max(sk, bb.shape[3])))[:sq, :sk]
             s = np.where(vis, s, -np.inf)
             if sinks is not None:
                 out[b, h, :sq], lse[b, h, :sq] = _with_sink(s, vis, v[b, kh, :sk], float(to_f64(sinks)[h]))
@@ -322,9 +328,11 @@ def ints(x) -> np.ndarray | None:
 
 
 def varlen_ref(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
-               seqstart_padded_k=None, mask=None, scale=None, softcap=None, sinks=None, alibi_slopes=None):
+               seqstart_padded_k=None, mask=None, scale=None, softcap=None, sinks=None, alibi_slopes=None,
+               bias=None):
     """float64 group-mode reference built on ``attention_ref``: each sequence sliced out of the
-    packed tensors and run as a B=1 bshd batch with its own lengths.
+    packed tensors and run as a B=1 bshd batch with its own lengths; ``bias`` a padded batch's
+    (``[B or 1, Hq or 1, Sq' or 1, Sk' or 1]``), sequence ``b`` its entry ``b``.
 
     Returns (out [Tq_phys, Hq, Dv], lse [Hq, seqstart_q[-1]]); rows owned by no sequence are 0,
     lse entries default to -inf.
@@ -355,8 +363,10 @@ def varlen_ref(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padde
         vs = v64[ok:ok + nk][None]
         sl = None if alibi_slopes is None else to_f64(alibi_slopes).reshape(-1, Hq)
         sl = None if sl is None else sl[b if len(sl) > 1 else 0]
+        bs = None if bias is None else to_f64(bias)
+        bs = None if bs is None else bs[b:b + 1] if bs.shape[0] > 1 else bs
         o, l = attention_ref(qs, ks, vs, mask=mask, scale=scale, layout="bshd", softcap=softcap, sinks=sinks,
-                             alibi_slopes=sl)
+                             alibi_slopes=sl, bias=bs)
         out[oq:oq + nq] = o[0]
         lse[:, int(sq_[b]):int(sq_[b]) + nq] = l[0]
     return out, lse

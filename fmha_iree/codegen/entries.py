@@ -29,7 +29,7 @@ def capabilities(spec: KernelSpec, *, fused_step: bool | None = None) -> dict:
             "dq": spec.dq, "dv": spec.dv,
             "tiles": {"kM0": t.m0, "kN0": t.n0, "kK0": t.k0, "kN1": t.n1, "kK1": t.k1, "kv_chunk": t.kv_chunk},
             "entries": sorted(entry_points(spec, fused_step=fused_step)), **({"alibi": True} if spec.alibi else {}),
-            "unit_rows": 0 if gpu else varlen_rows(t),
+            **({"bias": True} if spec.bias else {}), "unit_rows": 0 if gpu else varlen_rows(t),
             "dense": dense_record(spec, fused_step=fused_step),
             "key_tiles": tiles_record(spec, fused_step=fused_step)}
 
@@ -70,7 +70,7 @@ class _Io:
 def entry_points(spec: KernelSpec, *, fused_step: bool | None = None) -> dict:
     """The module's functions and argument shapes/dtypes; ``?`` marks a runtime (dynamic) size."""
     io = _Io(spec)
-    if spec.alibi:  # fwd_tiles alone, also on short tiles (kernels.tiles.alibi_module)
+    if spec.tiles_only:  # fwd_tiles alone, also on short tiles (kernels.tiles.tiles_module)
         plan = fwd_plan(spec, fused_step=True)
         out = _tiles_entry_point(spec, plan, io.t, io.seq, io.hq)
         short = _tiles_entry_point(spec, plan, io.t, io.seq, io.hq, short=True)
@@ -212,10 +212,12 @@ def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str, short: bool
     out = {"fwd_tiles": {
         "args": {"q": [seq("?", spec.dq), t], "k": [seq("?", spec.dq), t], "v": [seq("?", spec.dv), t],
                  "idx": [["L"], "i32"], **({"slopes": [["SR*Hq"], "f32"]} if spec.alibi else {}),
+                 **({"bias": [["P", "?", "?"], t]} if spec.bias else {}),
                  "scale": [[], "f32 scalar"], "N": [[], "i64 scalar"],
                  "NL": [[], "i64 scalar"], "RL": [[], "i64 scalar"], "E": [[], "i64 scalar"]},
         "results": {"out": [seq(hq, spec.dv), t], "lse": [["NL", hq, "RL"], "f32"],
-                    "scratch": [scratch + (["tiles' Q"] if spec.group > 1 or spec.alibi else []), "dropped by the caller"]},
+                    "scratch": [scratch + (["tiles' Q"] if spec.group > 1 or spec.tiles_only else []),
+                               "dropped by the caller"]},
         "rows": shape.rows, "edge_keys": shape.ew, "edge_parts": shape.parts, "key_step": TILE_STEP,
         "table_columns": list(TILE_COLUMNS),
         "note": (f"tiles of {shape.rows} query rows (G heads of a KV head as rows), each over its own keys: "
@@ -227,11 +229,16 @@ def _tiles_entry_point(spec: KernelSpec, plan, t: str, seq, hq: str, short: bool
         out["fwd_tiles"]["args"]["AL"] = [[], "i64 scalar"]
         out["fwd_tiles"]["alibi"] = ("slopes: ALiBi slopes, row sr of the table's per tile; AL: the length of the "
                                      "interior's bias ramps (codegen.kernels.tile_io.alibi_ramps)")
+    if spec.bias:
+        out["fwd_tiles"]["args"]["HS"] = [[], "i64 scalar"]
+        out["fwd_tiles"]["bias"] = ("bias: planes [P, positions * G, keys] (fmha_iree.problem.bias), the tile's plane "
+                                    "sr + HS * (its KV head), its rows from pos0 * G")
     if spec.layout == "bshd":
         e = out["fwd_tiles"]
-        args = {k: v for k, v in e["args"].items() if k != "AL"}
+        tail = [n for n in ("AL", "HS") if n in e["args"]]  # after TK
+        args = {k: v for k, v in e["args"].items() if k not in tail}
         out["fwd_tiles_paged"] = {
-            **e, "args": {**args, "TK": [[], "i64 scalar"], **({"AL": [[], "i64 scalar"]} if spec.alibi else {})},
+            **e, "args": {**args, "TK": [[], "i64 scalar"], **{n: e["args"][n] for n in tail}},
             "results": {**e["results"], "scratch": [e["results"]["scratch"][0] + ["gathered K", "gathered V"],
                                                     "dropped by the caller"]},
             "note": ("fwd_tiles over a paged cache: k / v the cache's rows [1, pages * page, Hk, D], the table "

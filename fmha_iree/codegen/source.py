@@ -22,8 +22,8 @@ __all__ = ["source_mlir", "has_plan", "is_fused", "gpu_lowering", "step_compute"
 
 def is_fused(spec: KernelSpec, fused_step: bool | None = None) -> bool:
     """Whether ``spec`` builds the GPU formulation: GPU targets, llvm-cpu when asked (tests), and
-    ALiBi modules on every target (their one path, ``fwd_tiles``, is the GPU formulation's)."""
-    if spec.alibi:
+    ALiBi and bias modules on every target (their one path, ``fwd_tiles``, is the GPU formulation's)."""
+    if spec.tiles_only:
         return True
     return spec.target.backend != "llvm-cpu" if fused_step is None else fused_step
 
@@ -113,7 +113,7 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     import math
 
     fused = is_fused(spec, fused_step)
-    if spec.alibi:
+    if spec.tiles_only:
         return None
     if not fused:
         if not spec.seqlens:
@@ -158,7 +158,7 @@ def tiles_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     t = tiles_shape(plan) if plan is not None else None
     if t is None:
         return None
-    short = tiles_shape(plan, short=True) if spec.alibi else None  # kernels.tiles.alibi_module's short tiles
+    short = tiles_shape(plan, short=True) if spec.tiles_only else None  # kernels.tiles.tiles_module's short tiles
     return {"rows": t.rows, "group": t.group, "ew": t.ew, "step": STEP,
             **({"short_rows": short.rows, "short_ew": short.ew} if short is not None else {})}
 
@@ -188,7 +188,7 @@ def has_plan(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: bool
     modules without both ``fwd`` and ``fwd_ragged``, which take every batch and group problem
     between them (the plan would never be called: ``paths.select``)."""
     fused = is_fused(spec, fused_step)
-    if spec.alibi:
+    if spec.tiles_only:
         return False
     return not fused or not (with_fwd and with_ragged) or fwd_plan(spec, fused_step=fused) is None
 
@@ -208,10 +208,10 @@ def source_mlir(spec: KernelSpec, *, fused_step: bool | None = None, with_fwd: b
     ``with_fwd=False`` leaves it out (tests of the other entry points, which it would only slow
     to compile), ``with_ragged=False`` leaves out ``fwd_ragged`` (``kernels.ragged``) beside it."""
     fused = is_fused(spec, fused_step)
-    if spec.alibi:  # fwd_tiles alone, the slopes an argument (kernels.tiles.alibi_module)
-        from .kernels.tiles import alibi_module
+    if spec.tiles_only:  # fwd_tiles alone, the slopes or bias an argument (kernels.tiles.tiles_module)
+        from .kernels.tiles import tiles_module
 
-        return alibi_module(fwd_plan(spec, fused_step=True), spec.module_name)
+        return tiles_module(fwd_plan(spec, fused_step=True), spec.module_name)
     plan_too = has_plan(spec, fused_step=fused, with_fwd=with_fwd, with_ragged=with_ragged)
     if plan_too:
         text, name = _torch_module(spec.dtype, spec.layout, spec.group, spec.dq, spec.dv, spec.tiles, not fused,
@@ -353,7 +353,7 @@ def fwd_plan(spec: KernelSpec, *, fused_step: bool | None = None):
                 cols=cols, rows=max(512, wm), fill_wgs=fill, max_groups=4 if cpu else 16,
                 dq_arg=arg_dims[0], dv_arg=arg_dims[1], mask_blocks=spec.target.backend == "cuda",
                 banded=spec.target.backend != "rocm", tiles=spec.target.backend != "rocm" or _rocm_tiles(spec, wm),
-                softcap=spec.softcap, alibi=spec.alibi)
+                softcap=spec.softcap, alibi=spec.alibi, bias=spec.bias)
 
 
 def _rocm_tiles(spec: KernelSpec, rows: int) -> bool:

@@ -70,6 +70,7 @@ class Capabilities:
     dense: DenseCaps | None = None
     key_tiles: TilesCaps | None = None
     alibi: bool = False  # the ALiBi slopes are an argument of its paths (and a call must give them)
+    bias: bool = False  # an elementwise bias is an argument of its paths (likewise)
 
     def has(self, *names: str) -> bool:
         """Whether the module exports every one of ``names``."""
@@ -106,4 +107,5 @@ class Capabilities:
         tiles = TileConfig(ck["kM0"], ck["kN0"], ck["kK0"], ck["kN1"], ck["kK1"], kv_chunk=ck["kv_chunk"])
         return cls(str(record["module"]), str(record["formulation"]), str(record["family"]), str(record["layout"]),
                    str(record["dtype"]), int(record["group"]), int(record["dq"]), int(record["dv"]), tiles, entries,
-                   int(record.get("unit_rows", 0)), dense, key_tiles, bool(record.get("alibi", False)))
+                   int(record.get("unit_rows", 0)), dense, key_tiles, bool(record.get("alibi", False)),
+                   bool(record.get("bias", False)))

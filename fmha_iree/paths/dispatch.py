@@ -111,14 +111,15 @@ def run_group(p: BatchProblem, starts, with_lse: bool, get, memo=None):
 
 
 def paged_problem(q, cache: PagedCache, seqstart_q, seqstart_padded_q, *, mask, scale, with_lse: bool,
-                  softcap=None, alibi_slopes=None) -> Problem:
+                  softcap=None, alibi_slopes=None, bias=None) -> Problem:
     """A checked group-mode call over a paged cache (a checked ``paged.PagedCache``) as a problem:
     queries as group mode's, the cache read as ``[1, pages * page, Hk, D]`` rows, each sequence's
     keys the cache's ``lens``."""
     batch = len(cache.lens)
     p, starts = check_varlen(q, cache.flat("k"), cache.flat("v"), seqstart_q, np.zeros(batch + 1, np.int64),
                              seqlen_k=None, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=None, mask=mask,
-                             scale=scale, softcap=softcap, alibi_slopes=alibi_slopes)
+                             scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
+                             k_len_override=np.asarray(cache.lens, np.int64))
     return Problem("paged", p, with_lse, (*starts[:3], np.asarray(cache.lens, np.int64), *starts[4:]), cache)
 
 

@@ -200,10 +200,16 @@ class TableCall(Call):
     shapes: tuple  # (out, lse) of the problem
     note: str = ""
     slopes: np.ndarray | None = None  # ALiBi slopes, flat float32 (an ALiBi module's fwd_tiles)
+    bias: object = None  # a bias module's planes (problem.bias.KernelBias's, an ABI array or DeviceTensor)
+
+    @property
+    def replayable(self) -> bool:  # the bias is this call's tensor: a replay would keep it
+        return self.bias is None
 
     def run(self, module, q, k, v, *, keep: bool):
         d = self.dtype
         extra = [] if self.slopes is None else [Const(self.slopes, "f32")]
+        extra += [] if self.bias is None else [(self.bias, d)]
         out, lse = module.call(self.entry, [(q, d), (k, d), (v, d), Staged(self.idx), *extra], scalars=self.scalars,
                                results=[d, "f32"], keep_on_device=keep)
         return shaped(out, self.shapes[0]), shaped(lse, self.shapes[1])

@@ -78,6 +78,9 @@ def select(prob: Problem, caps: Capabilities | None) -> Route:
     if caps.alibi != (prob.p.alibi is not None):
         raise NoPath(f"alibi_slopes: module {caps.module} was built " + (
             "with ALiBi: give alibi_slopes" if caps.alibi else "without ALiBi (build one with --alibi)"))
+    if caps.bias != (prob.p.bias is not None):
+        raise NoPath(f"bias: module {caps.module} was built " + (
+            "with a bias argument: give bias" if caps.bias else "without a bias (build one with --bias)"))
     rejected = []
     for path in ORDER[prob.mode]:
         ans = path.plan(prob, caps)

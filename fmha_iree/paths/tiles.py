@@ -39,13 +39,15 @@ def reasons(info: TilesCaps, q_len: np.ndarray, tq: int, tk: int, alibi: bool = 
     return out
 
 
-def tile_table(info: TilesCaps, mask, starts, tq: int, entry=None, slope_row=None) -> tuple[np.ndarray, int, int]:
+def tile_table(info: TilesCaps, mask, starts, tq: int, entry=None, slope_row=None, bias_rows: int | None = None
+               ) -> tuple[np.ndarray, int, int]:
     """(the index table: tiles ``[N, TILE_COLUMNS]``, the out rows' map ``[B * tq]``, the LSE
     rows' map ``[total]``; N; the widest edge's keys, at least one step) for a problem the path
     takes (:func:`reasons`); ``entry``: each sequence's batch entry (its starts count within it;
     default: all in entry 0, group mode). Tiles longest first. ``slope_row``: each sequence's row
-    of the ALiBi slopes, whose tiles copy Q (a tile's rows then start at its first position, never
-    shifted back to stay inside Q)."""
+    of the ALiBi slopes (or its first bias plane), whose tiles copy Q (a tile's rows then start at
+    its first position, never shifted back to stay inside Q); ``bias_rows``: a bias's positions
+    (``problem.bias.KernelBias``), inside which a tile's rows are shifted back instead."""
     q_start, q_len, k_start, k_len, lse_start, total_q = starts
     q_start, q_len = np.asarray(q_start, np.int64), np.asarray(q_len, np.int64)
     k_start, k_len = np.asarray(k_start, np.int64), np.asarray(k_len, np.int64)
@@ -62,7 +64,10 @@ def tile_table(info: TilesCaps, mask, starts, tq: int, entry=None, slope_row=Non
     last = np.minimum(p0 + pos, q_len[b]) - 1
     lo, nk, nl, ne = _key_spans(p0, last, y[b], x[b], k_len[b], step)
     assert (ne <= ew).all(), "an edge wider than the module's bound"
-    q0 = q_start[b] + p0 if slope_row is not None else np.minimum(q_start[b] + p0, tq - pos)
+    if bias_rows is not None:
+        q0 = q_start[b] + np.minimum(p0, bias_rows - pos)
+    else:
+        q0 = q_start[b] + p0 if slope_row is not None else np.minimum(q_start[b] + p0, tq - pos)
     pos0 = q0 - q_start[b]
     a0 = pos0 + frame_offset(mask, q_len, k_len)[b]  # ALiBi's zero point of the tile's first row
     sr = np.zeros_like(b) if slope_row is None else np.asarray(slope_row, np.int64)[b]
@@ -164,9 +169,9 @@ class _Tiles:
             return Refused((f"the module has no {entry} (a CPU module, padded head dims, or a gfx target and head "
                             "dim whose tiles spilled or failed to compile: source._rocm_tiles)",))
         p = prob.p
-        alibi = p.alibi is not None
+        alibi, bias = p.alibi is not None, p.bias
         if prob.mode == "batch":
-            why = None if alibi else _batch_is_slower(prob)
+            why = None if alibi or bias is not None else _batch_is_slower(prob)
             starts, entries = batch_starts(p.q_lens, p.k_lens, p.sq)
             tk = p.sk
         else:
@@ -175,13 +180,18 @@ class _Tiles:
             starts = (*prob.starts[:2], np.concatenate([[0], np.cumsum(k_len)[:-1]]).astype(np.int64),
                       *prob.starts[3:]) if prob.mode == "paged" else prob.starts
             tk = int(k_len.sum()) if prob.mode == "paged" else p.sk
-        found = ([why] if why else []) + reasons(info, np.asarray(starts[1], np.int64), p.sq, tk, alibi)
+        found = ([why] if why else []) + reasons(info, np.asarray(starts[1], np.int64), p.sq, tk,
+                                                 alibi or bias is not None)
+        if bias is not None and bias.positions < info.positions:
+            found.append(f"bias: its planes hold {bias.positions} positions, fewer than a tile's {info.positions}")
         if found:
             return Refused(tuple(found))
         rows = None
         if alibi:  # [1, Hq]: every sequence row 0; [B, Hq]: batch entry or sequence b its row b
             rows = np.zeros(len(starts[1]), np.int64) if len(p.alibi) == 1 else np.arange(len(starts[1]))
-        idx, n, e = tile_table(info, p.mask, starts, p.sq, entries, rows)
+        elif bias is not None:  # each sequence's first plane
+            rows = bias.plane_base(np.arange(len(starts[1])))
+        idx, n, e = tile_table(info, p.mask, starts, p.sq, entries, rows, None if bias is None else bias.positions)
         scalars = (float(p.scale), n, p.batch, p.sq, e) if prob.mode == "batch" else \
             (float(p.scale), n, 1, int(starts[-1]), e)
         if prob.mode == "paged":
@@ -192,9 +202,12 @@ class _Tiles:
             if bad:
                 return Refused((bad,))
             scalars += (extent,)
+        if bias is not None:
+            scalars += (bias.head_stride,)
+        note = ", with ALiBi" if alibi else (", with a bias" if bias is not None else "")
         return TableCall(entry, idx, scalars, p.q.dtype, (prob.out_shape, prob.lse_shape),
-                         note="each tile of query rows over its own keys" + (", with ALiBi" if alibi else ""),
-                         slopes=p.alibi.ravel() if alibi else None)
+                         note="each tile of query rows over its own keys" + note,
+                         slopes=p.alibi.ravel() if alibi else None, bias=None if bias is None else bias.array)
 
 
 def _paged_rows(prob: Problem, packed) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 __all__ = ["ABI_VERSION", "MANIFEST_FORMAT", "PLAN_DESC_COLUMNS", "ROWS_DESC_COLUMNS", "ROWS_PACKED_DESC_COLUMNS",
            "UNIT_TILE_COLUMNS", "TILE_COLUMNS", "TILE_STEP", "EDGE_PARTS", "PREFIX_STEPS", "RAGGED_SCALARS",
            "PREFIX_SCALARS", "PACKED_SCALARS", "PAGE_ROWS", "PAGE_GROUP", "PIECE_ROWS", "CPU_WAVE_ROWS",
-           "CPU_WAVE_KEYS"]
+           "CPU_WAVE_KEYS", "BIAS_ROWS", "BIAS_ROWS_SHORT"]
 
 # The torch graphs' ABI (``graph.py``) and the manifest's format: a manifest of another format was
 # written by an fmha_iree whose modules this one does not call (``deploy.load`` refuses it).
@@ -31,9 +31,14 @@ CPU_WAVE_KEYS = 64
 # ``fwd_tiles`` / ``fwd_tiles_paged``: one table row per tile (``paths.tiles.tile_table``); the
 # interior's key count is a multiple of ``TILE_STEP``; the edge runs ``EDGE_PARTS`` workgroups a tile.
 # ``a0``: the tile's first row in the mask's frame (ALiBi's zero point), ``sr``: its row of the slopes
+# (with an elementwise bias: its sequence's first bias plane)
 TILE_COLUMNS = ("q0", "k0", "nk", "ne", "pos0", "kl", "x", "entry", "y", "lo", "nl", "nh", "a0", "sr")
 TILE_STEP = 64
 EDGE_PARTS = 2
+# An elementwise bias's planes hold at least a tile's rows (``problem.bias``): the most rows of a
+# tile on any target, and of a short tile (decode-shaped calls, at most this many rows a sequence)
+BIAS_ROWS = 128
+BIAS_ROWS_SHORT = 16
 
 # ``fwd_ragged``'s scalars after the scale, then its prefix table's (``paths.ragged``)
 PREFIX_STEPS = 16

@@ -57,6 +57,18 @@ class KernelSpec:
     # ALiBi: the slopes an argument of ``fwd_tiles``, the module's only path (with its paged form),
     # built in the GPU formulation on every target (``codegen.source.fused``)
     alibi: bool = False
+    # an elementwise bias (``problem.bias``): an argument of ``fwd_tiles``, as ALiBi's slopes
+    bias: bool = False
+
+    def __post_init__(self):
+        if self.alibi and self.bias:
+            raise ValueError("alibi_slopes and bias: a module takes one of them (as CK's bias_enum)")
+
+    @property
+    def tiles_only(self) -> bool:
+        """Whether ``fwd_tiles`` (with its paged and short forms) is the module's only path: ALiBi
+        and elementwise-bias modules, built in the GPU formulation on every target."""
+        return self.alibi or self.bias
 
     @property
     def module_name(self) -> str:
@@ -66,6 +78,7 @@ class KernelSpec:
         s += f"_h{self.kv_heads}" if self.kv_heads else ""
         s += f"_cap{self.softcap:.9g}".replace(".", "p") if self.softcap else ""
         s += "_alibi" if self.alibi else ""
+        s += "_bias" if self.bias else ""
         return (
             f"fmha_{self.dtype}_{self.layout}_g{self.group}_d{self.dq}x{self.dv}"
             f"_t{t.ck_name}c{t.kv_chunk}_{self.target.arch}{s}"
@@ -78,6 +91,7 @@ class KernelSpec:
             "seqlens": list(self.seqlens), "batch": self.batch, "kv_heads": self.kv_heads,
             **({"softcap": self.softcap} if self.softcap else {}),
             **({"alibi": True} if self.alibi else {}),
+            **({"bias": True} if self.bias else {}),
         }
 
 
@@ -244,10 +258,11 @@ class BatchProblem:
     k_lens: np.ndarray  # effective keys per batch
     softcap: float = 0.0  # the logits soft-cap, 0 for none (a module's constant: KernelSpec.softcap)
     alibi: np.ndarray | None = None  # ALiBi slopes float32 [1 or B, Hq] (problem.alibi), None for none
+    bias: object = None  # an elementwise bias as the kernels read it (problem.bias.KernelBias), None for none
 
     def kernel(self, tiles: TileConfig, target: Target) -> KernelSpec:
         return KernelSpec(self.q.dtype, self.layout, self.hq // self.hk, self.dq, self.dv, tiles, target,
-                          softcap=self.softcap, alibi=self.alibi is not None)
+                          softcap=self.softcap, alibi=self.alibi is not None, bias=self.bias is not None)
 
 
 def window_mask(mask) -> Mask:
@@ -272,13 +287,19 @@ def _alibi(slopes, rows: int, hq: int, hk: int):
     return arr
 
 
+def _no_two_biases(alibi_slopes, bias):
+    if alibi_slopes is not None and bias is not None:
+        raise ValueError("bias and alibi_slopes: give one of them (as CK's bias_enum; add ALiBi into the bias)")
+
+
 def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k, softcap=None,
-                alibi_slopes=None) -> BatchProblem:
+                alibi_slopes=None, bias=None) -> BatchProblem:
     """Validate a batch-mode ``fmha_fwd`` call (see :func:`fmha_iree.fmha_fwd`)."""
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     layout = str(layout)  # a str subclass (numpy.str_) would reach the torch graph as a numpy value
     mask = window_mask(mask)
+    _no_two_biases(alibi_slopes, bias)
     qo, ko, vo = _operands(q, k, v, 4, f"4-D ({layout})")
 
     def bhsd(a):
@@ -294,8 +315,11 @@ def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k, softc
     scale, softcap = check_scale(scale, Dq), check_softcap(softcap)
     q_lens = np.full(B, Sq, np.int64) if cu_seqlen_q is None else check_seqlens(cu_seqlen_q, "cu_seqlen_q", B, Sq)
     k_lens = np.full(B, Sk, np.int64) if cu_seqlen_k is None else check_seqlens(cu_seqlen_k, "cu_seqlen_k", B, Sk)
+    from .bias import checked_bias
+
     return BatchProblem(qo, ko, vo, layout, B, Hq, Hk, Sq, Sk, Dq, Dv, mask, scale, q_lens, k_lens, softcap,
-                        _alibi(alibi_slopes, B, Hq, Hk))
+                        _alibi(alibi_slopes, B, Hq, Hk),
+                        checked_bias(bias, qo, batch=B, hq=Hq, hk=Hk, sq=Sq, sk=Sk))
 
 
 def int_array(x, name: str, shape_doc: str = "") -> np.ndarray:
@@ -346,10 +370,12 @@ def _check_padded(p, name: str, lens: np.ndarray, total: int) -> np.ndarray:
 
 
 def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q, seqstart_padded_k, mask, scale,
-                 softcap=None, alibi_slopes=None):
+                 softcap=None, alibi_slopes=None, bias=None, k_len_override=None):
     """Validate a group-mode call; returns the problem (as a B=1 ``bshd`` batch over the packed
-    token axis) and the per-sequence starts and lengths."""
+    token axis) and the per-sequence starts and lengths. ``k_len_override``: the sequences' keys where
+    they are not the starts' (a paged cache's lengths, for the bias's check)."""
     mask = window_mask(mask)
+    _no_two_biases(alibi_slopes, bias)
     qo, ko, vo = _operands(q, k, v, 3, "3-D [tokens, heads, head_dim]")
     Tq, Hq, Dq = qo.array.shape
     Tk, Hk, Dk = ko.array.shape
@@ -376,6 +402,11 @@ def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q
     def packed(o: Operand) -> Operand:
         return Operand(o.array.reshape((1,) + o.array.shape), o.dtype, o.is_torch)
 
+    from .bias import checked_bias
+
+    keys = k_len if k_len_override is None else k_len_override
+    kb = checked_bias(bias, qo, batch=len(q_len), hq=Hq, hk=Hk, sq=int(q_len.max(initial=0)),
+                      sk=int(np.max(keys, initial=0)), padded=True)
     problem = BatchProblem(packed(qo), packed(ko), packed(vo), "bshd", 1, Hq, Hk, Tq, Tk, Dq, Dv, mask, scale, q_len, k_len,
-                           softcap, _alibi(alibi_slopes, len(q_len), Hq, Hk))
+                           softcap, _alibi(alibi_slopes, len(q_len), Hq, Hk), kb)
     return problem, (q_start, q_len, k_start, k_len, sq[:-1], int(sq[-1]))

@@ -143,8 +143,8 @@ CUDA_FLAGS = ["--iree-scheduling-optimize-bindings=false"]
 def compile_flags(spec: KernelSpec) -> list[str]:
     """Every iree-compile flag used for ``spec`` (target selection first)."""
     extra = _CPU_FLAGS if spec.target.backend == "llvm-cpu" else ASYNC_FLAGS
-    if spec.target.backend == "cuda" or (spec.alibi and spec.target.backend == "llvm-cpu"):
-        # the GPU formulation on the CPU (ALiBi modules) as the tests build it (tests/common.py)
+    if spec.target.backend == "cuda" or (spec.tiles_only and spec.target.backend == "llvm-cpu"):
+        # the GPU formulation on the CPU (ALiBi and bias modules) as the tests build it (tests/common.py)
         extra = extra + CUDA_FLAGS + (ASYNC_FLAGS if spec.target.backend == "llvm-cpu" else [])
     return spec.target.compile_flags() + ["--iree-input-type=auto"] + extra
 
@@ -320,7 +320,8 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
                     "hdim_v": spec.dv, **(problem or {})},
         # the score variants: the cap is the module's constant (None: no cap); sinks and sink
         # tokens apply to any module's results (paths.sinks, paths.sink_tokens)
-        "variants": {"softcap": spec.softcap or None, "sinks": True, "sink_tokens": True, "alibi": spec.alibi},
+        "variants": {"softcap": spec.softcap or None, "sinks": True, "sink_tokens": True, "alibi": spec.alibi,
+                     "bias": spec.bias},
         "target": {"name": spec.target.arch, "backend": spec.target.backend, "family": spec.target.family},
         "tiles": {"ck": {"kM0": t.m0, "kN0": t.n0, "kK0": t.k0, "kN1": t.n1, "kK1": t.k1}, "kv_chunk": t.kv_chunk,
                   "iree": _iree_tiles(spec)},

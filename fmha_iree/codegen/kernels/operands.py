@@ -60,6 +60,7 @@ class Plan:
     dv_arg: int = 0
     softcap: float = 0.0  # the module's logits soft-cap (mlir_templates.scores), 0 for none
     alibi: bool = False  # ALiBi slopes as an argument (``fwd_tiles`` only: kernels.tiles)
+    bias: bool = False  # an elementwise bias as an argument (``fwd_tiles`` only: kernels.tiles)
 
     @property
     def arg_dims(self) -> tuple[int, int]:

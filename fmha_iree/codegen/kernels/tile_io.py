@@ -15,7 +15,7 @@ from .packed_common import generic, read_idx
 from .workgroups import Body, inner_size, load
 
 __all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "TilesFn", "tile_row", "gathered_keys", "edge_inputs",
-           "q_tiles", "gathered", "edge_key", "alibi_ramps", "copies_q"]
+           "q_tiles", "gathered", "edge_key", "alibi_ramps", "copies_q", "bias_plane", "f32_mask"]
 
 # a tile's row of the table; ``nh``: the edge keys its first half of positions sees (a prefix of ``ne``)
 from ...problem.abi import TILE_COLUMNS, TILE_STEP as STEP
@@ -81,6 +81,10 @@ class TilesFn:
                             f"{tensor_type(['?'], 'i32')}", "tt")
         self.q_src: tuple = ("%q", self.q_ty, self.sizes(self.tq, self.hq))  # q_tiles'
         self.k, self.v = "%k", "%v"  # the keys the tiles read (``gathered_keys``: a paged cache's rows)
+        if p.bias:  # the bias planes' sizes and head stride (``problem.bias``)
+            self.bias_ty = tensor_type(["?", "?", "?"], p.dtype)
+            self.bias_dims = [fn.bounded(fn.dim("%bias", self.bias_ty, i)) for i in range(3)]
+            self.hs = fn.bounded(fn.arith("arith.index_cast %HS : i64 to index", "HS"))
 
     def sizes(self, rows: str, heads: str) -> list[str]:
         """The dynamic sizes of a q / k / v argument in the module's layout."""
@@ -189,8 +193,8 @@ def edge_key(fn: Fn, tile: str, j: str) -> str:
 
 
 def edge_inputs(c: TilesFn) -> tuple[str, str, str]:
-    """(mask ``[N, R, EW]`` i1 (with ALiBi ``[N, Hk, R, EW]`` f32: ``_alibi_edges``), K and V edge
-    copies ``[N, Hk, EW, D]``)."""
+    """(mask ``[N, R, EW]`` i1 (with ALiBi or a bias ``[N, Hk, R, EW]`` f32: ``_alibi_edges``,
+    ``_bias_edges``), K and V edge copies ``[N, Hk, EW, D]``)."""
     fn, p, t = c.fn, c.p, c.t
     G = t.group
 
@@ -205,6 +209,8 @@ def edge_inputs(c: TilesFn) -> tuple[str, str, str]:
 
     if p.alibi:
         mask = _alibi_edges(c, mask_el)
+    elif p.bias:
+        mask = _bias_edges(c, mask_el)
     else:
         # CUDA: a block of 16 rows x 64 keys per workgroup, 16 bytes a thread (as masks.py's generators)
         attrs = block_attrs(p.main.lowering, rank=3, block=(16, STEP), vec=16) if p.mask_blocks else ""
@@ -277,6 +283,38 @@ def _alibi_edges(c: TilesFn, visible) -> str:
     return fn.dispatch([(out_ty, [c.n, c.hk, c.e])], region)[0]
 
 
+def f32_mask(p: Plan) -> bool:
+    """Whether the edges' mask is f32 per KV head (ALiBi, a bias) rather than i1 shared by the heads."""
+    return p.alibi or p.bias
+
+
+def bias_plane(fn: Fn, sr: str, hk: str, hs: str) -> str:
+    """A tile's bias plane: its sequence's first (``sr``) plus its KV head times the head stride."""
+    return fn.add(sr, fn.mul(hk, hs))
+
+
+def _bias_edges(c: TilesFn, visible) -> str:
+    """The edges' float mask ``[N, Hk, R, EW]`` with an elementwise bias: the bias at the tile's row
+    and edge key where ``visible`` (the i1 rule) holds, else ``-inf`` (keys outside the sequence
+    read its last one, then masked)."""
+    fn, p, R = c.fn, c.p, c.t.rows
+    keys = c.bias_dims[2]
+    out_ty = tensor_type(["?", "?", R, "?"], "f32")
+
+    def el(ix):
+        tile, hk, m, j = ix
+        plane = bias_plane(fn, field(fn, tile, "sr"), hk, c.hs)
+        row = fn.add(fn.mul(field(fn, tile, "pos0"), c.t.group), m)
+        key = fn.max(fn.min(edge_key(fn, tile, j), fn.sub(keys, 1)), 0)
+        val = fn.let(f"tensor.extract %bias[{plane}, {row}, {key}] : {c.bias_ty}", "bv")
+        if p.dtype != "f32":
+            val = fn.let(f"arith.extf {val} : {p.dtype} to f32", "bv")
+        ninf = fn.let("arith.constant 0xFF800000 : f32", "an")
+        return fn.let(f"arith.select {visible((tile, m, j))}, {val}, {ninf} : f32", "am")
+
+    return generic(fn, out_ty, [c.n, c.hk, c.e], 4, el)
+
+
 def alibi_ramps(c: TilesFn) -> tuple[str, str, str]:
     """(the ramps ``[rows * Hq, AL]`` f32, element ``(s, u)`` = ``%slopes[s] * (u - AL + 1)``, their
     rows, ``AL``): the interior's bias ``slope * (key - a0)`` is the slice of its slope's ramp from
@@ -296,7 +334,7 @@ def alibi_ramps(c: TilesFn) -> tuple[str, str, str]:
 
 def copies_q(c: TilesFn) -> bool:
     """Whether the tiles read Q from their own copy (``q_tiles``) rather than in place."""
-    return c.t.group > 1 or c.p.alibi
+    return c.t.group > 1 or c.p.alibi or c.p.bias
 
 
 def q_tiles(c: TilesFn) -> tuple[str, str, list[str]]:

@@ -41,11 +41,11 @@ import dataclasses
 from .attention import Operand, online_attention
 from .ir import Fn, tensor_type
 from .operands import Plan
-from .tile_io import (STEP, TILE_COLUMNS, TILE_FIELDS, TilesFn, TilesShape, alibi_ramps, copies_q, edge_inputs,
-                      gathered, gathered_keys, q_tiles, tile_row)
+from .tile_io import (STEP, TILE_COLUMNS, TILE_FIELDS, TilesFn, TilesShape, alibi_ramps, copies_q,
+                      edge_inputs, f32_mask, gathered, gathered_keys, q_tiles, tile_row)
 from .workgroups import Body, load, store, workgroups
 
-__all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "tiles_shape", "render_tiles", "alibi_module"]
+__all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "tiles_shape", "render_tiles", "tiles_module"]
 
 # Rows and key steps of the tiles' ops on GPUs: 128 rows with 64-key steps measured fastest on the
 # H200 (sm_80 f16 d128) for the 16-sequence causal prefill and causal batches, against 32-key
@@ -58,7 +58,10 @@ SHORT_ROWS = 16  # the short tiles' rows (``tiles_shape(short=True)``; the short
 # causal tile's first half needs one key step of the two): measured faster than one part on the
 # H100 (sm_80 f16 d128) for group-mode prefill and causal batches (docs/BENCHMARKS.md, "The
 # tiles' edge in halves").
-from ...problem.abi import EDGE_PARTS
+from ...problem.abi import BIAS_ROWS, BIAS_ROWS_SHORT, EDGE_PARTS
+
+# an elementwise bias's planes hold BIAS_ROWS (BIAS_ROWS_SHORT) rows at least (problem.bias)
+assert max(GPU_ROWS, CPU_ROWS) <= BIAS_ROWS and SHORT_ROWS <= BIAS_ROWS_SHORT
 
 
 def tiles_shape(p: Plan, short: bool = False) -> TilesShape | None:
@@ -175,7 +178,8 @@ def _scale(b: Body, c: TilesFn, scale: str) -> str:
 
 def _interior(c: TilesFn, ramps: tuple[str, str, str] | None = None) -> list[str]:
     """Dispatch 2: the f32 state ``[N, Hk, R(, Dv)]`` of each tile over its interior keys;
-    ``ramps`` (``tile_io.alibi_ramps``, G = 1): each key's ALiBi bias as the op's float mask."""
+    ``ramps`` (``tile_io.alibi_ramps``, G = 1): each key's ALiBi bias as the op's float mask; with
+    an elementwise bias, the tile's ``[R, nk]`` block of it."""
     fn, p, t = c.fn, c.p, c.t
     grid = (c.hk, c.n)
     sizes = [c.n, c.hk]
@@ -183,6 +187,8 @@ def _interior(c: TilesFn, ramps: tuple[str, str, str] | None = None) -> list[str
     ops = [c.q_src, kf, vf, (c.table, tensor_type(["?"], "i32"), [c.at_out]), ("%scale", "f32", []), *c.dim_ops()]
     if ramps is not None:
         ops += [(ramps[0], tensor_type(["?", "?"], "f32"), [ramps[1], ramps[2]]), (ramps[2], "index", [])]
+    if p.bias:
+        ops += [("%bias", c.bias_ty, c.bias_dims), (c.hs, "index", [])]
 
     def body(b: Body, a, outs):
         hk = b.let("flow.dispatch.workgroup.id[0] : index")
@@ -206,6 +212,12 @@ def _interior(c: TilesFn, ramps: tuple[str, str, str] | None = None) -> list[str
             sh = b.let(f"arith.addi {sh}, {hk} : index")
             bty = tensor_type(["?"], "f32")
             bias = Operand(load(b, a[ramps[0]], [sh, u0], [1, nk], bty), bty, ("k2",))
+        elif p.bias:  # the tile's rows of its plane, its interior keys
+            r0 = b.let(f"arith.muli {row['pos0']}, {b.c(t.group)} : index")
+            plane = b.let(f"arith.muli {hk}, {a[c.hs]} : index")
+            plane = b.let(f"arith.addi {row['sr']}, {plane} : index")
+            bty = tensor_type([t.rows, "?"], p.dtype)
+            bias = Operand(load(b, a["%bias"], [plane, r0, row["lo"]], [1, t.rows, nk], bty), bty, ("m", "k2"))
         res = online_attention(fn, q=q, k=kv[0], v=kv[1], scale=_scale(b, c, a["%scale"]), scale_type=p.dtype,
                                outs=_fresh(b, c), nb=0, lowering=t.lowering, dv=p.dv, softcap=p.softcap, bias=bias)
         for r, part, view in zip(res, _parts(c), outs):
@@ -224,7 +236,7 @@ def _edge(c: TilesFn, state: list[str], mask: str, ek: str, ev: str) -> list[str
     rh = R // parts
     ops = [c.q_src, *c.dim_ops(), (ek, tensor_type(["?", "?", "?", p.dq], p.dtype), [c.n, c.hk, c.e]),
            (ev, tensor_type(["?", "?", "?", p.dv], p.dtype), [c.n, c.hk, c.e]),
-           (mask, _mask_type(c), [c.n, c.hk, c.e] if p.alibi else [c.n, c.e]),
+           (mask, _mask_type(c), [c.n, c.hk, c.e] if f32_mask(p) else [c.n, c.e]),
            (c.table, tensor_type(["?"], "i32"), [c.at_out]), ("%scale", "f32", [])]
     ops += [(s, part.type, [c.n, c.hk]) for s, part in zip(state, _parts(c))]
     out_tys = [tensor_type(["?", "?", R, p.dv], p.dtype), tensor_type(["?", "?", R], "f32")]
@@ -249,8 +261,8 @@ def _edge(c: TilesFn, state: list[str], mask: str, ek: str, ev: str) -> list[str
         for name, d, role in ((ek, p.dq, "k1"), (ev, p.dv, "n")):
             ty = tensor_type(["?", d], p.dtype)
             kv.append(Operand(load(b, a[name], [tile, hk, b.c(0), b.c(0)], [1, 1, ne, d], ty), ty, ("k2", role)))
-        mty = tensor_type([rh, "?"], "f32" if p.alibi else "i1")
-        at, sz = ([tile, hk, r0, b.c(0)], [1, 1, rh, ne]) if p.alibi else ([tile, r0, b.c(0)], [1, rh, ne])
+        mty = tensor_type([rh, "?"], "f32" if f32_mask(p) else "i1")
+        at, sz = ([tile, hk, r0, b.c(0)], [1, 1, rh, ne]) if f32_mask(p) else ([tile, r0, b.c(0)], [1, rh, ne])
         m = Operand(load(b, a[mask], at, sz, mty), mty, ("m", "k2"))
         prev = [Operand(load(b, a[s], *part.at(b, tile, hk, rows), part.rows_type(rh)), part.rows_type(rh), part.dims)
                 for s, part in zip(state, _parts(c))]
@@ -266,9 +278,9 @@ def _edge(c: TilesFn, state: list[str], mask: str, ek: str, ev: str) -> list[str
 
 
 def _mask_type(c: TilesFn) -> str:
-    """The edges' mask: i1 ``[N, R, EW]``, with ALiBi f32 ``[N, Hk, R, EW]`` (``tile_io``)."""
+    """The edges' mask: i1 ``[N, R, EW]``, with ALiBi or a bias f32 ``[N, Hk, R, EW]`` (``tile_io``)."""
     R = c.t.rows
-    return tensor_type(["?", "?", R, "?"], "f32") if c.p.alibi else tensor_type(["?", R, "?"], "i1")
+    return tensor_type(["?", "?", R, "?"], "f32") if f32_mask(c.p) else tensor_type(["?", R, "?"], "i1")
 
 
 def _normalized(b: Body, c: TilesFn, acc: str, mx: str, sm: str, R: int) -> tuple[str, str]:
@@ -320,7 +332,9 @@ def render_tiles(p: Plan, func_name: str = "fwd_tiles", paged: bool = False, sho
     shape's ``ew`` (the edge copies and mask hold that many keys per tile). ``paged``
     (``fwd_tiles_paged``, bshd): k / v are a paged cache's rows ``[1, pages * page, Hk, D]``, the
     table ends with the cache row of each of the ``TK`` keys in sequence order (a scalar more),
-    gathered first (``tile_io.gathered_keys``). ``short``: ``tiles_shape``'s short tiles."""
+    gathered first (``tile_io.gathered_keys``). ``short``: ``tiles_shape``'s short tiles. ALiBi
+    modules take ``slopes`` after ``idx`` and ``AL`` last, bias modules ``bias`` (planes ``[P,
+    rows, keys]``, ``problem.bias``) and ``HS`` (the head stride of its planes)."""
     t = tiles_shape(p, short)
     if t is None:
         return None
@@ -343,22 +357,26 @@ def render_tiles(p: Plan, func_name: str = "fwd_tiles", paged: bool = False, sho
              tensor_type(["?", "?", R, p.dv], p.dtype), tensor_type(["?", "?", R], "f32"),
              *([c.q_src[1]] if copies_q(c) else []), *([c.q_ty, c.v_ty] if paged else [])]
     slopes = f"%slopes: {tensor_type(['?'], 'f32')}, " if p.alibi else ""
+    slopes += f"%bias: {c.bias_ty}, " if p.bias else ""
     args = (f"%q: {c.q_ty}, %k: {c.q_ty}, %v: {c.v_ty}, %idx: {tensor_type(['?'], 'i32')}, {slopes}%scale: f32, "
-            "%N: i64, %NL: i64, %RL: i64, %E: i64" + (", %TK: i64" if paged else "") + (", %AL: i64" if p.alibi else ""))
+            "%N: i64, %NL: i64, %RL: i64, %E: i64" + (", %TK: i64" if paged else "") + (", %AL: i64" if p.alibi else "")
+            + (", %HS: i64" if p.bias else ""))
     tys = ", ".join(types)
     return (f"util.func public @{func_name}({args}) -> ({tys}) {{\n" + fn.text()
             + f"\n  util.return {', '.join(names)} : {tys}\n}}\n")
 
 
-def alibi_module(p: Plan | None, name: str) -> str:
-    """An ALiBi module: ``fwd_tiles`` / ``fwd_tiles_paged`` with the slopes as an argument, and their
-    16-row forms (``fwd_tiles_short*``) for decode-shaped calls (the 128-row tiles computed 128 rows
-    for one: docs/BENCHMARKS.md, "ALiBi"); they take every mode (batch, group, paged, decode)."""
+def tiles_module(p: Plan | None, name: str) -> str:
+    """An ALiBi or bias module: ``fwd_tiles`` / ``fwd_tiles_paged`` with the slopes or the bias as
+    an argument, and their 16-row forms (``fwd_tiles_short*``) for decode-shaped calls (the 128-row
+    tiles computed 128 rows for one: docs/BENCHMARKS.md, "ALiBi"); they take every mode (batch,
+    group, paged, decode)."""
     kinds = [(f"fwd_tiles{sfx}{'_paged' if paged else ''}", paged, short)
              for sfx, short in (("", False), ("_short", True)) for paged in (False, True)]
     funcs = [f for f in (render_tiles(p, n, paged=pg, short=sh) for n, pg, sh in kinds)
              if f is not None] if p is not None else []
     if not funcs:
-        raise ValueError(f"alibi_slopes: no ALiBi kernel for {name} (one query head per KV head, head dims the "
-                         "target's tiles take without padding)")
+        what = ("alibi_slopes: no ALiBi kernel for {} (one query head per KV head, " if p is None or p.alibi else
+                "bias: no bias kernel for {} (").format(name)
+        raise ValueError(what + "head dims the target's tiles take without padding)")
     return f"module @{name} {{\n" + "\n".join(funcs) + "}\n"
