@@ -169,6 +169,13 @@ def fmha_fwd(
             of its own (``fwd_tiles`` with the slopes as an argument; compiled once, then
             cached); ``Hq == Hk``; masks whose rows see keys only at or left of their position
             (causal, windows without a right side) and decode.
+        bias: an elementwise bias (CK's bias tensor: T5's relative positions, a padding bias): a
+            float tensor or array broadcastable to ``[B, Hq, Sq, Sk]``, added to each score after
+            the soft-cap, before the mask (the LSE includes it); read in the inputs' dtype, as
+            CK's. Runs on a module of its own (``fwd_tiles`` with the bias as an argument;
+            compiled once, then cached); any mask, GQA, decode; not with ``alibi_slopes`` (add
+            ALiBi into the bias) nor sink tokens; a host or torch tensor (not a DeviceTensor:
+            it is laid out for the kernels first, ``fmha_iree.problem.bias``).
 
     Rows that see no key give 0 and lse ``-inf``. Returns ``out`` (the input's type, dtype and
     layout, ``Dv`` wide) or ``(out, lse)``.
@@ -270,6 +277,9 @@ def fmha_fwd_varlen(
         mask: as in :func:`fmha_fwd`, applied per sequence with that sequence's own lengths
             (bottom-right aligns each sequence's last query with its last key).
         softcap, sinks: as in :func:`fmha_fwd`; ``alibi_slopes`` too, ``[B, Hq]`` one row per sequence.
+        bias: as in :func:`fmha_fwd`, laid out as a padded batch: broadcastable to ``[B, Hq, Sq',
+            Sk']`` with ``Sq'`` / ``Sk'`` at least the longest sequence's query rows / keys;
+            sequence ``b`` reads ``bias[b, h, i, j]`` at its own row ``i`` and key ``j``.
 
     Returns ``out [Tq, Hq, Dv]`` (rows owned by no sequence are 0) or ``(out, lse)`` with lse
     float32 ``[Hq, seqstart_q[-1]]`` indexed by the unpadded starts. One compiled module serves any

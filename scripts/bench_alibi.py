@@ -6,7 +6,9 @@ MHA), plus a paged decode (pages of 64 rows in shuffled order). Errors against a
 reference of the issue's formula.
 
 Modules (sm_80, f16, d128, bshd), compiled beforehand into ``--modules``: ``plain_p`` /
-``alibi_p`` (``--heads 16:16``), ``plain_d`` / ``alibi_d`` (``--heads 32:32``).
+``alibi_p`` (``--heads 16:16``), ``plain_d`` / ``alibi_d`` (``--heads 32:32``); where ``bias_p`` /
+``bias_d`` (``--bias``) are there too, the same ALiBi as an elementwise bias tensor ``[1, H, Sq,
+Sk]`` (f16) on them, and FlexAttention with a ``score_mod`` reading that tensor.
 
     python scripts/bench_alibi.py --modules DIR [--reps 20] [--out DIR]
 """
@@ -19,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import torch_device_time, write_rows  # noqa: E402
 
-ROWS = {"prefill": dict(B=4, H=16, Sq=4096, Sk=4096, mask="b", mods=("plain_p", "alibi_p")),
-        "decode": dict(B=16, H=32, Sq=1, Sk=8192, mask="b", mods=("plain_d", "alibi_d"))}
+ROWS = {"prefill": dict(B=4, H=16, Sq=4096, Sk=4096, mask="b", mods=("plain_p", "alibi_p"), bias="bias_p"),
+        "decode": dict(B=16, H=32, Sq=1, Sk=8192, mask="b", mods=("plain_d", "alibi_d"), bias="bias_d")}
 PAGE = 64
 
 
@@ -44,6 +46,30 @@ def _flex(q, k, v, sl):
     block = create_block_mask(lambda b, h, i, j: j <= i + off, None, None, q.shape[2], k.shape[2], device=q.device)
     fn = torch.compile(flex_attention)
     return lambda: fn(q, k, v, score_mod=alibi, block_mask=block)
+
+
+def _bias_tensor(sq: int, sk: int, sl):
+    """The ALiBi bias as an elementwise bias ``[1, H, Sq, Sk]`` f16 (bottom-right frame)."""
+    import torch
+
+    i = torch.arange(sq, device="cuda")[:, None] + sk - sq
+    j = torch.arange(sk, device="cuda")[None, :]
+    return (-sl[:, None, None] * (i - j).abs()[None]).to(torch.float16)[None]
+
+
+def _flex_bias(q, k, v, bias):
+    """FlexAttention (compiled) on bhsd tensors: causal BlockMask (bottom-right), a score_mod reading ``bias``."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    off = k.shape[2] - q.shape[2]
+
+    def add(score, b, h, i, j):
+        return score + bias[0, h, i, j]
+
+    block = create_block_mask(lambda b, h, i, j: j <= i + off, None, None, q.shape[2], k.shape[2], device=q.device)
+    fn = torch.compile(flex_attention)
+    return lambda: fn(q, k, v, score_mod=add, block_mask=block)
 
 
 def _reference(q, k, v, sl):
@@ -112,6 +138,11 @@ def run_row(name: str, mods: dict, reps: int, profile: bool = False) -> list[dic
              "fmha_alibi": lambda: alibi(q, k, v, mask=r["mask"], alibi_slopes=sl_host),
              "flex_alibi": _flex(qt, kt, vt, sl),
              "sdpa_plain": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=r["Sq"] > 1)}
+    if r["bias"] in mods:
+        bias_mod = fmha_iree.load(mods[r["bias"]], device="cuda://0")
+        bt = _bias_tensor(r["Sq"], r["Sk"], sl)
+        calls["fmha_bias"] = lambda: bias_mod(q, k, v, mask=r["mask"], bias=bt)
+        calls["flex_bias"] = _flex_bias(qt, kt, vt, bt)
     if name == "decode":
         kc, vc, table, lens = _paged(k, v)
         sq = np.arange(r["B"] + 1, dtype=np.int32)
@@ -120,6 +151,9 @@ def run_row(name: str, mods: dict, reps: int, profile: bool = False) -> list[dic
                                                          mask="b")
         calls["fmha_alibi_paged"] = lambda: alibi.varlen(qv, kc, vc, sq, None, seqlen_k=lens, block_table=table,
                                                          mask="b", alibi_slopes=sl_host)
+        if r["bias"] in mods:
+            calls["fmha_bias_paged"] = lambda: bias_mod.varlen(qv, kc, vc, sq, None, seqlen_k=lens, block_table=table,
+                                                               mask="b", bias=bt)
     if profile:
         _profile(name, {key: calls[key] for key in calls if key.startswith("fmha_")})
     ref = _reference(q, k, v, sl)
@@ -127,9 +161,9 @@ def run_row(name: str, mods: dict, reps: int, profile: bool = False) -> list[dic
     for key, fn in calls.items():
         try:
             times[key] = torch_device_time(fn, reps)
-            if "alibi" in key:
+            if "alibi" in key or "bias" in key:
                 out = fn()
-                out = out.transpose(1, 2) if key == "flex_alibi" else out.reshape(ref.shape)
+                out = out.transpose(1, 2) if key.startswith("flex") else out.reshape(ref.shape)
                 errs[key] = float((out.float() - ref).abs().max())
         except Exception as e:  # noqa: BLE001 (a peer that does not take the shape: reported, not fatal)
             print(f"{name} {key}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")

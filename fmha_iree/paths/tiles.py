@@ -170,27 +170,14 @@ class _Tiles:
                             "dim whose tiles spilled or failed to compile: source._rocm_tiles)",))
         p = prob.p
         alibi, bias = p.alibi is not None, p.bias
-        if prob.mode == "batch":
-            why = None if alibi or bias is not None else _batch_is_slower(prob)
-            starts, entries = batch_starts(p.q_lens, p.k_lens, p.sq)
-            tk = p.sk
-        else:
-            why, entries = None, None
-            k_len = prob.k_len
-            starts = (*prob.starts[:2], np.concatenate([[0], np.cumsum(k_len)[:-1]]).astype(np.int64),
-                      *prob.starts[3:]) if prob.mode == "paged" else prob.starts
-            tk = int(k_len.sum()) if prob.mode == "paged" else p.sk
+        why, starts, entries, tk = _sequences(prob, alibi or bias is not None)
         found = ([why] if why else []) + reasons(info, np.asarray(starts[1], np.int64), p.sq, tk,
                                                  alibi or bias is not None)
         if bias is not None and bias.positions < info.positions:
             found.append(f"bias: its planes hold {bias.positions} positions, fewer than a tile's {info.positions}")
         if found:
             return Refused(tuple(found))
-        rows = None
-        if alibi:  # [1, Hq]: every sequence row 0; [B, Hq]: batch entry or sequence b its row b
-            rows = np.zeros(len(starts[1]), np.int64) if len(p.alibi) == 1 else np.arange(len(starts[1]))
-        elif bias is not None:  # each sequence's first plane
-            rows = bias.plane_base(np.arange(len(starts[1])))
+        rows = _variant_rows(p, len(starts[1]))
         idx, n, e = tile_table(info, p.mask, starts, p.sq, entries, rows, None if bias is None else bias.positions)
         scalars = (float(p.scale), n, p.batch, p.sq, e) if prob.mode == "batch" else \
             (float(p.scale), n, 1, int(starts[-1]), e)
@@ -208,6 +195,28 @@ class _Tiles:
         return TableCall(entry, idx, scalars, p.q.dtype, (prob.out_shape, prob.lse_shape),
                          note="each tile of query rows over its own keys" + note,
                          slopes=p.alibi.ravel() if alibi else None, bias=None if bias is None else bias.array)
+
+
+def _sequences(prob: Problem, variant: bool):
+    """(why the batch runs faster elsewhere, the sequences' starts, their batch entries, the keys'
+    rows) of a problem; ``variant``: an ALiBi or bias module's, the only path there."""
+    p = prob.p
+    if prob.mode == "batch":
+        starts, entries = batch_starts(p.q_lens, p.k_lens, p.sq)
+        return None if variant else _batch_is_slower(prob), starts, entries, p.sk
+    if prob.mode != "paged":
+        return None, prob.starts, None, p.sk
+    k_len = prob.k_len
+    starts = (*prob.starts[:2], np.concatenate([[0], np.cumsum(k_len)[:-1]]).astype(np.int64), *prob.starts[3:])
+    return None, starts, None, int(k_len.sum())
+
+
+def _variant_rows(p, n: int) -> np.ndarray | None:
+    """Each sequence's row of the ALiBi slopes (``[1, Hq]``: every sequence row 0; ``[B, Hq]``:
+    sequence b row b) or first bias plane; None for neither."""
+    if p.alibi is not None:
+        return np.zeros(n, np.int64) if len(p.alibi) == 1 else np.arange(n)
+    return None if p.bias is None else p.bias.plane_base(np.arange(n))
 
 
 def _paged_rows(prob: Problem, packed) -> np.ndarray:

@@ -14,7 +14,7 @@ import numpy as np
 
 from .mask import Mask
 
-__all__ = ["check_alibi", "frame_offset", "refuse_sink_tokens"]
+__all__ = ["check_alibi", "checked_alibi", "frame_offset", "refuse_sink_tokens"]
 
 
 def check_alibi(slopes, rows: int, hq: int) -> np.ndarray:
@@ -57,3 +57,13 @@ def refuse_sink_tokens(slopes):
     (``paths.sink_tokens``): with ALiBi they are refused."""
     if slopes is not None:
         raise ValueError("alibi_slopes: not with sink tokens (a mask with sink tokens adds them without the bias)")
+
+
+def checked_alibi(slopes, rows: int, hq: int, hk: int) -> np.ndarray | None:
+    """The checked slopes of a call with ``hq`` / ``hk`` heads (``check_alibi``), None for none."""
+    if slopes is None:
+        return None
+    arr = check_alibi(slopes, rows, hq)
+    if hq != hk:
+        raise ValueError(f"alibi_slopes: ALiBi takes one query head per KV head here (Hq == Hk), got Hq {hq}, Hk {hk}")
+    return arr

@@ -24,7 +24,7 @@ import numpy as np
 
 from .abi import BIAS_ROWS, BIAS_ROWS_SHORT
 
-__all__ = ["KernelBias", "kernel_bias", "checked_bias", "refuse_sink_tokens"]
+__all__ = ["KernelBias", "kernel_bias", "checked_bias", "refuse_both", "refuse_sink_tokens"]
 
 _TORCH_DT = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 _NUMPY_DT = {"f16": np.float16, "f32": np.float32}
@@ -184,3 +184,9 @@ def refuse_sink_tokens(bias):
     (``paths.sink_tokens``): with a bias they are refused."""
     if bias is not None:
         raise ValueError("bias: not with sink tokens (a mask with sink tokens adds them without the bias)")
+
+
+def refuse_both(alibi_slopes, bias):
+    """A call gives ALiBi slopes or a bias, as CK's ``bias_enum`` takes one."""
+    if alibi_slopes is not None and bias is not None:
+        raise ValueError("bias and alibi_slopes: give one of them (as CK's bias_enum; add ALiBi into the bias)")

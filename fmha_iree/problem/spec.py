@@ -14,6 +14,8 @@ import numbers
 import numpy as np
 
 from ..runtime.device import DeviceTensor
+from .alibi import checked_alibi
+from .bias import checked_bias, refuse_both
 from .mask import Mask, as_mask
 from .targets import Target
 from .tiles import TileConfig, check_tiles_for, default_tiles
@@ -275,23 +277,6 @@ def window_mask(mask) -> Mask:
     return mask
 
 
-def _alibi(slopes, rows: int, hq: int, hk: int):
-    """The checked ALiBi slopes (``problem.alibi``), None for none."""
-    if slopes is None:
-        return None
-    from .alibi import check_alibi
-
-    arr = check_alibi(slopes, rows, hq)
-    if hq != hk:
-        raise ValueError(f"alibi_slopes: ALiBi takes one query head per KV head here (Hq == Hk), got Hq {hq}, Hk {hk}")
-    return arr
-
-
-def _no_two_biases(alibi_slopes, bias):
-    if alibi_slopes is not None and bias is not None:
-        raise ValueError("bias and alibi_slopes: give one of them (as CK's bias_enum; add ALiBi into the bias)")
-
-
 def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k, softcap=None,
                 alibi_slopes=None, bias=None) -> BatchProblem:
     """Validate a batch-mode ``fmha_fwd`` call (see :func:`fmha_iree.fmha_fwd`)."""
@@ -299,7 +284,7 @@ def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k, softc
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     layout = str(layout)  # a str subclass (numpy.str_) would reach the torch graph as a numpy value
     mask = window_mask(mask)
-    _no_two_biases(alibi_slopes, bias)
+    refuse_both(alibi_slopes, bias)
     qo, ko, vo = _operands(q, k, v, 4, f"4-D ({layout})")
 
     def bhsd(a):
@@ -315,10 +300,8 @@ def check_batch(q, k, v, *, mask, scale, layout, cu_seqlen_q, cu_seqlen_k, softc
     scale, softcap = check_scale(scale, Dq), check_softcap(softcap)
     q_lens = np.full(B, Sq, np.int64) if cu_seqlen_q is None else check_seqlens(cu_seqlen_q, "cu_seqlen_q", B, Sq)
     k_lens = np.full(B, Sk, np.int64) if cu_seqlen_k is None else check_seqlens(cu_seqlen_k, "cu_seqlen_k", B, Sk)
-    from .bias import checked_bias
-
     return BatchProblem(qo, ko, vo, layout, B, Hq, Hk, Sq, Sk, Dq, Dv, mask, scale, q_lens, k_lens, softcap,
-                        _alibi(alibi_slopes, B, Hq, Hk),
+                        checked_alibi(alibi_slopes, B, Hq, Hk),
                         checked_bias(bias, qo, batch=B, hq=Hq, hk=Hk, sq=Sq, sk=Sk))
 
 
@@ -375,7 +358,7 @@ def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q
     token axis) and the per-sequence starts and lengths. ``k_len_override``: the sequences' keys where
     they are not the starts' (a paged cache's lengths, for the bias's check)."""
     mask = window_mask(mask)
-    _no_two_biases(alibi_slopes, bias)
+    refuse_both(alibi_slopes, bias)
     qo, ko, vo = _operands(q, k, v, 3, "3-D [tokens, heads, head_dim]")
     Tq, Hq, Dq = qo.array.shape
     Tk, Hk, Dk = ko.array.shape
@@ -402,11 +385,9 @@ def check_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k, seqstart_padded_q
     def packed(o: Operand) -> Operand:
         return Operand(o.array.reshape((1,) + o.array.shape), o.dtype, o.is_torch)
 
-    from .bias import checked_bias
-
     keys = k_len if k_len_override is None else k_len_override
     kb = checked_bias(bias, qo, batch=len(q_len), hq=Hq, hk=Hk, sq=int(q_len.max(initial=0)),
                       sk=int(np.max(keys, initial=0)), padded=True)
     problem = BatchProblem(packed(qo), packed(ko), packed(vo), "bshd", 1, Hq, Hk, Tq, Tk, Dq, Dv, mask, scale, q_len, k_len,
-                           softcap, _alibi(alibi_slopes, len(q_len), Hq, Hk), kb)
+                           softcap, checked_alibi(alibi_slopes, len(q_len), Hq, Hk), kb)
     return problem, (q_start, q_len, k_start, k_len, sq[:-1], int(sq[-1]))
