@@ -105,18 +105,28 @@ def test_sdpa_is_a_public_name():
     """The drop-in is ``fmha_iree.sdpa`` (the issue's name), the same function as the op module's."""
     assert fmha_iree.sdpa is ops.sdpa and "sdpa" in fmha_iree.__all__
 
-def test_sdpa_refuses_what_it_cannot_take():
-    q, k, v = make_qkv(seed_of("sdpa-bad"), B=1, Hq=4, Hk=2, Sq=16, Sk=16, Dq=64)
+def test_sdpa_takes_any_mask_as_a_bias():
+    """Masks that are no CK window (random, per batch entry, a window's complement) and float masks
+    run as an elementwise bias: torch's SDPA result on every row that sees a key, 0 on the others;
+    refusals name enable_gqa and is_causal."""
+    q, k, v = make_qkv(seed_of("sdpa-bias"), B=2, Hq=4, Hk=2, Sq=16, Sk=20, Dq=64)
     g = torch.Generator().manual_seed(1)
     with pytest.raises(ValueError, match="enable_gqa"):
         ops.sdpa(q, k, v)
-    qq, kk, vv = q[:, :2], k, v
-    for bad in (torch.rand(16, 16, generator=g) > 0.5, torch.zeros(16, 16), torch.ones(2, 16, 16, dtype=torch.bool),
-                _window(16, 16, 2, 0).logical_not()):
-        with pytest.raises(ValueError, match="attn_mask"):
-            ops.sdpa(qq, kk, vv, attn_mask=bad)
     with pytest.raises(ValueError, match="is_causal"):
-        ops.sdpa(qq, kk, vv, attn_mask=_window(16, 16, 2, 0), is_causal=True)
+        ops.sdpa(q[:, :2], k, v, attn_mask=_window(16, 20, 2, 0), is_causal=True)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    for mask in (torch.rand(16, 20, generator=g) > 0.5, torch.randn(16, 20, generator=g),
+                 torch.rand(2, 1, 16, 20, generator=g) > 0.3, _window(16, 20, 2, 0).logical_not(),
+                 torch.randn(2, 4, 16, 20, generator=g)):
+        got = ops.sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+        want = torch.nn.functional.scaled_dot_product_attention(q.double(), kk.double(), vv.double(),
+                                                                attn_mask=mask if mask.dtype == torch.bool else
+                                                                mask.double())
+        sees = torch.ones(2, 4, 16, 20, dtype=torch.bool) & (mask if mask.dtype == torch.bool else True)
+        sees = sees.any(-1)
+        assert_close(got[sees], want[sees].numpy(), torch.float32, what="sdpa, a mask as a bias")
+        assert not got[~sees].any()
 
 
 # --------------------------------------------------------------------------------------------

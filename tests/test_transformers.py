@@ -177,15 +177,20 @@ def test_padded_logits_match_sdpa(models, side):
     torch.testing.assert_close(got[valid], want[valid], rtol=2e-5, atol=2e-5)
 
 
-def test_hole_in_the_padding_is_refused(models):
-    """A 2-D mask with a hole in the middle of a row is not one run of keys: a ValueError naming
-    attention_mask, before any attention runs."""
-    _, ours = models
+def test_hole_in_the_padding_runs_as_a_bias(models):
+    """A 2-D mask with a hole in the middle of a row is no run of keys (no CK mask, no padded
+    batch): it runs as an elementwise bias, and the logits at the prompts' positions are sdpa's."""
+    ref, ours = models
     ids, mask = _padded([6, 4], "left")
     mask[0, 3] = 0
-    with pytest.raises(ValueError, match="attention_mask: batch row 0 sees keys 0..5 but no query sees key 3"):
-        with torch.no_grad():
-            ours(ids, attention_mask=mask)
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        got = ours(ids, attention_mask=mask).logits
+    want = ref(ids, attention_mask=mask).logits
+    calls = {e.key: e.count for e in prof.key_averages() if e.key.startswith("fmha_iree::")}
+    assert calls == {"fmha_iree::fmha_fwd": 2}, calls  # one call per layer, the mask as a bias
+    valid = mask.bool()
+    assert not got[valid].isnan().any()
+    torch.testing.assert_close(got[valid], want[valid], rtol=2e-5, atol=2e-5)
 
 
 def _hf_mask(q_length, kv_length, q_offset=0, window=None):
@@ -346,15 +351,22 @@ def test_padded_batch_refuses_what_group_mode_cannot_express():
     mixed = torch.cat([_hf_padded_mask(padding[:1], 6, 6), _hf_padded_mask(padding[1:], 6, 6, window=2)])
     with pytest.raises(ValueError, match="attention_mask: the batch rows are not one CK mask"):
         padded_batch(mixed, 6, 6)
-    q, kv = torch.ones(2, 4, 6, 32), torch.ones(2, 2, 6, 32)
-    with pytest.raises(ValueError, match="attention_mask"):
-        attention_forward(torch.nn.Module(), q, kv, kv, mixed)
-    # attention_forward reads a mask once for all layers, but again once it changes in place
+    # attention_forward runs what neither expresses as an elementwise bias: SDPA's result on every
+    # row that sees a key; it reads a mask once for all layers, but again once it changes in place
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 4, 6, 32, generator=g), torch.randn(2, 2, 6, 32, generator=g), torch.randn(2, 2, 6, 32,
+                                                                                                         generator=g)
     m = _hf_padded_mask(padding, 6, 6).clone()
-    attention_forward(torch.nn.Module(), q, kv, kv, m)
-    m[0, 0, 5, 2] = False
-    with pytest.raises(ValueError, match="attention_mask: query row 5 of batch row 0"):
-        attention_forward(torch.nn.Module(), q, kv, kv, m)
+    for mask in (mixed, m, None):
+        if mask is None:
+            m[0, 0, 5, 2] = False
+            mask = m
+        got = attention_forward(torch.nn.Module(), q, k, v, mask)[0].transpose(1, 2)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                                attn_mask=mask)
+        sees = mask.expand(2, 4, 6, 6).any(-1)
+        assert_close(got[sees], want[sees].numpy(), torch.float32, what="attention_forward, a mask as a bias")
+        assert not got[~sees].any()
 
 
 def test_unsupported_arguments_are_refused():

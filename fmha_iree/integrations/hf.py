@@ -30,7 +30,7 @@ from . import torch_ops
 from ..problem.mask import Mask
 
 __all__ = ["NAME", "register_transformers", "attention_forward", "build_mask", "ck_mask", "padded_batch",
-           "PaddedBatch"]
+           "PaddedBatch", "MaskBias"]
 
 NAME = "fmha_iree"
 # keyword arguments some models pass that change the attention in ways fmha_iree does not compute
@@ -130,7 +130,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     The padded path reads the mask's values to find the sequences: under ``torch.compile`` it
     graph-breaks there (``fullgraph=True`` and ``torch.export`` refuse it); models without padding
-    (the mask None, see :func:`build_mask`) trace whole."""
+    (the mask None, see :func:`build_mask`) trace whole.
+
+    Any other 4-D mask (a hole in a row's padding, masks differing between heads, chunked
+    attention, an additive float bias) runs as an elementwise bias (``MaskBias``: a bias module,
+    the mask read tile by tile; slower than a CK mask, the same result)."""
     _check_call(dropout, kwargs)
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         raise ValueError(f"query, key, value must be 4-D [B, H, S, D], got {list(query.shape)}, {list(key.shape)}, "
@@ -144,6 +148,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     if isinstance(plan, PaddedBatch):
         return _group_forward(query, key, value, plan, scaling, softcap, sinks), None
+    if isinstance(plan, MaskBias):
+        out = torch_ops.attention(query, key, value, scale=scaling, softcap=softcap, sinks=sinks,
+                                  bias=plan.bias(query.dtype))
+        return out.transpose(1, 2).contiguous(), None
     out = torch_ops.attention(query, key, value, mask=plan, scale=scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
@@ -166,7 +174,12 @@ class MaskPlans:
             last = self._last
         if version is not None and last and last[0]() is attention_mask and last[1:4] == (version, sq, sk):
             return last[4]
-        plan = _plan(_visible_4d(attention_mask, sq, sk))
+        try:
+            plan = _plan(_visible_4d(attention_mask, sq, sk))
+        except ValueError:
+            if attention_mask.ndim != 4 or tuple(attention_mask.shape[-2:]) != (sq, sk):
+                raise
+            plan = MaskBias(attention_mask)  # no CK mask or padded batch says it: read it as a bias
         if version is not None:
             with self._lock:
                 self._last = (weakref.ref(attention_mask), version, sq, sk, plan)
@@ -174,6 +187,23 @@ class MaskPlans:
 
 
 MASK_PLANS = MaskPlans()
+
+
+class MaskBias:
+    """A 4-D mask no CK mask or padded batch expresses, as an elementwise bias ``[B, 1 or H, Sq,
+    Sk]`` (boolean: 0 where it attends, ``-inf`` elsewhere; float: as given), made once per dtype
+    (every layer of a pass shares it)."""
+
+    def __init__(self, mask: torch.Tensor):
+        self._mask = mask.detach()
+        self._made: dict = {}
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._made:
+            m = self._mask
+            self._made[dtype] = (torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, float("-inf"))
+                                 if m.dtype == torch.bool else m.to(dtype))
+        return self._made[dtype]
 
 
 def _group_forward(query, key, value, plan: "PaddedBatch", scaling, softcap=None, sinks=None) -> torch.Tensor:

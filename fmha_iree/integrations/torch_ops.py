@@ -17,6 +17,7 @@ from torch import Tensor
 from ..api import fmha_fwd, fmha_fwd_varlen as _fmha_fwd_varlen
 from ..paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from ..paths.sinks import varlen_rows, with_sinks
+from ..problem.bias import refuse_sink_tokens as refuse_bias_sink_tokens
 from ..problem.mask import Mask
 from ..problem.spec import check_softcap
 
@@ -25,13 +26,13 @@ __all__ = ["attention", "sdpa", "mask_of", "fmha_fwd_varlen"]
 
 @torch.library.custom_op("fmha_iree::fmha_fwd", mutates_args=())
 def _fmha_fwd_op(q: Tensor, k: Tensor, v: Tensor, mask: str, scale: float | None,
-                 layout: str, softcap: float | None = None) -> tuple[Tensor, Tensor]:
-    out, lse = fmha_fwd(q, k, v, mask=mask, scale=scale, layout=layout, return_lse=True, softcap=softcap)
+                 layout: str, softcap: float | None = None, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    out, lse = fmha_fwd(q, k, v, mask=mask, scale=scale, layout=layout, return_lse=True, softcap=softcap, bias=bias)
     return out, lse
 
 
 @_fmha_fwd_op.register_fake
-def _(q, k, v, mask, scale, layout, softcap=None):
+def _(q, k, v, mask, scale, layout, softcap=None, bias=None):
     b, x1, x2, _ = q.shape
     hq, sq = (x1, x2) if layout == "bhsd" else (x2, x1)
     return q.new_empty(q.shape[:3] + (v.shape[-1],)), q.new_empty((b, hq, sq), dtype=torch.float32)
@@ -63,21 +64,26 @@ def _(q, k, v, seqstart_q, seqstart_k=None, seqlen_k=None, seqstart_padded_q=Non
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None = None, layout: str = "bhsd",
-              return_lse: bool = False, softcap: float | None = None, sinks: Tensor | None = None):
+              return_lse: bool = False, softcap: float | None = None, sinks: Tensor | None = None,
+              bias: Tensor | None = None):
     """Batch-mode attention with CK's semantics for torch models: :func:`fmha_iree.fmha_fwd`
     through ``torch.ops.fmha_iree.fmha_fwd``. Eager calls run fmha_iree's modules; in a model
     exported with ``fmha_iree.integrations.model_export.export_model`` each call becomes fmha_iree's
     kernel inside the model. ``mask``: None, a CK mask string or a :class:`fmha_iree.Mask` (fixed
     per call site: the lengths are runtime values); ``out``, or ``(out, lse)`` with lse float32
     ``[B, Hq, Sq]``. ``softcap`` and ``sinks`` as in :func:`fmha_iree.fmha_fwd` (the sinks are
-    torch ops on the op's results, so an exported model computes them in its own graph)."""
+    torch ops on the op's results, so an exported model computes them in its own graph); ``bias``
+    too (a tensor broadcastable to ``[B, Hq, Sq, Sk]``; eager and ``torch.compile``, not inside
+    exported models yet)."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    args = (None if scale is None else float(scale), layout, check_softcap(softcap) or None)
+    if bias is not None and not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    args = (None if scale is None else float(scale), layout, check_softcap(softcap) or None, bias)
 
     def run(m=mask):
         def op():
@@ -85,6 +91,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None
         return op() if sinks is None else with_sinks(op, q, sinks, 1 if layout == "bhsd" else 2, layout, True)
 
     if has_sink_tokens(mask):
+        refuse_bias_sink_tokens(bias)
         return with_batch_sink_tokens(run, q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=None,
                                       cu_seqlen_k=None, softcap=softcap, return_lse=return_lse)
     out, lse = run()
@@ -143,7 +150,7 @@ def mask_of(attn_mask: torch.Tensor | None, is_causal: bool, sq: int, sk: int) -
     if is_causal:
         raise ValueError("attn_mask and is_causal cannot both be given (as in torch)")
     if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
-        raise ValueError("attn_mask: only boolean masks are taken (additive float masks are not)")
+        raise ValueError("attn_mask: only boolean masks are CK masks (a float mask is a bias: sdpa takes it)")
     m = attn_mask
     while m.ndim > 2 and m.shape[0] == 1:
         m = m[0]
@@ -192,11 +199,33 @@ def _candidates(m: torch.Tensor, shift: int, lower: bool) -> list[int]:
 def sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
     """``torch.nn.functional.scaled_dot_product_attention`` for q, k, v ``[B, H, S, D]`` through
     ``torch.ops.fmha_iree.fmha_fwd`` (no dropout). ``enable_gqa`` as in torch: with it, ``Hq`` may
-    be a multiple of ``Hk``; without it the head counts must match."""
+    be a multiple of ``Hk``; without it the head counts must match. ``attn_mask`` as in torch
+    (broadcastable to ``[B, Hq, Sq, Sk]``): a boolean mask that is one CK window for every batch
+    entry and head runs as that mask; any other boolean mask, and a float mask (added to the
+    scores), as an elementwise bias (``bias``: a bias module, the mask read per tile). A row whose
+    every key is masked gives 0 (torch: NaN)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("sdpa takes q, k, v as 4-D [B, H, S, D] tensors")
     if not enable_gqa and q.shape[1] != k.shape[1]:
         raise ValueError(f"q has {q.shape[1]} heads and k {k.shape[1]}: pass enable_gqa=True (as in torch)")
-    mask = mask_of(attn_mask, bool(is_causal), q.shape[2], k.shape[2])
-    out, _ = torch.ops.fmha_iree.fmha_fwd(q, k, v, mask, scale, "bhsd")
+    sq, sk = q.shape[2], k.shape[2]
+    try:
+        mask, bias = mask_of(attn_mask, bool(is_causal), sq, sk), None
+    except ValueError:
+        if not isinstance(attn_mask, torch.Tensor) or is_causal:
+            raise
+        mask, bias = "0", _as_bias(attn_mask, q)
+    out, _ = torch.ops.fmha_iree.fmha_fwd(q, k, v, mask, scale, "bhsd", None, bias)
     return out
+
+
+def _as_bias(attn_mask: Tensor, q: Tensor) -> Tensor:
+    """torch's ``attn_mask`` (boolean: True attends; float: added) as a 4-D additive bias in q's dtype."""
+    if attn_mask.ndim > 4 or attn_mask.ndim < 1:
+        raise ValueError(f"attn_mask must broadcast to [B, H, Sq, Sk], got shape {list(attn_mask.shape)}")
+    m = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))
+    if m.dtype == torch.bool:
+        return torch.zeros(m.shape, dtype=q.dtype, device=m.device).masked_fill(~m, float("-inf"))
+    if not m.dtype.is_floating_point:
+        raise ValueError(f"attn_mask must be boolean or floating point, got {m.dtype}")
+    return m
