@@ -156,6 +156,19 @@ def test_refusals_before_iree_compile(target, dtype, fragment):
         model_compile_flags(7)
 
 
+def test_bias_is_refused_at_export():
+    """An elementwise bias is not taken inside exported models yet: a ValueError naming it at
+    export (the eager call takes it)."""
+    q, k, v = (torch.zeros(s) for s in [(1, 4, 8, 64), (1, 2, 8, 64), (1, 2, 8, 64)])
+
+    class Biased(torch.nn.Module):
+        def forward(self, q, k, v, b):
+            return attention(q, k, v, mask="b", bias=b)
+
+    with pytest.raises(ValueError, match="bias: an elementwise bias is not taken inside exported models"):
+        export_model(Biased(), (q, k, v, torch.zeros(1, 4, 8, 8)), target="host")
+
+
 def test_turbine_shims_still_needed():
     """Fails once the pinned compiler bindings have ``Type.isinstance`` again or turbine stops
     calling it: then delete ``integrations/turbine_shims.py``'s shim."""
