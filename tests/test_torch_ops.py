@@ -101,6 +101,21 @@ def test_sdpa_matches_torch(name, hq, hk, sq, sk, kw):
 
 
 
+def test_attention_with_bias_and_alibi_eager_and_compiled():
+    """``attention(bias=)`` and ``attention(alibi_slopes=)``: eager and under
+    ``torch.compile(fullgraph=True)`` (the op takes them as tensors), against float64."""
+    q, k, v = make_qkv(seed_of("ops-bias"), B=2, Hq=2, Sq=24, Sk=40, Dq=64)
+    bias = torch.randn(2, 1, 24, 40, generator=torch.Generator().manual_seed(4))
+    slopes = torch.tensor([0.25, 0.0625])
+    for kw in (dict(bias=bias), dict(alibi_slopes=slopes)):
+        want, _ = attention_ref(q, k, v, mask="b", **kw)
+        got = ops.attention(q, k, v, mask="b", **kw)
+        assert_close(got, want, torch.float32, what=f"attention {list(kw)}")
+        fn = torch.compile(lambda a, b, c, x, kw=kw: ops.attention(a, b, c, mask="b", **{next(iter(kw)): x}),
+                           fullgraph=True, backend="aot_eager")
+        assert torch.equal(fn(q, k, v, next(iter(kw.values()))), got)
+
+
 def test_sdpa_is_a_public_name():
     """The drop-in is ``fmha_iree.sdpa`` (the issue's name), the same function as the op module's."""
     assert fmha_iree.sdpa is ops.sdpa and "sdpa" in fmha_iree.__all__

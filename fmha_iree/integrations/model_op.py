@@ -91,10 +91,11 @@ class Expander(_Expansion):
         scale = _optional_float(ksel, 4)
         layout = ksel.attr_str(5)
         self._softcap = _softcap(ksel, 6)
-        if len(ksel.operands) > 7 and ksel.arg_optional_tensor(7) is not None:
-            raise ValueError("bias: an elementwise bias is not taken inside exported models yet (the model's kernel "
-                             "is fmha_iree's general function, which reads none); run the model eagerly or under "
-                             "torch.compile")
+        for i, name in ((7, "bias: an elementwise bias"), (8, "alibi_slopes: ALiBi")):
+            if len(ksel.operands) > i and ksel.arg_optional_tensor(i) is not None:
+                raise ValueError(f"{name} is not taken inside exported models yet (the model's kernel is "
+                                 "fmha_iree's general function, which reads none); run the model eagerly or under "
+                                 "torch.compile")
         q, _, v = (ksel.arg_descs[i].t for i in range(3))
         site = _call_site(ksel, mask.v, scale, layout.v)
         b, s_ax, h_ax = q.shape[0], (2 if site.layout == "bhsd" else 1), (1 if site.layout == "bhsd" else 2)

@@ -17,6 +17,7 @@ from torch import Tensor
 from ..api import fmha_fwd, fmha_fwd_varlen as _fmha_fwd_varlen
 from ..paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from ..paths.sinks import varlen_rows, with_sinks
+from ..problem.alibi import refuse_sink_tokens
 from ..problem.bias import refuse_sink_tokens as refuse_bias_sink_tokens
 from ..problem.mask import Mask
 from ..problem.spec import check_softcap
@@ -26,13 +27,15 @@ __all__ = ["attention", "sdpa", "mask_of", "fmha_fwd_varlen"]
 
 @torch.library.custom_op("fmha_iree::fmha_fwd", mutates_args=())
 def _fmha_fwd_op(q: Tensor, k: Tensor, v: Tensor, mask: str, scale: float | None,
-                 layout: str, softcap: float | None = None, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    out, lse = fmha_fwd(q, k, v, mask=mask, scale=scale, layout=layout, return_lse=True, softcap=softcap, bias=bias)
+                 layout: str, softcap: float | None = None, bias: Tensor | None = None,
+                 alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    out, lse = fmha_fwd(q, k, v, mask=mask, scale=scale, layout=layout, return_lse=True, softcap=softcap, bias=bias,
+                        alibi_slopes=alibi_slopes)
     return out, lse
 
 
 @_fmha_fwd_op.register_fake
-def _(q, k, v, mask, scale, layout, softcap=None, bias=None):
+def _(q, k, v, mask, scale, layout, softcap=None, bias=None, alibi_slopes=None):
     b, x1, x2, _ = q.shape
     hq, sq = (x1, x2) if layout == "bhsd" else (x2, x1)
     return q.new_empty(q.shape[:3] + (v.shape[-1],)), q.new_empty((b, hq, sq), dtype=torch.float32)
@@ -65,7 +68,7 @@ def _(q, k, v, seqstart_q, seqstart_k=None, seqlen_k=None, seqstart_padded_q=Non
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None = None, layout: str = "bhsd",
               return_lse: bool = False, softcap: float | None = None, sinks: Tensor | None = None,
-              bias: Tensor | None = None):
+              bias: Tensor | None = None, alibi_slopes: Tensor | None = None):
     """Batch-mode attention with CK's semantics for torch models: :func:`fmha_iree.fmha_fwd`
     through ``torch.ops.fmha_iree.fmha_fwd``. Eager calls run fmha_iree's modules; in a model
     exported with ``fmha_iree.integrations.model_export.export_model`` each call becomes fmha_iree's
@@ -73,17 +76,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None
     per call site: the lengths are runtime values); ``out``, or ``(out, lse)`` with lse float32
     ``[B, Hq, Sq]``. ``softcap`` and ``sinks`` as in :func:`fmha_iree.fmha_fwd` (the sinks are
     torch ops on the op's results, so an exported model computes them in its own graph); ``bias``
-    too (a tensor broadcastable to ``[B, Hq, Sq, Sk]``; eager and ``torch.compile``, not inside
-    exported models yet)."""
+    (a tensor broadcastable to ``[B, Hq, Sq, Sk]``) and ``alibi_slopes`` (``[Hq]`` or ``[B, Hq]``)
+    too, eager and under ``torch.compile`` (not inside exported models yet)."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if bias is not None and not isinstance(bias, Tensor):
-        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    args = (None if scale is None else float(scale), layout, check_softcap(softcap) or None, bias)
+    for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes)):
+        if x is not None and not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}")
+    args = (None if scale is None else float(scale), layout, check_softcap(softcap) or None, bias, alibi_slopes)
 
     def run(m=mask):
         def op():
@@ -92,6 +96,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None
 
     if has_sink_tokens(mask):
         refuse_bias_sink_tokens(bias)
+        refuse_sink_tokens(alibi_slopes)
         return with_batch_sink_tokens(run, q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=None,
                                       cu_seqlen_k=None, softcap=softcap, return_lse=return_lse)
     out, lse = run()
