@@ -14,7 +14,7 @@ import torch
 import fmha_iree
 from fmha_iree.problem.mask import Mask
 from reference import assert_close, attention_ref, make_qkv, seed_of, varlen_ref
-from test_variants import CAP, _cu, _group_inputs, _paged_inputs
+from test_variants import CAP, _cu, _group_inputs, _paged_inputs, check_group_invariance, variant_module
 
 
 def _slopes(h: int, rows: int = 0, seed: int = 0) -> np.ndarray:
@@ -58,23 +58,8 @@ def test_alibi_group_and_batch_invariance():
     q, k, v, sq, sk = _group_inputs(lq, lk, gain=1.0)
     k, v = k[:, :1].expand(-1, 4, -1).contiguous(), v[:, :1].expand(-1, 4, -1).contiguous()  # Hq == Hk
     sl = _slopes(4, len(lq), 7)
-    pad_q = np.array([0, 8, 110, 110, 115, 179], np.int32)  # the rows at padded starts, gaps between
-    qp = torch.zeros(179, 4, 64, dtype=q.dtype)
-    for b in range(len(lq)):
-        qp[pad_q[b]:pad_q[b] + lq[b]] = q[sq[b]:sq[b + 1]]
-    kw = dict(mask="b", seqstart_padded_q=pad_q, return_lse=True)
-    out, lse = fmha_iree.fmha_fwd_varlen(qp, k, v, sq, sk, alibi_slopes=sl, **kw)
-    ref_out, ref_lse = varlen_ref(qp, k, v, sq, sk, mask="b", seqstart_padded_q=pad_q, alibi_slopes=sl)
-    assert_close(out, ref_out, torch.float16, what="alibi group")
-    assert_close(lse, ref_lse, torch.float16, kind="lse", what="alibi group")
-    again, _ = fmha_iree.fmha_fwd_varlen(qp, k, v, sq, sk, alibi_slopes=sl, **kw)
-    assert torch.equal(again, out)
-    b = 1  # the 100-row sequence alone
-    alone, alone_lse = fmha_iree.fmha_fwd_varlen(q[sq[b]:sq[b + 1]], k[sk[b]:sk[b + 1]], v[sk[b]:sk[b + 1]],
-                                                 np.array([0, lq[b]]), np.array([0, lk[b]]), mask="b",
-                                                 alibi_slopes=sl[b], return_lse=True)
-    assert torch.equal(alone, out[pad_q[b]:pad_q[b] + lq[b]])
-    assert torch.equal(alone_lse, lse[:, sq[b]:sq[b + 1]])
+    check_group_invariance("alibi group", (q, k, v, sq, sk), lq, lk, dict(alibi_slopes=sl),
+                           lambda b: dict(alibi_slopes=sl[b]))
 
 
 def test_alibi_paged_decode():
@@ -139,12 +124,7 @@ def test_alibi_deployed(tmp_path):
     module refuses them, both naming ``alibi_slopes``."""
     from fmha_iree.cli import main
 
-    path = tmp_path / "alibi.vmfb"
-    assert main(["compile", "--target", "host", "--dtype", "f16", "--layout", "bshd", "--hdim", "64", "--heads", "2:2",
-                 "--mask", "b", "--alibi", "-o", str(path)]) == 0
-    mod = fmha_iree.load(path)
-    assert mod.manifest["variants"]["alibi"] is True
-    assert mod.capabilities.entries == {"fwd_tiles", "fwd_tiles_paged", "fwd_tiles_short", "fwd_tiles_short_paged"}
+    mod = variant_module(tmp_path / "alibi.vmfb", "--alibi", "2:2")
     q, k, v = make_qkv(seed_of("alibi-deploy"), B=2, Hq=2, Sq=33, Sk=90, Dq=64, dtype=torch.float16, layout="bshd")
     sl = _slopes(2)
     out = mod(q, k, v, alibi_slopes=sl)

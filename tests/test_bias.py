@@ -13,7 +13,7 @@ import torch
 
 import fmha_iree
 from reference import assert_close, attention_ref, make_qkv, seed_of, varlen_ref
-from test_variants import CAP, _group_inputs, _paged_inputs
+from test_variants import CAP, _group_inputs, _paged_inputs, check_group_invariance, variant_module
 
 
 def _bias(shape, seed, dtype=torch.float32, gain=2.0):
@@ -53,25 +53,9 @@ def test_bias_group_and_batch_invariance():
     empty sequence and one without keys, padded starts; each sequence's rows are the same alone as
     in the batch, and between repeated calls."""
     lq, lk = [5, 100, 0, 1, 64], [40, 100, 3, 0, 300]
-    q, k, v, sq, sk = _group_inputs(lq, lk, gain=1.0)
     bias = _bias((len(lq), 4, 110, 310), 1, torch.float16)
-    pad_q = np.array([0, 8, 110, 110, 115, 179], np.int32)
-    qp = torch.zeros(179, 4, 64, dtype=q.dtype)
-    for b in range(len(lq)):
-        qp[pad_q[b]:pad_q[b] + lq[b]] = q[sq[b]:sq[b + 1]]
-    kw = dict(mask="b", seqstart_padded_q=pad_q, return_lse=True)
-    out, lse = fmha_iree.fmha_fwd_varlen(qp, k, v, sq, sk, bias=bias, **kw)
-    ref_out, ref_lse = varlen_ref(qp, k, v, sq, sk, mask="b", seqstart_padded_q=pad_q, bias=bias)
-    assert_close(out, ref_out, torch.float16, what="bias group")
-    assert_close(lse, ref_lse, torch.float16, kind="lse", what="bias group")
-    again, _ = fmha_iree.fmha_fwd_varlen(qp, k, v, sq, sk, bias=bias, **kw)
-    assert torch.equal(again, out)
-    b = 1  # the 100-row sequence alone
-    alone, alone_lse = fmha_iree.fmha_fwd_varlen(q[sq[b]:sq[b + 1]], k[sk[b]:sk[b + 1]], v[sk[b]:sk[b + 1]],
-                                                 np.array([0, lq[b]]), np.array([0, lk[b]]), mask="b",
-                                                 bias=bias[b:b + 1], return_lse=True)
-    assert torch.equal(alone, out[pad_q[b]:pad_q[b] + lq[b]])
-    assert torch.equal(alone_lse, lse[:, sq[b]:sq[b + 1]])
+    check_group_invariance("bias group", _group_inputs(lq, lk, gain=1.0), lq, lk, dict(bias=bias),
+                           lambda b: dict(bias=bias[b:b + 1]))
 
 
 def test_bias_paged_decode_and_softcap():
@@ -87,6 +71,11 @@ def test_bias_paged_decode_and_softcap():
     ref_out, ref_lse = varlen_ref(q, k, v, sq, sk, mask="b", softcap=CAP, bias=bias, sinks=s)
     assert_close(out, ref_out, torch.float16, what="bias paged")
     assert_close(lse, ref_lse, torch.float16, kind="lse", what="bias paged")
+    for b in (0, 2):  # a sequence alone gives its rows of the batch, bitwise
+        alone, alone_lse = fmha_iree.fmha_fwd_varlen(q[sq[b]:sq[b + 1]], kc, vc, np.array([0, lq[b]]), None,
+                                                     seqlen_k=np.array(lk[b:b + 1]), block_table=bt[b:b + 1],
+                                                     bias=bias[b:b + 1], sinks=s, **kw)
+        assert torch.equal(alone, out[sq[b]:sq[b + 1]]) and torch.equal(alone_lse, lse[:, sq[b]:sq[b + 1]])
 
 
 def test_bias_device_tensors():
@@ -123,12 +112,7 @@ def test_bias_deployed(tmp_path):
     module refuses it, both naming ``bias``; decode runs on the short tiles."""
     from fmha_iree.cli import main
 
-    path = tmp_path / "bias.vmfb"
-    assert main(["compile", "--target", "host", "--dtype", "f16", "--layout", "bshd", "--hdim", "64", "--heads", "4:2",
-                 "--mask", "b", "--bias", "-o", str(path)]) == 0
-    mod = fmha_iree.load(path)
-    assert mod.manifest["variants"]["bias"] is True
-    assert mod.capabilities.entries == {"fwd_tiles", "fwd_tiles_paged", "fwd_tiles_short", "fwd_tiles_short_paged"}
+    mod = variant_module(tmp_path / "bias.vmfb", "--bias", "4:2")
     q, k, v = make_qkv(seed_of("bias-deploy"), B=2, Hq=4, Hk=2, Sq=33, Sk=90, Dq=64, dtype=torch.float16,
                        layout="bshd")
     bias = _bias((2, 4, 33, 90), 7, torch.float16)
@@ -148,3 +132,17 @@ def test_bias_deployed(tmp_path):
         fmha_iree.load(plain)(q, k, v, bias=bias)
     assert main(["compile", "--target", "host", "--dtype", "f16", "--layout", "bshd", "--hdim", "64",
                  "--heads", "2:2", "--bias", "--alibi", "-o", str(tmp_path / "both.vmfb")]) == 2
+
+
+def test_bias_decode_alone_and_beside_a_prefill():
+    """A decode sequence (one query row) gives the same rows alone (the short tiles) as beside a
+    40-row prefill chunk (whose batch takes the long tiles)."""
+    lq, lk = [1, 40], [300, 200]
+    q, k, v, sq, sk = _group_inputs(lq, lk, gain=1.0)
+    bias = _bias((2, 4, 40, 300), 8, torch.float16)
+    out, lse = fmha_iree.fmha_fwd_varlen(q, k, v, sq, sk, mask="b", bias=bias, return_lse=True)
+    ref_out, _ = varlen_ref(q, k, v, sq, sk, mask="b", bias=bias)
+    assert_close(out, ref_out, torch.float16, what="bias decode beside a prefill")
+    alone, alone_lse = fmha_iree.fmha_fwd_varlen(q[:1], k[:300], v[:300], np.array([0, 1]), np.array([0, 300]),
+                                                 mask="b", bias=bias[:1], return_lse=True)
+    assert torch.equal(alone, out[:1]) and torch.equal(alone_lse, lse[:, :1])

@@ -65,6 +65,44 @@ def _group_inputs(lq, lk, dtype=torch.float16, gain=3.0):
     return q, k, v, sq, sk
 
 
+def check_group_invariance(what, inputs, lq, lk, variant: dict, alone_variant):
+    """Group mode with the sequences of ``lq`` / ``lk`` (``_group_inputs``) at padded starts (gaps
+    between them) and ``variant``'s arguments, against float64; a repeated call is bitwise equal,
+    and sequence 1 alone (``alone_variant(1)``'s arguments) bitwise equal to its rows in the batch."""
+    q, k, v, sq, sk = inputs
+    pad_q = np.array([0, 8, 110, 110, 115, 179], np.int32)
+    qp = torch.zeros(179, q.shape[1], q.shape[2], dtype=q.dtype)
+    for b in range(len(lq)):
+        qp[pad_q[b]:pad_q[b] + lq[b]] = q[sq[b]:sq[b + 1]]
+    kw = dict(mask="b", seqstart_padded_q=pad_q, return_lse=True)
+    out, lse = fmha_iree.fmha_fwd_varlen(qp, k, v, sq, sk, **variant, **kw)
+    ref_out, ref_lse = varlen_ref(qp, k, v, sq, sk, mask="b", seqstart_padded_q=pad_q, **variant)
+    assert_close(out, ref_out, q.dtype, what=what)
+    assert_close(lse, ref_lse, q.dtype, kind="lse", what=what)
+    again, _ = fmha_iree.fmha_fwd_varlen(qp, k, v, sq, sk, **variant, **kw)
+    assert torch.equal(again, out)
+    b = 1
+    alone, alone_lse = fmha_iree.fmha_fwd_varlen(q[sq[b]:sq[b + 1]], k[sk[b]:sk[b + 1]], v[sk[b]:sk[b + 1]],
+                                                 np.array([0, lq[b]]), np.array([0, lk[b]]), mask="b",
+                                                 return_lse=True, **alone_variant(b))
+    assert torch.equal(alone, out[pad_q[b]:pad_q[b] + lq[b]])
+    assert torch.equal(alone_lse, lse[:, sq[b]:sq[b + 1]])
+
+
+def variant_module(path, flag: str, heads: str):
+    """A host f16 bshd d64 module compiled with ``flag`` (``--alibi``, ``--bias``) and ``heads``:
+    its manifest records the variant, and it holds ``fwd_tiles`` alone (with its paged and short
+    forms)."""
+    from fmha_iree.cli import main
+
+    assert main(["compile", "--target", "host", "--dtype", "f16", "--layout", "bshd", "--hdim", "64", "--heads", heads,
+                 "--mask", "b", flag, "-o", str(path)]) == 0
+    mod = fmha_iree.load(path)
+    assert mod.manifest["variants"][flag[2:]] is True
+    assert mod.capabilities.entries == {"fwd_tiles", "fwd_tiles_paged", "fwd_tiles_short", "fwd_tiles_short_paged"}
+    return mod
+
+
 def _paged_inputs(lq, lk, page=64, dtype=torch.float16):
     """A paged cache holding sequences of ``lk`` keys in shuffled pages, and its packed twin."""
     q, k, v, sq, sk = _group_inputs(lq, lk, dtype)
