@@ -146,3 +146,19 @@ def test_bias_decode_alone_and_beside_a_prefill():
     alone, alone_lse = fmha_iree.fmha_fwd_varlen(q[:1], k[:300], v[:300], np.array([0, 1]), np.array([0, 300]),
                                                  mask="b", bias=bias[:1], return_lse=True)
     assert torch.equal(alone, out[:1]) and torch.equal(alone_lse, lse[:, :1])
+
+
+@pytest.mark.parametrize("target, flag", [("gfx942", "--bias"), ("gfx1100", "--bias"), ("gfx942", "--alibi")])
+def test_variant_modules_compile_without_spills(tmp_path, target, flag):
+    """The bias and ALiBi modules' gfx code (compiled here, run nowhere): every kernel without
+    spills, the attention ops on MFMA / WMMA (docs/BENCHMARKS.md, "Elementwise bias", "ALiBi")."""
+    import json
+
+    from fmha_iree.cli import main
+
+    out = tmp_path / "m.vmfb"
+    assert main(["compile", "--target", target, "--dtype", "f16", "--hdim", "128", "--heads", "16:16", "--layout",
+                 "bshd", "--mask", "b", flag, "-o", str(out)]) == 0
+    isa = json.loads(out.with_suffix(".json").read_text())["isa"]
+    assert isa and all(k["vgpr_spill_count"] == 0 and k["sgpr_spill_count"] == 0 for k in isa), isa
+    assert sum(k["mfma_count"] + k["wmma_count"] for k in isa) > 0
