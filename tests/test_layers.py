@@ -21,7 +21,7 @@ LAYERS = [
     ["runtime.allocation"], ["runtime.device"], ["runtime.staging", "runtime.torch_gpu", "runtime.prepared"],
     ["runtime.module"],
     # problem: what a caller asks for, and the ABI every wing shares
-    ["problem.abi", "problem.targets", "problem.mask"], ["problem.tiles", "problem.alibi"], ["problem.spec", "problem.plan"],
+    ["problem.abi", "problem.targets", "problem.mask"], ["problem.tiles", "problem.alibi", "problem.bias"], ["problem.spec", "problem.plan"],
     ["problem.paged"],
     # paths: selection and each path's host side
     ["paths"],
@@ -34,7 +34,7 @@ LAYERS = [
     ["api", "deploy"], ["cli", "demo"],
     # integrations (model_op / model_export: fmha_iree's kernels inside an exported model)
     ["integrations.turbine_shims"], ["integrations.torch_ops", "integrations.distributed_args", "integrations.model_op"],
-    ["integrations.hf", "integrations.distributed", "integrations.model_export"],
+    ["integrations.hf_masks"], ["integrations.hf", "integrations.distributed", "integrations.model_export"],
     ["__init__"],
 ]
 WINGS = ("runtime", "problem", "codegen", "toolchain", "integrations")
