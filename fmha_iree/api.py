@@ -174,8 +174,11 @@ def fmha_fwd(
             the soft-cap, before the mask (the LSE includes it); read in the inputs' dtype, as
             CK's. Runs on a module of its own (``fwd_tiles`` with the bias as an argument;
             compiled once, then cached); any mask, GQA, decode; not with ``alibi_slopes`` (add
-            ALiBi into the bias) nor sink tokens; a host or torch tensor (not a DeviceTensor:
-            it is laid out for the kernels first, ``fmha_iree.problem.bias``).
+            ALiBi into the bias) nor sink tokens. Host arrays and torch tensors are laid out
+            for the kernels first (``fmha_iree.problem.bias``); a DeviceTensor (beside
+            DeviceTensor q, k, v) is read in place, so it must already be so laid out: the
+            module's dtype, ``Hq == Hk``, no size-1 row or key dim, at least 128 rows (16 for
+            decode-shaped calls).
 
     Rows that see no key give 0 and lse ``-inf``. Returns ``out`` (the input's type, dtype and
     layout, ``Dv`` wide) or ``(out, lse)``.

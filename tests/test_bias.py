@@ -79,14 +79,23 @@ def test_bias_paged_decode_and_softcap():
 
 
 def test_bias_device_tensors():
-    """DeviceTensor calls take a torch or host bias (uploaded beside them), each call its own."""
-    q, k, v = make_qkv(seed_of("bias-dev"), B=2, Hq=2, Sq=40, Sk=70, Dq=64, layout="bshd")
+    """DeviceTensor calls take a torch or host bias (uploaded beside them), each call its own, and
+    a DeviceTensor bias already in the kernels' layout (read in place); one that is not is refused
+    naming what it lacks."""
+    q, k, v = make_qkv(seed_of("bias-dev"), B=2, Hq=2, Sq=140, Sk=70, Dq=64, layout="bshd")
     dev = [fmha_iree.to_device(x) for x in (q, k, v)]
     for seed in (3, 4):
-        bias = _bias((2, 2, 40, 70), seed)
-        out = fmha_iree.fmha_fwd(*dev, mask="t", layout="bshd", bias=bias).to_numpy()
+        bias = _bias((2, 2, 140, 70), seed)
         ref, _ = attention_ref(q, k, v, mask="t", layout="bshd", bias=bias)
-        assert_close(out, ref, torch.float32, what=f"bias on DeviceTensors {seed}")
+        for given in (bias, fmha_iree.to_device(bias)):
+            out = fmha_iree.fmha_fwd(*dev, mask="t", layout="bshd", bias=given).to_numpy()
+            assert_close(out, ref, torch.float32, what=f"bias on DeviceTensors {seed}")
+    for bad, text in ((_bias((2, 1, 1, 70), 5), "rows and keys not broadcast"),
+                      (_bias((2, 2, 140, 70), 5).half(), "dtype f32, not f16")):
+        with pytest.raises(TypeError, match=f"bias: a DeviceTensor bias is read as it lies, so it needs {text}"):
+            fmha_iree.fmha_fwd(*dev, mask="t", layout="bshd", bias=fmha_iree.to_device(bad))
+    with pytest.raises(TypeError, match="bias: a DeviceTensor bias goes with DeviceTensor q, k, v"):
+        fmha_iree.fmha_fwd(q, k, v, mask="t", layout="bshd", bias=fmha_iree.to_device(bias))
 
 
 def test_bias_refusals():
@@ -97,7 +106,6 @@ def test_bias_refusals():
            (dict(bias=_bias((2, 30, 40), 5)), ValueError, "bias must be 4-D"),
            (dict(bias="1"), TypeError, "bias must be"),
            (dict(bias=torch.zeros(2, 2, 30, 40, dtype=torch.int32)), TypeError, "bias must hold floats"),
-           (dict(bias=fmha_iree.to_device(good)), TypeError, "bias: pass a torch tensor"),
            (dict(bias=good, mask="b:8,0,4"), ValueError, "bias: not with sink tokens"),
            (dict(bias=good, alibi_slopes=np.ones(2, np.float32)), ValueError, "bias and alibi_slopes")]
     for kw, err, text in bad:

@@ -33,9 +33,9 @@ _NUMPY_DT = {"f16": np.float16, "f32": np.float32}
 @dataclasses.dataclass(frozen=True)
 class KernelBias:
     """A bias as the kernels read it: ``array`` ``[P, rows, keys]`` (C-contiguous, the module's
-    dtype; numpy, torch, or a DeviceTensor made from the torch one), ``per_entry`` planes per batch
-    entry or sequence (0: one set shared by all), ``head_stride`` 1 where each KV head has its
-    plane (0: shared); ``rows`` positions (the plane's rows / G)."""
+    dtype; numpy, torch, or a DeviceTensor: made from those, or the caller's own, ``_in_place``),
+    ``per_entry`` planes per batch entry or sequence (0: one set shared by all), ``head_stride`` 1
+    where each KV head has its plane (0: shared), ``positions`` its planes' rows / G."""
 
     array: object
     per_entry: int
@@ -56,8 +56,7 @@ def _shape(bias) -> tuple[int, ...]:
     from ..runtime.device import DeviceTensor
 
     if isinstance(bias, DeviceTensor):
-        raise TypeError("bias: pass a torch tensor or a host array (it is laid out for the kernels first), "
-                        "not a DeviceTensor")
+        return tuple(bias.shape)
     if hasattr(bias, "detach"):
         if not bias.dtype.is_floating_point:
             raise TypeError(f"bias must hold floats, got {bias.dtype}")
@@ -96,6 +95,8 @@ def kernel_bias(bias, *, batch: int, hq: int, hk: int, sq: int, sk: int, dtype: 
     # a tile reads whole planes of its rows: at least a short tile's positions for decode-shaped
     # calls (kernels.tiles.SHORT_ROWS), else a long tile's (at most BIAS_ROWS rows on any target)
     need = -(-(BIAS_ROWS_SHORT if sq * g <= BIAS_ROWS_SHORT else BIAS_ROWS) // g)
+    if not (hasattr(bias, "detach") or isinstance(bias, np.ndarray)):  # a DeviceTensor: read as it is
+        return _in_place(bias, dtype, g, need, (k == 1 and sk > 1) or (r == 1 and sq > 1))
     torch_like = hasattr(bias, "detach")
     x = _as_dtype(bias, dtype, torch_like)
     x = _expand(x, (b, h, rows, max(k, sk) if k == 1 else k), torch_like)
@@ -110,6 +111,21 @@ def kernel_bias(bias, *, batch: int, hq: int, hk: int, sq: int, sk: int, dtype: 
     return KernelBias(x, per_entry if b > 1 else 0, hs, max(rows, need))
 
 
+def _in_place(bias, dtype: str, g: int, need: int, broadcast: bool) -> KernelBias:
+    """A DeviceTensor bias as the kernels' planes, without a copy: it must already be laid out as
+    they read it (the module's dtype, one query head per KV head or one plane for all, every row and
+    key there, at least a tile's rows), since a device array is not rearranged here."""
+    b, h, r, k = bias.shape
+    why = [w for w, bad in ((f"dtype {dtype}, not {bias.dtype}", bias.dtype != dtype),
+                            ("rows and keys not broadcast (size 1)", broadcast),
+                            (f"at least {need} rows (a tile's), not {r}", r < need),
+                            ("Hq == Hk (with GQA the planes interleave the group's rows)", g > 1)) if bad]
+    if why:
+        raise TypeError("bias: a DeviceTensor bias is read as it lies, so it needs " + "; ".join(why)
+                        + " (or pass a torch tensor or a host array, laid out for the kernels first)")
+    return KernelBias(bias.reshape((b * h, r, k)), h if b > 1 else 0, int(h > 1), r)
+
+
 def checked_bias(bias, q, **dims) -> KernelBias | None:
     """``kernel_bias(bias, **dims)`` with its planes as the call's ABI array beside the Operand
     ``q`` (``spec.Operand``): a numpy array (bf16 as its int16 bits) for host calls, a DeviceTensor
@@ -119,6 +135,12 @@ def checked_bias(bias, q, **dims) -> KernelBias | None:
         return None
     kb = kernel_bias(bias, dtype=q.dtype, **dims)
     x = kb.array
+    from ..runtime.device import DeviceTensor
+
+    if isinstance(x, DeviceTensor):
+        if not q.on_device or x.device_uri != q.array.device_uri:
+            raise TypeError("bias: a DeviceTensor bias goes with DeviceTensor q, k, v on its device")
+        return kb
     if not q.on_device:
         if hasattr(x, "detach"):
             import torch
@@ -126,8 +148,6 @@ def checked_bias(bias, q, **dims) -> KernelBias | None:
             x = x.cpu()
             x = (x.view(torch.int16) if q.dtype == "bf16" else x).numpy()
         return kb.with_array(x)
-    from ..runtime.device import DeviceTensor
-
     uri = q.array.device_uri
     if hasattr(x, "detach") and x.device.type != "cpu":
         import torch
