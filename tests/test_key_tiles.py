@@ -30,7 +30,7 @@ import test_ragged as ragged
 from common import cu, route, run_batch, run_paged
 from reference import assert_close, attention_ref, make_qkv, seed_of
 
-INFO = TilesCaps(rows=64, group=2, ew=192, step=64)  # the llvm-cpu build's (source.tiles_record)
+INFO = TilesCaps(rows=64, group=2, ew=192, step=64)  # the llvm-cpu build's (entries.tiles_record)
 TILE_FIELDS = len(TILE_COLUMNS)
 TAKEN = ["0", "b", "t", "t:-1,5", "b:-1,3", "xb:0", "b:-1,0", "b:20,0", "t:3,40", "xb:9", "b:100,7", "t:70,-1"]
 

@@ -11,7 +11,7 @@ import dataclasses
 
 from ..problem.abi import (PACKED_SCALARS, PLAN_DESC_COLUMNS, PREFIX_SCALARS, RAGGED_SCALARS, ROWS_DESC_COLUMNS,
                   ROWS_PACKED_DESC_COLUMNS, TILE_COLUMNS, TILE_STEP, UNIT_TILE_COLUMNS)
-from .source import dense_params, dense_record, fwd_plan, has_plan, is_fused, step_compute, tiles_record
+from .source import dense_params, fwd_plan, has_plan, is_fused, step_compute
 from ..problem.spec import KernelSpec
 from ..problem.tiles import CPU_WAVE_KEYS, CPU_WAVE_ROWS, varlen_rows
 
@@ -32,6 +32,30 @@ def capabilities(spec: KernelSpec, *, fused_step: bool | None = None) -> dict:
             **({"bias": True} if spec.bias else {}), "unit_rows": 0 if gpu else varlen_rows(t),
             "dense": dense_record(spec, fused_step=fused_step),
             "key_tiles": tiles_record(spec, fused_step=fused_step)}
+
+
+def dense_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
+    """The capabilities record's ``dense`` part (``paths.capabilities.DenseCaps``), or None."""
+    d = dense_params(spec, fused_step=fused_step)
+    if d is None:
+        return None
+    return {"align": d["align"], "seqlens": sorted(d["seqlens"]), "causal_o": sorted(d["causal_o"]),
+            "tiled": d["tiled"], "dynamic": d["dynamic"],
+            "batch": d.get("batch", 0), "kv_heads": d.get("kv_heads", 0)}
+
+
+def tiles_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
+    """The capabilities record's ``key_tiles`` part: ``fwd_tiles``' static sizes for the host's
+    table (``paths.capabilities.TilesCaps``), where the module has it."""
+    from .kernels.tiles import STEP, tiles_shape
+
+    plan = fwd_plan(spec, fused_step=fused_step)
+    t = tiles_shape(plan) if plan is not None else None
+    if t is None:
+        return None
+    short = tiles_shape(plan, short=True) if spec.tiles_only else None  # kernels.tiles.tiles_module's short tiles
+    return {"rows": t.rows, "group": t.group, "ew": t.ew, "step": STEP,
+            **({"short_rows": short.rows, "short_ew": short.ew} if short is not None else {})}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import functools
 
 from ..problem.spec import KernelSpec
 
-__all__ = ["source_mlir", "has_plan", "is_fused", "gpu_lowering", "step_compute", "dense_params", "dense_record", "tiles_record",
+__all__ = ["source_mlir", "has_plan", "is_fused", "gpu_lowering", "step_compute", "dense_params",
            "fwd_plan", "native_exp2_default", "CAUSAL_MASKED_MAX"]
 
 
@@ -137,30 +137,6 @@ def dense_params(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | 
     causal_o = [s for s in seqlens if s <= CAUSAL_MASKED_MAX and spec.group * s * s <= 1 << 28]
     return {"align": align, "lowering": low, "seqlens": seqlens,
             "causal_o": causal_o, "tiled": True, "dynamic": True}
-
-
-def dense_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
-    """The capabilities record's ``dense`` part (``paths.capabilities.DenseCaps``), or None."""
-    d = dense_params(spec, fused_step=fused_step)
-    if d is None:
-        return None
-    return {"align": d["align"], "seqlens": sorted(d["seqlens"]), "causal_o": sorted(d["causal_o"]),
-            "tiled": d["tiled"], "dynamic": d["dynamic"],
-            "batch": d.get("batch", 0), "kv_heads": d.get("kv_heads", 0)}
-
-
-def tiles_record(spec: KernelSpec, *, fused_step: bool | None = None) -> dict | None:
-    """The capabilities record's ``key_tiles`` part: ``fwd_tiles``' static sizes for the host's
-    table (``paths.capabilities.TilesCaps``), where the module has it."""
-    from .kernels.tiles import STEP, tiles_shape
-
-    plan = fwd_plan(spec, fused_step=fused_step)
-    t = tiles_shape(plan) if plan is not None else None
-    if t is None:
-        return None
-    short = tiles_shape(plan, short=True) if spec.tiles_only else None  # kernels.tiles.tiles_module's short tiles
-    return {"rows": t.rows, "group": t.group, "ew": t.ew, "step": STEP,
-            **({"short_rows": short.rows, "short_ew": short.ew} if short is not None else {})}
 
 
 # Causal without LSE at a compiled-in length S up to this: the whole problem as ONE fused
