@@ -20,7 +20,6 @@ from .runtime.torch_gpu import TorchCall, torch_gpu
 from .paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from .paths.sinks import varlen_rows, with_sinks as _with_sinks
 from .problem.alibi import refuse_sink_tokens
-from .problem.bias import refuse_sink_tokens as refuse_bias_sink_tokens
 
 __all__ = ["fmha_fwd", "fmha_fwd_varlen", "route", "cache_stats", "clear_memory_caches", "to_device"]
 
@@ -113,7 +112,7 @@ def to_device(x, device=None) -> DeviceTensor:
     """Copy a torch tensor or numpy array (float16, bfloat16, float32) to ``device`` once, so calls
     read it there: :func:`fmha_fwd` given DeviceTensors returns DeviceTensors and moves nothing
     over the host bus (``.to_numpy()`` / ``.to_torch()`` copy back)."""
-    from .problem.spec import as_operand
+    from .problem.operand import as_operand
 
     device_uri, _ = resolve_device(device)
     o = as_operand(x, "x")
@@ -187,8 +186,7 @@ def fmha_fwd(
     and why); all give the same results.
     """
     if has_sink_tokens(mask):
-        refuse_sink_tokens(alibi_slopes)
-        refuse_bias_sink_tokens(bias)
+        refuse_sink_tokens(alibi_slopes, bias)
         return with_batch_sink_tokens(
             lambda m: fmha_fwd(q, k, v, mask=m, scale=scale, return_lse=True, layout=layout, cu_seqlen_q=cu_seqlen_q,
                                cu_seqlen_k=cu_seqlen_k, tiles=tiles, device=device, specialize=specialize,
@@ -291,8 +289,7 @@ def fmha_fwd_varlen(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if has_sink_tokens(mask):
-        refuse_sink_tokens(alibi_slopes)
-        refuse_bias_sink_tokens(bias)
+        refuse_sink_tokens(alibi_slopes, bias)
         ints = dict(seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                     block_table=block_table)
         return with_varlen_sink_tokens(

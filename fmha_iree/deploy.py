@@ -19,7 +19,6 @@ from .runtime.module import FmhaModule
 from .paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from .paths.sinks import varlen_rows, with_sinks
 from .problem.alibi import refuse_sink_tokens
-from .problem.bias import refuse_sink_tokens as refuse_bias_sink_tokens
 from .problem.spec import check_batch, check_softcap, check_varlen
 from .problem.targets import resolve_device
 from .runtime.torch_gpu import TorchCall, torch_gpu
@@ -76,8 +75,7 @@ class DeployedFmha:
         pr = self.manifest["problem"]
         layout, given = pr["layout"], pr.get("mask") if mask is None else mask  # the module's default mask
         if has_sink_tokens(given):
-            refuse_sink_tokens(alibi_slopes)
-            refuse_bias_sink_tokens(bias)
+            refuse_sink_tokens(alibi_slopes, bias)
             return with_batch_sink_tokens(
                 lambda m: self(q, k, v, mask=m, scale=scale, return_lse=True, cu_seqlen_q=cu_seqlen_q,
                                cu_seqlen_k=cu_seqlen_k, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias),
@@ -150,8 +148,7 @@ class DeployedFmha:
         mask = self._group_mask(mask)
         self._softcap(softcap)
         if has_sink_tokens(mask):
-            refuse_sink_tokens(alibi_slopes)
-            refuse_bias_sink_tokens(bias)
+            refuse_sink_tokens(alibi_slopes, bias)
             ints = dict(seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                         block_table=block_table)
             return with_varlen_sink_tokens(

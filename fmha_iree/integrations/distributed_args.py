@@ -11,7 +11,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from ..problem.spec import _TORCH_DTYPES, _check_torch_kind
+from ..problem.operand import _TORCH_DTYPES, _check_torch_kind
 
 __all__ = ["LAYOUTS", "group_info", "check_local", "gather_meta", "check_meta"]
 

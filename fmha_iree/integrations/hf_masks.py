@@ -61,9 +61,7 @@ class MaskBias:
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._made:
-            m = self._mask
-            self._made[dtype] = (torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, float("-inf"))
-                                 if m.dtype == torch.bool else m.to(dtype))
+            self._made[dtype] = torch_ops.additive_bias(self._mask, dtype)
         return self._made[dtype]
 
 

@@ -18,7 +18,6 @@ from ..api import fmha_fwd, fmha_fwd_varlen as _fmha_fwd_varlen
 from ..paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from ..paths.sinks import varlen_rows, with_sinks
 from ..problem.alibi import refuse_sink_tokens
-from ..problem.bias import refuse_sink_tokens as refuse_bias_sink_tokens
 from ..problem.mask import Mask
 from ..problem.spec import check_softcap
 
@@ -95,8 +94,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None
         return op() if sinks is None else with_sinks(op, q, sinks, 1 if layout == "bhsd" else 2, layout, True)
 
     if has_sink_tokens(mask):
-        refuse_bias_sink_tokens(bias)
-        refuse_sink_tokens(alibi_slopes)
+        refuse_sink_tokens(alibi_slopes, bias)
         return with_batch_sink_tokens(run, q, k, v, mask=mask, scale=scale, layout=layout, cu_seqlen_q=None,
                                       cu_seqlen_k=None, softcap=softcap, return_lse=return_lse)
     out, lse = run()
@@ -219,18 +217,19 @@ def sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False)
     except ValueError:
         if not isinstance(attn_mask, torch.Tensor) or is_causal:
             raise
-        mask, bias = "0", _as_bias(attn_mask, q)
+        mask, bias = "0", additive_bias(attn_mask, q.dtype)
     out, _ = torch.ops.fmha_iree.fmha_fwd(q, k, v, mask, scale, "bhsd", None, bias)
     return out
 
 
-def _as_bias(attn_mask: Tensor, q: Tensor) -> Tensor:
-    """torch's ``attn_mask`` (boolean: True attends; float: added) as a 4-D additive bias in q's dtype."""
+def additive_bias(attn_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A mask as torch's SDPA reads it (boolean: True attends; float: added to the scores) as a 4-D
+    additive bias of ``dtype`` (0 or ``-inf`` for a boolean one)."""
     if attn_mask.ndim > 4 or attn_mask.ndim < 1:
         raise ValueError(f"attn_mask must broadcast to [B, H, Sq, Sk], got shape {list(attn_mask.shape)}")
     m = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))
     if m.dtype == torch.bool:
-        return torch.zeros(m.shape, dtype=q.dtype, device=m.device).masked_fill(~m, float("-inf"))
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, float("-inf"))
     if not m.dtype.is_floating_point:
         raise ValueError(f"attn_mask must be boolean or floating point, got {m.dtype}")
-    return m
+    return m.to(dtype)

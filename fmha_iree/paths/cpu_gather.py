@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from ..problem.spec import as_operand
+from ..problem.operand import as_operand
 from .base import Call, Problem, Refused
 from .capabilities import Capabilities
 from .cpu_group import CPU_GROUP

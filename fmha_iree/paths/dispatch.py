@@ -16,7 +16,8 @@ import numpy as np
 from ..runtime.device import DeviceTensor
 from ..problem.paged import PagedCache
 from ..runtime.module import FmhaModule
-from ..problem.spec import BatchProblem, Operand, check_varlen
+from ..problem.operand import Operand
+from ..problem.spec import BatchProblem, check_varlen
 from .base import Problem
 from .capabilities import Capabilities
 from .select import Route, select

@@ -52,11 +52,13 @@ def frame_offset(mask: Mask, q_len, k_len) -> np.ndarray:
     return k_len - q_len
 
 
-def refuse_sink_tokens(slopes):
-    """Sink tokens are added to a path's results by a second attention without the bias
-    (``paths.sink_tokens``): with ALiBi they are refused."""
+def refuse_sink_tokens(slopes, bias=None):
+    """Sink tokens are added to a path's results by a second attention without the score's bias
+    (``paths.sink_tokens``): with ALiBi slopes or an elementwise bias they are refused, naming it."""
     if slopes is not None:
         raise ValueError("alibi_slopes: not with sink tokens (a mask with sink tokens adds them without the bias)")
+    if bias is not None:
+        raise ValueError("bias: not with sink tokens (a mask with sink tokens adds them without the bias)")
 
 
 def checked_alibi(slopes, rows: int, hq: int, hk: int) -> np.ndarray | None:

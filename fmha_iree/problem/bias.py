@@ -22,9 +22,11 @@ import dataclasses
 
 import numpy as np
 
+from ..runtime.device import DeviceTensor
 from .abi import BIAS_ROWS, BIAS_ROWS_SHORT
+from .operand import as_operand
 
-__all__ = ["KernelBias", "kernel_bias", "checked_bias", "refuse_both", "refuse_sink_tokens"]
+__all__ = ["KernelBias", "kernel_bias", "checked_bias", "refuse_both"]
 
 _TORCH_DT = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 _NUMPY_DT = {"f16": np.float16, "f32": np.float32}
@@ -53,8 +55,6 @@ class KernelBias:
 def _shape(bias) -> tuple[int, ...]:
     if bias is None or isinstance(bias, (bool, str, bytes, int, float)):
         raise TypeError(f"bias must be a float tensor/array broadcastable to [B, Hq, Sq, Sk], got {type(bias).__name__}")
-    from ..runtime.device import DeviceTensor
-
     if isinstance(bias, DeviceTensor):
         return tuple(bias.shape)
     if hasattr(bias, "detach"):
@@ -95,7 +95,7 @@ def kernel_bias(bias, *, batch: int, hq: int, hk: int, sq: int, sk: int, dtype: 
     # a tile reads whole planes of its rows: at least a short tile's positions for decode-shaped
     # calls (kernels.tiles.SHORT_ROWS), else a long tile's (at most BIAS_ROWS rows on any target)
     need = -(-(BIAS_ROWS_SHORT if sq * g <= BIAS_ROWS_SHORT else BIAS_ROWS) // g)
-    if not (hasattr(bias, "detach") or isinstance(bias, np.ndarray)):  # a DeviceTensor: read as it is
+    if isinstance(bias, DeviceTensor):  # read as it is
         return _in_place(bias, dtype, g, need, (k == 1 and sk > 1) or (r == 1 and sq > 1))
     torch_like = hasattr(bias, "detach")
     x = _as_dtype(bias, dtype, torch_like)
@@ -128,37 +128,24 @@ def _in_place(bias, dtype: str, g: int, need: int, broadcast: bool) -> KernelBia
 
 def checked_bias(bias, q, **dims) -> KernelBias | None:
     """``kernel_bias(bias, **dims)`` with its planes as the call's ABI array beside the Operand
-    ``q`` (``spec.Operand``): a numpy array (bf16 as its int16 bits) for host calls, a DeviceTensor
-    on q's device for DeviceTensor calls (a torch GPU tensor shared, after torch's current stream;
-    a host one uploaded); None for no bias."""
+    ``q`` (``operand.Operand``): a host array (``as_operand``) for host calls, a DeviceTensor on
+    q's device for DeviceTensor calls (a torch GPU tensor shared, after torch's current stream; a
+    host one uploaded); None for no bias."""
     if bias is None:
         return None
     kb = kernel_bias(bias, dtype=q.dtype, **dims)
     x = kb.array
-    from ..runtime.device import DeviceTensor
-
     if isinstance(x, DeviceTensor):
         if not q.on_device or x.device_uri != q.array.device_uri:
             raise TypeError("bias: a DeviceTensor bias goes with DeviceTensor q, k, v on its device")
         return kb
-    if not q.on_device:
-        if hasattr(x, "detach"):
-            import torch
-
-            x = x.cpu()
-            x = (x.view(torch.int16) if q.dtype == "bf16" else x).numpy()
-        return kb.with_array(x)
-    uri = q.array.device_uri
-    if hasattr(x, "detach") and x.device.type != "cpu":
+    if q.on_device and hasattr(x, "detach") and x.device.type != "cpu":
         import torch
 
         torch.cuda.current_stream(x.device).synchronize()
-        return kb.with_array(DeviceTensor.from_dlpack(x, uri))
-    if hasattr(x, "detach"):
-        import torch
-
-        x = (x.view(torch.int16) if q.dtype == "bf16" else x).numpy()
-    return kb.with_array(DeviceTensor.from_host(x, q.dtype, uri))
+        return kb.with_array(DeviceTensor.from_dlpack(x, q.array.device_uri))
+    host = as_operand(x, "bias").array
+    return kb.with_array(DeviceTensor.from_host(host, q.dtype, q.array.device_uri) if q.on_device else host)
 
 
 def _as_dtype(x, dtype: str, torch_like: bool):
@@ -197,13 +184,6 @@ def _pad_rows(x, n: int, torch_like: bool):
 
         return torch.nn.functional.pad(x, (0, 0, 0, n))
     return np.pad(x, ((0, 0), (0, 0), (0, n), (0, 0)))
-
-
-def refuse_sink_tokens(bias):
-    """Sink tokens are added to a path's results by a second attention without the bias
-    (``paths.sink_tokens``): with a bias they are refused."""
-    if bias is not None:
-        raise ValueError("bias: not with sink tokens (a mask with sink tokens adds them without the bias)")
 
 
 def refuse_both(alibi_slopes, bias):

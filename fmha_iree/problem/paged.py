@@ -20,7 +20,8 @@ import dataclasses
 import numpy as np
 
 from .plan import runs
-from .spec import Operand, as_operand, int_array, int_vector
+from .operand import Operand, as_operand
+from .spec import int_array, int_vector
 
 __all__ = ["PagedCache", "check_paged"]
 

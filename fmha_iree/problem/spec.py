@@ -13,14 +13,14 @@ import numbers
 
 import numpy as np
 
-from ..runtime.device import DeviceTensor
 from .alibi import checked_alibi
 from .bias import checked_bias, refuse_both
 from .mask import Mask, as_mask
+from .operand import Operand, _is_torch, as_operand
 from .targets import Target
 from .tiles import TileConfig, check_tiles_for, default_tiles
 
-__all__ = ["KernelSpec", "Operand", "BatchProblem", "as_operand", "check_batch", "MAX_HEAD_DIM"]
+__all__ = ["KernelSpec", "BatchProblem", "check_batch", "MAX_HEAD_DIM"]
 
 LAYOUTS = ("bhsd", "bshd")
 MAX_HEAD_DIM = 256
@@ -28,8 +28,6 @@ MAX_HEAD_DIM = 256
 # room for a tile's rounding (kernels.ir.Fn.bounded); a tensor past it would not fit one GPU anyway
 ROWS_MAX = 2**31 - 2**16
 _F32_MAX = float(np.finfo(np.float32).max)  # kernels compute in float32: a larger scale is inf there
-_NUMPY_DTYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}
-_TORCH_DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,65 +93,6 @@ class KernelSpec:
             **({"alibi": True} if self.alibi else {}),
             **({"bias": True} if self.bias else {}),
         }
-
-
-@dataclasses.dataclass
-class Operand:
-    """An input converted for the IREE ABI: a C-contiguous numpy array (bf16 as int16 bits), or a
-    :class:`fmha_iree.runtime.device.DeviceTensor` already on a device."""
-
-    array: np.ndarray
-    dtype: str
-    is_torch: bool
-
-    @property
-    def on_device(self) -> bool:
-        return not isinstance(self.array, np.ndarray)
-
-
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
-
-
-def as_operand(x, name: str) -> Operand:
-    """Convert a torch tensor or numpy array (or take a DeviceTensor as it is); reject anything
-    else naming ``name``."""
-    if isinstance(x, DeviceTensor):
-        return Operand(x, x.dtype, False)
-    if _is_torch(x):
-        _check_torch_kind(x, name)
-        dt = _TORCH_DTYPES.get(str(x.dtype))
-        if dt is None:
-            raise TypeError(f"{name} has dtype {x.dtype}; supported: float16, bfloat16, float32")
-        t = x.detach().cpu().contiguous()
-        if dt == "bf16":
-            import torch
-
-            t = t.view(torch.int16)
-        return Operand(t.numpy(), dt, True)
-    if isinstance(x, np.ndarray):
-        dt = _NUMPY_DTYPES.get(x.dtype)
-        if dt is None:
-            raise TypeError(f"{name} has dtype {x.dtype}; numpy inputs support float16 and float32")
-        return Operand(np.ascontiguousarray(x), dt, False)
-    raise TypeError(f"{name} must be a torch.Tensor, numpy.ndarray or fmha_iree.DeviceTensor, got {type(x).__name__}")
-
-
-def _check_torch_kind(x, name: str):
-    """Refuse torch tensors whose data cannot be read as one dense array (meta, sparse, nested),
-    and inputs that expect a gradient: there is no backward pass, so an output would silently have
-    none."""
-    import torch
-
-    if x.is_meta or x.device.type == "meta":
-        raise TypeError(f"{name} is a meta tensor (no data); pass a tensor with storage")
-    if getattr(x, "is_nested", False):
-        raise TypeError(f"{name} is a nested tensor; pass a dense one (group mode: fmha_fwd_varlen)")
-    if x.layout != torch.strided:
-        raise TypeError(f"{name} has layout {x.layout}; only dense (torch.strided) tensors are supported")
-    if x.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"{name} requires grad, but fmha_iree has no backward pass: pass {name}.detach() "
-                         "or call under torch.no_grad()")
 
 
 def _operands(q, k, v, ndim: int, what: str) -> tuple[Operand, Operand, Operand]:

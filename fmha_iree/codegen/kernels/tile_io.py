@@ -15,7 +15,7 @@ from .packed_common import generic, read_idx
 from .workgroups import Body, inner_size, load
 
 __all__ = ["TILE_COLUMNS", "TILE_FIELDS", "STEP", "TilesShape", "TilesFn", "tile_row", "gathered_keys", "edge_inputs",
-           "q_tiles", "gathered", "edge_key", "alibi_ramps", "copies_q", "bias_plane", "f32_mask"]
+           "q_tiles", "gathered", "edge_key", "alibi_ramps", "copies_q", "f32_mask"]
 
 # a tile's row of the table; ``nh``: the edge keys its first half of positions sees (a prefix of ``ne``)
 from ...problem.abi import TILE_COLUMNS, TILE_STEP as STEP
