@@ -20,6 +20,7 @@ from .runtime.torch_gpu import TorchCall, torch_gpu
 from .paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from .paths.sinks import varlen_rows, with_sinks as _with_sinks
 from .problem.alibi import refuse_sink_tokens
+from .problem.fp8 import dequantized_kv
 
 __all__ = ["fmha_fwd", "fmha_fwd_varlen", "route", "cache_stats", "clear_memory_caches", "to_device"]
 
@@ -124,7 +125,7 @@ def to_device(x, device=None) -> DeviceTensor:
 def fmha_fwd(
     q, k, v, *, mask=None, scale=None, return_lse=False, layout="bhsd",
     cu_seqlen_q=None, cu_seqlen_k=None, tiles=None, device=None, specialize=False, softcap=None, sinks=None,
-    alibi_slopes=None, bias=None,
+    alibi_slopes=None, bias=None, k_descale=None, v_descale=None,
 ):
     """CK's FMHA forward (batch mode): ``softmax(scale * q @ k^T, masked) @ v``.
 
@@ -178,6 +179,11 @@ def fmha_fwd(
             DeviceTensor q, k, v) is read in place, so it must already be so laid out: the
             module's dtype, ``Hq == Hk``, no size-1 row or key dim, at least 128 rows (16 for
             decode-shaped calls).
+        k_descale, v_descale: with ``k`` and ``v`` in fp8 (``float8_e4m3fn``, or gfx942's
+            ``float8_e4m3fnuz``; torch tensors or ml_dtypes numpy arrays; an fp8 KV cache): the
+            factors their values are multiplied by, a float or float ``[Hk]`` (one per KV head);
+            default 1. K and V are dequantized to q's dtype before any path runs
+            (``fmha_iree.problem.fp8``).
 
     Rows that see no key give 0 and lse ``-inf``. Returns ``out`` (the input's type, dtype and
     layout, ``Dv`` wide) or ``(out, lse)``.
@@ -185,6 +191,7 @@ def fmha_fwd(
     Which of the module's functions runs the call is the paths' choice (:func:`route` says which
     and why); all give the same results.
     """
+    k, v, _ = dequantized_kv(q, k, v, k_descale, v_descale, layout=layout)
     if has_sink_tokens(mask):
         refuse_sink_tokens(alibi_slopes, bias)
         return with_batch_sink_tokens(
@@ -227,7 +234,8 @@ def fmha_fwd(
 
 def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=None, cu_seqlen_k=None, seqstart_q=None,
           seqstart_k=None, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None, block_table=None,
-          tiles=None, device=None, specialize=False, softcap=None, alibi_slopes=None, bias=None) -> Route:
+          tiles=None, device=None, specialize=False, softcap=None, alibi_slopes=None, bias=None, k_descale=None,
+          v_descale=None) -> Route:
     """The path a call with these arguments takes, without running it: :func:`fmha_fwd`'s (batch
     mode) or, given ``seqstart_q``, :func:`fmha_fwd_varlen`'s (group mode; a paged cache with
     ``block_table``). The :class:`paths.Route` names the path, the module function it calls and
@@ -235,6 +243,8 @@ def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=No
     on first use compiles) the module, as the call would."""
     if not isinstance(return_lse, bool) or not isinstance(specialize, bool):
         raise TypeError("return_lse and specialize must be bools")
+    k, v, block_table = dequantized_kv(q, k, v, k_descale, v_descale, layout=layout, group=seqstart_q is not None,
+                                             block_table=block_table, seqlen_k=seqlen_k)
     mask = as_mask(mask).window_only  # sink tokens are added to the path's results (paths.sink_tokens)
     if seqstart_q is None:
         for name, val in (("seqstart_k", seqstart_k), ("seqlen_k", seqlen_k), ("seqstart_padded_q", seqstart_padded_q),
@@ -258,7 +268,7 @@ def route(q, k, v, *, mask=None, return_lse=False, layout="bhsd", cu_seqlen_q=No
 def fmha_fwd_varlen(
     q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
     block_table=None, mask=None, scale=None, return_lse=False, tiles=None, device=None, softcap=None, sinks=None,
-    alibi_slopes=None, bias=None,
+    alibi_slopes=None, bias=None, k_descale=None, v_descale=None,
 ):
     """CK's FMHA forward in group mode: sequences packed along the token axis ("thd").
 
@@ -281,6 +291,8 @@ def fmha_fwd_varlen(
         bias: as in :func:`fmha_fwd`, laid out as a padded batch: broadcastable to ``[B, Hq, Sq',
             Sk']`` with ``Sq'`` / ``Sk'`` at least the longest sequence's query rows / keys;
             sequence ``b`` reads ``bias[b, h, i, j]`` at its own row ``i`` and key ``j``.
+        k_descale, v_descale: as in :func:`fmha_fwd` (fp8 K / V; a paged fp8 cache is
+            dequantized only in the pages the call's keys use).
 
     Returns ``out [Tq, Hq, Dv]`` (rows owned by no sequence are 0) or ``(out, lse)`` with lse
     float32 ``[Hq, seqstart_q[-1]]`` indexed by the unpadded starts. One compiled module serves any
@@ -288,6 +300,8 @@ def fmha_fwd_varlen(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    k, v, block_table = dequantized_kv(q, k, v, k_descale, v_descale, group=True,
+                                             block_table=block_table, seqlen_k=seqlen_k)
     if has_sink_tokens(mask):
         refuse_sink_tokens(alibi_slopes, bias)
         ints = dict(seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,

@@ -18,6 +18,7 @@ from .runtime.prepared import PreparedCalls, varlen_call_key
 from .runtime.module import FmhaModule
 from .paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from .paths.sinks import varlen_rows, with_sinks
+from .problem.fp8 import dequantized_kv
 from .problem.alibi import refuse_sink_tokens
 from .problem.spec import check_batch, check_softcap, check_varlen
 from .problem.targets import resolve_device
@@ -64,16 +65,18 @@ class DeployedFmha:
                              "(a constant of its kernels: fmha-iree compile --softcap)")
 
     def __call__(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None,
-                 softcap=None, sinks=None, alibi_slopes=None, bias=None):
+                 softcap=None, sinks=None, alibi_slopes=None, bias=None, k_descale=None, v_descale=None):
         """Batch mode, as :func:`fmha_iree.fmha_fwd`. A repeated call on DeviceTensors of the
         same shapes (and cu_seqlen values) replays its checked and routed form
         (``prepared.PreparedCalls``). torch GPU tensors on the module's GPU are shared with it
         both ways (``torch_gpu``). ``softcap``: the module's own, or None; ``sinks``: as
         :func:`fmha_iree.fmha_fwd`'s; ``alibi_slopes`` too, on a module compiled with ``--alibi``
-        (which needs them), and ``bias`` on one compiled with ``--bias``."""
+        (which needs them), and ``bias`` on one compiled with ``--bias``; fp8 ``k`` / ``v`` with
+        ``k_descale`` / ``v_descale`` on any module of q's dtype."""
         self._softcap(softcap)
         pr = self.manifest["problem"]
         layout, given = pr["layout"], pr.get("mask") if mask is None else mask  # the module's default mask
+        k, v, _ = dequantized_kv(q, k, v, k_descale, v_descale, layout=layout)
         if has_sink_tokens(given):
             refuse_sink_tokens(alibi_slopes, bias)
             return with_batch_sink_tokens(
@@ -109,10 +112,12 @@ class DeployedFmha:
 
     def route(self, q, k, v, *, mask=None, scale=None, return_lse=False, cu_seqlen_q=None, cu_seqlen_k=None,
               seqstart_q=None, seqstart_k=None, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
-              block_table=None, alibi_slopes=None, bias=None) -> Route:
+              block_table=None, alibi_slopes=None, bias=None, k_descale=None, v_descale=None) -> Route:
         """The path a call with these arguments would take, without running it: a batch-mode
         call's or, given ``seqstart_q``, :meth:`varlen`'s (a paged cache with ``block_table``).
         ``str()`` of the :class:`paths.Route` lists each path tried before with its reasons."""
+        k, v, block_table = dequantized_kv(q, k, v, k_descale, v_descale, layout=self.manifest["problem"]["layout"],
+                                           group=seqstart_q is not None, block_table=block_table, seqlen_k=seqlen_k)
         if seqstart_q is None:
             p = self._batch(q, k, v, mask, scale, cu_seqlen_q, cu_seqlen_k, return_lse, (alibi_slopes, bias))
             return batch_route(p, return_lse, self._get)
@@ -138,15 +143,17 @@ class DeployedFmha:
 
     def varlen(self, q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None,
                seqstart_padded_k=None, block_table=None, mask=None, scale=None, return_lse=False, softcap=None,
-               sinks=None, alibi_slopes=None, bias=None):
+               sinks=None, alibi_slopes=None, bias=None, k_descale=None, v_descale=None):
         """Group mode, as :func:`fmha_iree.fmha_fwd_varlen` (``q`` ``[Tq, Hq, Dq]`` ...; a paged
         cache with ``block_table``): needs a module compiled with ``--layout bshd`` (packed tokens
         are bshd rows of one sequence). A call on DeviceTensors whose shapes and metadata values
         (starts, lengths, block table) repeat an earlier one's replays its plan
         (``prepared.varlen_call_key``). ``softcap``, ``sinks``, ``alibi_slopes``, ``bias``: as :meth:`__call__`'s
-        (``bias`` as :func:`fmha_iree.fmha_fwd_varlen`'s)."""
+        (``bias`` as :func:`fmha_iree.fmha_fwd_varlen`'s); ``k_descale``, ``v_descale`` too (fp8 K / V)."""
         mask = self._group_mask(mask)
         self._softcap(softcap)
+        k, v, block_table = dequantized_kv(q, k, v, k_descale, v_descale, group=True,
+                                                 block_table=block_table, seqlen_k=seqlen_k)
         if has_sink_tokens(mask):
             refuse_sink_tokens(alibi_slopes, bias)
             ints = dict(seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,

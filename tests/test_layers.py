@@ -21,7 +21,7 @@ LAYERS = [
     ["runtime.allocation"], ["runtime.device"], ["runtime.staging", "runtime.torch_gpu", "runtime.prepared"],
     ["runtime.module"],
     # problem: what a caller asks for, and the ABI every wing shares
-    ["problem.abi", "problem.targets", "problem.mask", "problem.operand"], ["problem.tiles", "problem.alibi", "problem.bias"], ["problem.spec", "problem.plan"],
+    ["problem.abi", "problem.targets", "problem.mask", "problem.operand"], ["problem.tiles", "problem.alibi", "problem.bias", "problem.fp8"], ["problem.spec", "problem.plan"],
     ["problem.paged"],
     # paths: selection and each path's host side
     ["paths"],

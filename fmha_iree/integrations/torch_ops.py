@@ -18,6 +18,7 @@ from ..api import fmha_fwd, fmha_fwd_varlen as _fmha_fwd_varlen
 from ..paths.sink_tokens import has_sink_tokens, with_batch_sink_tokens, with_varlen_sink_tokens
 from ..paths.sinks import varlen_rows, with_sinks
 from ..problem.alibi import refuse_sink_tokens
+from ..problem.fp8 import dequantized_kv
 from ..problem.mask import Mask
 from ..problem.spec import check_softcap
 
@@ -67,7 +68,7 @@ def _(q, k, v, seqstart_q, seqstart_k=None, seqlen_k=None, seqstart_padded_q=Non
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None = None, layout: str = "bhsd",
               return_lse: bool = False, softcap: float | None = None, sinks: Tensor | None = None,
-              bias: Tensor | None = None, alibi_slopes: Tensor | None = None):
+              bias: Tensor | None = None, alibi_slopes: Tensor | None = None, k_descale=None, v_descale=None):
     """Batch-mode attention with CK's semantics for torch models: :func:`fmha_iree.fmha_fwd`
     through ``torch.ops.fmha_iree.fmha_fwd``. Eager calls run fmha_iree's modules; in a model
     exported with ``fmha_iree.integrations.model_export.export_model`` each call becomes fmha_iree's
@@ -76,11 +77,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None
     ``[B, Hq, Sq]``. ``softcap`` and ``sinks`` as in :func:`fmha_iree.fmha_fwd` (the sinks are
     torch ops on the op's results, so an exported model computes them in its own graph); ``bias``
     (a tensor broadcastable to ``[B, Hq, Sq, Sk]``) and ``alibi_slopes`` (``[Hq]`` or ``[B, Hq]``)
-    too, eager and under ``torch.compile`` (not inside exported models yet)."""
+    too, eager and under ``torch.compile`` (not inside exported models yet). fp8 ``k`` / ``v``
+    with ``k_descale`` / ``v_descale`` (a float or ``[Hk]``) are dequantized to q's dtype by torch
+    ops before the op (``fmha_iree.problem.fp8``), eager, compiled and exported alike."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    k, v, _ = dequantized_kv(q, k, v, k_descale, v_descale, layout=layout)
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes)):
@@ -102,13 +106,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, scale: float | None
 
 
 def fmha_fwd_varlen(q, k, v, seqstart_q, seqstart_k, *, seqlen_k=None, seqstart_padded_q=None, seqstart_padded_k=None,
-                    block_table=None, mask=None, scale=None, return_lse=False, softcap=None, sinks=None):
+                    block_table=None, mask=None, scale=None, return_lse=False, softcap=None, sinks=None,
+                    k_descale=None, v_descale=None):
     """:func:`fmha_iree.fmha_fwd_varlen` through ``torch.ops.fmha_iree.fmha_fwd_varlen`` (torch tensors; the
     int32 start / length arrays as tensors too): ``out [Tq, Hq, Dv]``, or ``(out, lse)`` with lse float32
     ``[Hq, seqstart_q[-1]]``. ``mask``: None, a CK mask string or a :class:`fmha_iree.Mask`; ``softcap``,
-    ``sinks`` as in :func:`attention`."""
+    ``sinks``, ``k_descale``, ``v_descale`` as in :func:`attention`."""
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    k, v, block_table = dequantized_kv(q, k, v, k_descale, v_descale, group=True,
+                                             block_table=block_table, seqlen_k=seqlen_k)
     ints = dict(seqstart_q=seqstart_q, seqstart_k=seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
                 seqstart_padded_k=seqstart_padded_k, block_table=block_table)
     for name, x in ints.items():
