@@ -212,3 +212,33 @@ def test_fp8_refused(change, error, words):
     q, k, v, kw = change(*_refusal_args())
     with pytest.raises(error, match=words):
         fmha_iree.fmha_fwd(q, k, v, **kw)
+
+
+class _Fp8Model(torch.nn.Module):
+    def forward(self, q, k8, v8, dk):
+        return torch_ops.attention(q, k8, v8, mask="b", layout="bshd", k_descale=dk, v_descale=0.05)
+
+
+def test_fp8_exported_model(tmp_path):
+    """A model taking an fp8 KV cache, exported with iree-turbine and run through iree.runtime
+    alone: the dequantization is torch ops of its graph (through float32: IREE's llvm-cpu converts
+    no fp8 to f16 directly), the same values as eager."""
+    import iree.runtime as rt
+    from fmha_iree.integrations.model_export import compile_model, export_model
+
+    q, k, v = make_qkv(seed_of("fp8-export"), B=1, Hq=4, Hk=2, Sq=5, Sk=9, dtype=torch.float16, layout="bshd")
+    dk = torch.tensor([0.02, 0.03])
+    k8, v8 = _fp8(k, "float8_e4m3fn", dk.view(1, 1, -1, 1)), _fp8(v, "float8_e4m3fn", 0.05)
+    path = tmp_path / "fp8_model.vmfb"
+    compile_model(export_model(_Fp8Model(), (q, k8, v8, dk), target="host"), target="host", output=str(path))
+    vmfb = path.read_bytes()
+    cfg = rt.Config("local-task")
+    ctx = rt.SystemContext(config=cfg)
+    ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
+    fp8_views = [cfg.device.allocator.allocate_buffer_copy(
+        memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT, device=cfg.device,
+        buffer=x.view(torch.uint8).numpy(), element_type=rt.HalElementType.FLOAT_8_E4M3_FN) for x in (k8, v8)]
+    got = np.asarray(ctx.modules.module["main"](q.numpy(), *fp8_views, dk.numpy()).to_host())
+    ref, _ = attention_ref(q, _deq(k8, dk, 2).numpy(), _deq(v8, 0.05, 2).numpy(), mask="b", layout="bshd")
+    assert_close(got, ref, torch.float16, what="fp8 exported model")
+    assert np.array_equal(got, _Fp8Model()(q, k8, v8, dk).numpy())

@@ -104,15 +104,8 @@ class Fp8Kv:
 
     def dequantize(self, x, descale):
         """``x`` (fp8) as Q's dtype, times its head's factor, rounded once."""
-        if self.torch:  # fp8 -> Q's dtype is exact; the in-place product is computed in float32
-            y = x.to(self.dtype)  # two passes (3 + 4 bytes an element) where float32 copies took three (19)
-            if not isinstance(descale, float):
-                shape = [1] * y.dim()
-                shape[self.head_axis] = -1
-                y.mul_(descale.to(y.device).view(shape))
-            elif descale != 1.0:
-                y.mul_(descale)
-            return y
+        if self.torch:
+            return self._torch_dequantize(x, descale)
         y = fp8_values(self.fmt)[np.asarray(x).view(np.uint8)]
         if not isinstance(descale, float):
             shape = [1] * y.ndim
@@ -121,6 +114,22 @@ class Fp8Kv:
         elif descale != 1.0:
             y = y * np.float32(descale)
         return y.astype(self.dtype)
+
+    def _torch_dequantize(self, x, descale):
+        """Eager: fp8 -> Q's dtype (exact), then the descale in place, computed in float32: two
+        passes (3 + 4 bytes an element; float32 copies took three, 19). Traced (an exported model):
+        through float32 (IREE's llvm-cpu has no fp8 -> f16 conversion; its elementwise ops fuse).
+        The same values either way."""
+        traced = _tracing()
+        y = x.float() if traced else x.to(self.dtype)
+        if not isinstance(descale, float):
+            shape = [1] * y.dim()
+            shape[self.head_axis] = -1
+            d = descale.to(y.device).view(shape)
+            y = y * d if traced else y.mul_(d)
+        elif descale != 1.0:
+            y = y * descale if traced else y.mul_(descale)
+        return y.to(self.dtype) if traced else y
 
     def kv(self, k, v, block_table=None, seqlen_k=None):
         """(k, v, block_table) dequantized; a paged cache (``block_table`` given) only in the pages
@@ -163,7 +172,7 @@ def _tracing() -> bool:
     import sys
 
     torch = sys.modules.get("torch")
-    return torch is not None and torch.compiler.is_compiling()
+    return torch is not None and (torch.compiler.is_compiling() or torch.compiler.is_exporting())
 
 
 def used_pages(block_table, seqlen_k, page_size: int, num_pages: int):
