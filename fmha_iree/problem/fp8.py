@@ -17,6 +17,7 @@ where they lie, with numpy or torch; DeviceTensors hold no fp8 type and are not 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -33,6 +34,7 @@ def fp8_format(x) -> str | None:
     return name if name in FP8_FORMATS else None
 
 
+@functools.lru_cache(maxsize=None)
 def fp8_values(fmt: str) -> np.ndarray:
     """float32 ``[256]``: the value of each byte in format ``fmt`` (sign, 4 exponent bits, 3
     mantissa bits; subnormals at exponent 0)."""
@@ -42,7 +44,9 @@ def fp8_values(fmt: str) -> np.ndarray:
     mag = np.where(e == 0, m / 8 * 2.0 ** (1 - bias), (1 + m / 8) * 2.0 ** (e - bias))
     val = np.where(b >= 128, -mag, mag)
     nan = (b == 0x80) if fnuz else ((b & 0x7F) == 0x7F)
-    return np.where(nan, np.nan, val).astype(np.float32)
+    out = np.where(nan, np.nan, val).astype(np.float32)
+    out.flags.writeable = False  # shared between calls
+    return out
 
 
 def _descale(d, hk: int | None, name: str):
