@@ -599,7 +599,7 @@ def test_deployed_module_with_softcap_and_sinks(tmp_path):
                     "-o", str(vmfb)], check=True, capture_output=True)
     f = load(vmfb)
     assert f.manifest["variants"] == {"softcap": 3.0, "sinks": True, "sink_tokens": True, "alibi": False,
-                                      "bias": False} and f.softcap == 3.0
+                                      "bias": False, "fp8_kv": "dequantized"} and f.softcap == 3.0
     rng = np.random.default_rng(5)
     sinks = rng.standard_normal(4).astype(np.float32)
     q = 3 * rng.standard_normal((2, 9, 4, 64), dtype=np.float32)

@@ -319,9 +319,10 @@ def build_artifact(spec: KernelSpec, out_path: str | Path, *, dump_dir: str | Pa
         "problem": {"dtype": spec.dtype, "layout": spec.layout, "group": spec.group, "hdim": spec.dq,
                     "hdim_v": spec.dv, **(problem or {})},
         # the score variants: the cap is the module's constant (None: no cap); sinks and sink
-        # tokens apply to any module's results (paths.sinks, paths.sink_tokens)
+        # tokens apply to any module's results (paths.sinks, paths.sink_tokens); fp8 K / V are
+        # dequantized before any module (problem.fp8): no fp8 kernel
         "variants": {"softcap": spec.softcap or None, "sinks": True, "sink_tokens": True, "alibi": spec.alibi,
-                     "bias": spec.bias},
+                     "bias": spec.bias, "fp8_kv": "dequantized"},
         "target": {"name": spec.target.arch, "backend": spec.target.backend, "family": spec.target.family},
         "tiles": {"ck": {"kM0": t.m0, "kN0": t.n0, "kK0": t.k0, "kN1": t.n1, "kK1": t.k1}, "kv_chunk": t.kv_chunk,
                   "iree": _iree_tiles(spec)},
