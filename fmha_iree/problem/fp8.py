@@ -140,7 +140,7 @@ class Fp8Kv:
         the call's keys use, its table renumbered onto them."""
         if block_table is not None and seqlen_k is not None and len(k.shape) == 4 and not _tracing():
             got = used_pages(block_table, seqlen_k, k.shape[1], k.shape[0])
-            if got is not None:
+            if got is not None and got[0].size < k.shape[0]:  # every page used: no copy of the cache
                 pages, table = got
                 if hasattr(block_table, "detach"):  # the table in the caller's type
                     import torch
