@@ -22,6 +22,8 @@ import math
 
 import numpy as np
 
+from .operand import _NUMPY_DTYPES, _TORCH_DTYPES
+
 __all__ = ["FP8_FORMATS", "fp8_format", "fp8_values", "Fp8Kv", "check_fp8_kv", "dequantized_kv"]
 
 # format -> (exponent bias, "fnuz": no negative zero, 0x80 is the NaN, no infinities)
@@ -98,8 +100,8 @@ class Fp8Kv:
         if not all(hasattr(x, "detach") if torch_k else isinstance(x, np.ndarray) for x in (q, v)):
             raise TypeError("q, k and v must all be torch tensors or all numpy arrays when k and v are fp8 "
                             f"(got q {type(q).__name__}, k {type(k).__name__}, v {type(v).__name__})")
-        if str(q.dtype).removeprefix("torch.") not in ("float16", "bfloat16", "float32"):
-            raise TypeError(f"q has dtype {q.dtype}; with fp8 K / V it must be float16, bfloat16 or float32")
+        if (str(q.dtype) not in _TORCH_DTYPES) if torch_k else (q.dtype not in _NUMPY_DTYPES):
+            raise TypeError(f"q has dtype {q.dtype}; with fp8 K / V it must be float16, bfloat16 (torch) or float32")
         self.fmt, self.head_axis, self.torch = fk, head_axis, torch_k
         hk = k.shape[head_axis] if len(k.shape) > head_axis else None
         self.k_descale = _descale(k_descale, hk, "k_descale")
@@ -112,9 +114,7 @@ class Fp8Kv:
             return self._torch_dequantize(x, descale)
         y = fp8_values(self.fmt)[np.asarray(x).view(np.uint8)]
         if not isinstance(descale, float):
-            shape = [1] * y.ndim
-            shape[self.head_axis] = -1
-            y = y * descale.reshape(shape)
+            y = y * descale.reshape(self._per_head(y.ndim))
         elif descale != 1.0:
             y = y * np.float32(descale)
         return y.astype(self.dtype)
@@ -127,13 +127,17 @@ class Fp8Kv:
         traced = _tracing()
         y = x.float() if traced else x.to(self.dtype)
         if not isinstance(descale, float):
-            shape = [1] * y.dim()
-            shape[self.head_axis] = -1
-            d = descale.to(y.device).view(shape)
+            d = descale.to(y.device).view(self._per_head(y.dim()))
             y = y * d if traced else y.mul_(d)
         elif descale != 1.0:
             y = y * descale if traced else y.mul_(descale)
         return y.to(self.dtype) if traced else y
+
+    def _per_head(self, ndim: int) -> list[int]:
+        """The shape a per-head descale broadcasts as over an ``ndim``-dim K / V."""
+        shape = [1] * ndim
+        shape[self.head_axis] = -1
+        return shape
 
     def kv(self, k, v, block_table=None, seqlen_k=None):
         """(k, v, block_table) dequantized; a paged cache (``block_table`` given) only in the pages
@@ -142,14 +146,12 @@ class Fp8Kv:
             got = used_pages(block_table, seqlen_k, k.shape[1], k.shape[0])
             if got is not None and got[0].size < k.shape[0]:  # every page used: no copy of the cache
                 pages, table = got
-                if hasattr(block_table, "detach"):  # the table in the caller's type
+                if self.torch or hasattr(block_table, "detach"):
                     import torch
-
+                if hasattr(block_table, "detach"):  # the table in the caller's type
                     table = torch.from_numpy(table).to(block_table.device)
                 block_table = table
                 if self.torch:
-                    import torch
-
                     at = torch.from_numpy(pages).to(k.device)
                     k, v = k[at], v[at]
                 else:
